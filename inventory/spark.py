@@ -1,0 +1,68 @@
+"""The seed's DGX Spark: two engines resident at once, q38 started after nemotron is ready.
+
+    pyinfra inventory/spark.py deploy.py --dry --diff   # look first
+    pyinfra inventory/spark.py deploy.py                # converge
+    sparkform plan inventory/spark.py                   # memory plan, no connection
+
+SPARK_HOST and SPARK_USER pick the box and the SSH user; every other value is the served pair
+of the seed's appendix ("The served pair, as configured").
+"""
+
+import os
+
+from sparkform.inventory import hosts
+
+TOOL_PARSER = "qwen3_xml"
+
+spark = hosts(
+    {
+        os.environ.get("SPARK_HOST", "spark.local"): {
+            "ssh_user": os.environ.get("SPARK_USER", "root"),
+            "_sudo": os.environ.get("SPARK_USER", "root") != "root",
+            "vllm_version": "0.27.1",
+            "hf_token_file": os.environ.get("SPARK_HF_TOKEN_FILE"),
+            "engines": [
+                {
+                    # The fast "hands": a Mamba hybrid, ~305K KV tokens per GiB.
+                    "name": "nemotron",
+                    "port": 8012,
+                    "checkpoint": {
+                        "repo": "nvidia/Nemotron-3.5-Lightning-30B-A3B-NVFP4",
+                        "revision": "main",
+                    },
+                    "quantization": "modelopt",
+                    "gpu_memory_utilization": 0.25,
+                    "max_model_len": 262_144,
+                    # Not a memory knob: each decode sequence needs one Mamba state block and
+                    # the default 256 exceeded the pool's 147 (CUDA graph capture refused).
+                    "max_num_seqs": 128,
+                    "served_names": ["nemotron"],
+                    "tool_call_parser": TOOL_PARSER,
+                    "reasoning_parser": "nemotron_v3",
+                    # Boot log of 2026-08-20, window 262,144.
+                    "measured": {"kv_cache_gib": 8.26, "kv_pool_tokens": 2_703_604, "cold_start_s": 200},
+                },
+                {
+                    # The careful "eyes": dense attention, ~31K KV tokens per GiB; it answers
+                    # to the vision alias, so it cannot run MTP (seed Act 4).
+                    "name": "q38",
+                    "port": 8011,
+                    "checkpoint": {"repo": "RedHatAI/Qwen3.8-27B-NVFP4", "revision": "main"},
+                    "quantization": "compressed-tensors",
+                    "gpu_memory_utilization": 0.45,
+                    "max_model_len": 262_144,
+                    "max_num_seqs": 128,
+                    "served_names": ["q38", "vision"],
+                    "multimodal": True,
+                    "tool_call_parser": TOOL_PARSER,
+                    # The checkpoint ships thinking-mode sampling as server defaults.
+                    "generation_config": "vllm",
+                    "after": ["nemotron"],
+                    "weights_gib": 21.81,
+                    "measured": {"kv_cache_gib": 26.8, "kv_pool_tokens": 858_483, "cold_start_s": 335},
+                },
+            ],
+        },
+    },
+    __file__,
+)

@@ -1,0 +1,97 @@
+"""`sparkform`: the commands that work on an inventory without connecting to it.
+
+Exit codes: 0 success; 2 the inventory is invalid (each problem printed with host, engine,
+field, value and fix); 1 any other error (e.g. the inventory file is missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from sparkform import planner
+from sparkform.inventory import load_inventory
+from sparkform.render import render_host
+from sparkform.schema import Checkpoint, CompileCaps, Engine, HostConfig, Measured
+from sparkform.validate import InventoryError
+
+EXIT_INVALID = 2
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    hosts = load_inventory(args.inventory)
+    plans = [planner.plan(host) for host in hosts]
+    if args.json:
+        print(json.dumps([p.as_dict() for p in plans], indent=2))
+    else:
+        print("\n\n".join(planner.format_plan(p) for p in plans))
+    return 0
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    for host in load_inventory(args.inventory):
+        if args.host and host.name != args.host:
+            continue
+        root = args.out / host.name
+        for file in render_host(host.config):
+            target = root / file.path.lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(file.content)
+            target.chmod(int(file.mode, 8))
+            print(target)
+    return 0
+
+
+def field_table() -> str:
+    """The README's table of inventory fields, from the schema's own descriptions."""
+    sections = [("host", HostConfig), ("compile_caps.", CompileCaps), ("engines[].", Engine),
+                ("engines[].checkpoint.", Checkpoint), ("engines[].measured.", Measured)]
+    lines = ["| field | default | meaning |", "|---|---|---|"]
+    for prefix, model in sections:
+        for name, info in model.model_fields.items():
+            if info.is_required():
+                default = "required"
+            else:
+                value = info.get_default(call_default_factory=True)
+                default = "—" if isinstance(value, (CompileCaps, Measured)) else f"`{json.dumps(value)}`"
+            label = name if prefix == "host" else f"{prefix}{name}"
+            lines.append(f"| `{label}` | {default} | {info.description} |")
+    return "\n".join(lines)
+
+
+def _cmd_fields(_: argparse.Namespace) -> int:
+    print(field_table())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sparkform", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="validate an inventory and print each host's memory plan")
+    plan.add_argument("inventory", type=Path)
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.set_defaults(run=_cmd_plan)
+    render = sub.add_parser("render", help="write every file a deploy would put on the hosts into a folder")
+    render.add_argument("inventory", type=Path)
+    render.add_argument("--out", type=Path, required=True)
+    render.add_argument("--host", help="only this host")
+    render.set_defaults(run=_cmd_render)
+    fields = sub.add_parser("fields", help="print the inventory field table (Markdown)")
+    fields.set_defaults(run=_cmd_fields)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except InventoryError as err:
+        print(f"sparkform: invalid inventory {getattr(args, 'inventory', '')}:", file=sys.stderr)
+        for problem in err.problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    except (FileNotFoundError, IsADirectoryError) as err:
+        print(f"sparkform: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

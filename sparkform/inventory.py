@@ -1,0 +1,61 @@
+"""Reading pyinfra inventories without connecting to anything.
+
+An inventory module builds its host list with `hosts()`, which validates every host when the
+module is imported: pyinfra imports the inventory before it opens any connection, so a broken
+inventory stops `pyinfra inventory/x.py deploy.py` before anything on a host changes.
+"""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+from typing import Any
+
+from sparkform.validate import Host, InventoryError, Problem, load_host
+
+BASE_DIR_KEY = "_sparkform_base_dir"  # relative paths in host data resolve against it
+
+
+def hosts(data_by_host: dict[str, dict[str, Any]], inventory_file: str) -> list[tuple[str, dict[str, Any]]]:
+    """The pyinfra host list for `data_by_host`, validated (raises InventoryError)."""
+    base_dir = Path(inventory_file).resolve().parent
+    problems = []
+    for name, data in data_by_host.items():
+        try:
+            load_host(name, data, base_dir)
+        except InventoryError as err:
+            problems += err.problems
+    if problems:
+        raise InventoryError(problems)
+    return [(name, {**data, BASE_DIR_KEY: str(base_dir)}) for name, data in data_by_host.items()]
+
+
+def host_from_data(name: str, data: dict[str, Any]) -> Host:
+    """Validate a host's data as pyinfra holds it (after --data and group data are merged)."""
+    return load_host(name, data, Path(data.get(BASE_DIR_KEY, ".")))
+
+
+def load_inventory(path: Path) -> list[Host]:
+    """Every host of a pyinfra inventory module, validated."""
+    namespace = runpy.run_path(str(path))
+    found: dict[str, dict[str, Any]] = {}
+    for name, value in namespace.items():
+        if name.startswith("_") or not isinstance(value, (list, tuple)):
+            continue
+        for entry in value:
+            if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], dict):
+                found[entry[0]] = entry[1]
+            elif isinstance(entry, str):
+                found[entry] = {}
+    if not found:
+        raise InventoryError([Problem(str(path), "hosts", None, "the inventory defines no host",
+                                      "define a list of (name, data) tuples, e.g. with sparkform.inventory.hosts()")])
+    loaded, problems = [], []
+    for name, data in found.items():
+        try:
+            loaded.append(host_from_data(name, {BASE_DIR_KEY: str(path.resolve().parent), **data}))
+        except InventoryError as err:
+            problems += err.problems
+    if problems:
+        raise InventoryError(problems)
+    return loaded

@@ -1,0 +1,177 @@
+"""Memory planner: what each engine's share of unified memory buys in KV cache and concurrency.
+
+vLLM sizes an engine's KV pool at boot from its utilization: pool = share - weights - non-KV
+workspace. Context length is a per-request ceiling, not a reservation (the seed's Act 2), so
+concurrency at the window is pool tokens / max_model_len. Tokens per GiB is architectural and
+differs tenfold between a Mamba hybrid and a dense-attention model, so an even split starves
+one engine; the recommended split equalises concurrency at each engine's window instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from sparkform import modelconfig
+from sparkform.modelconfig import GIB
+from sparkform.schema import Engine
+from sparkform.validate import Host
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    name: str
+    utilization: float
+    share_gib: float
+    weights_gib: float | None
+    non_kv_gib: float | None
+    kv_gib: float | None
+    kv_source: str
+    tokens_per_gib: float | None
+    tokens_source: str
+    max_model_len: int
+
+    @property
+    def pool_tokens(self) -> int | None:
+        if self.kv_gib is None or self.tokens_per_gib is None:
+            return None
+        return int(self.kv_gib * self.tokens_per_gib)
+
+    @property
+    def concurrency(self) -> float | None:
+        pool = self.pool_tokens
+        return None if pool is None else pool / self.max_model_len
+
+
+@dataclass(frozen=True)
+class Split:
+    """A recommended utilization per engine, with what it would buy."""
+
+    utilization: dict[str, float]
+    concurrency: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Plan:
+    host: str
+    memory_total_gib: float
+    headroom_gib: float
+    engines: list[EnginePlan]
+    split: Split | None
+    split_note: str
+
+    @property
+    def used_gib(self) -> float:
+        return sum(engine.share_gib for engine in self.engines)
+
+    @property
+    def free_gib(self) -> float:
+        return self.memory_total_gib - self.used_gib
+
+    def as_dict(self) -> dict:
+        return {
+            "host": self.host, "memory_total_gib": self.memory_total_gib,
+            "headroom_gib": self.headroom_gib, "used_gib": self.used_gib, "free_gib": self.free_gib,
+            "engines": [asdict(e) | {"pool_tokens": e.pool_tokens, "concurrency": e.concurrency}
+                        for e in self.engines],
+            "split": asdict(self.split) if self.split else None, "split_note": self.split_note,
+        }
+
+
+def _tokens_per_gib(host: Host, engine: Engine) -> tuple[float | None, str]:
+    if engine.measured.tokens_per_gib:
+        return engine.measured.tokens_per_gib, "measured"
+    config = host.model_configs.get(engine.name)
+    if config is None:
+        return None, "unknown: set model_config_path or measured"
+    geo = modelconfig.geometry(config)
+    per_gib = geo.tokens_per_gib(modelconfig.kv_dtype_bytes(engine.kv_cache_dtype, config))
+    # Hybrids also keep one state block per sequence: the figure is an upper bound there.
+    return per_gib, "config.json (upper bound)" if geo.is_hybrid else "config.json"
+
+
+def _kv_gib(engine: Engine, share_gib: float) -> tuple[float | None, float | None, str]:
+    """(kv_gib, non_kv_gib, source) for an engine at its configured share."""
+    if engine.kv_cache_memory_bytes:
+        return engine.kv_cache_memory_bytes / GIB, None, "kv_cache_memory_bytes"
+    if engine.measured.kv_cache_gib:
+        return engine.measured.kv_cache_gib, share_gib - engine.measured.kv_cache_gib, "measured"
+    if engine.weights_gib is not None:
+        non_kv = engine.weights_gib + engine.non_kv_overhead_gib
+        return max(share_gib - non_kv, 0.0), non_kv, "share - weights - overhead"
+    return None, None, "unknown: set weights_gib or measured.kv_cache_gib"
+
+
+def engine_plan(host: Host, engine: Engine) -> EnginePlan:
+    share = engine.gpu_memory_utilization * host.config.memory_total_gib
+    kv_gib, non_kv, kv_source = _kv_gib(engine, share)
+    per_gib, tokens_source = _tokens_per_gib(host, engine)
+    return EnginePlan(engine.name, engine.gpu_memory_utilization, share, engine.weights_gib,
+                      non_kv, kv_gib, kv_source, per_gib, tokens_source, engine.max_model_len)
+
+
+def recommend_split(plans: list[EnginePlan], total_gib: float) -> tuple[Split | None, str]:
+    """Same total share, divided so every engine holds the same full-window concurrency.
+
+    Each engine's share is its fixed non-KV cost plus c full-length requests of KV:
+    u_i * T = n_i + c * L_i / t_i, and sum(u_i) stays what the inventory gives.
+    """
+    if len(plans) < 2:
+        return None, "one engine: nothing to split"
+    if any(p.non_kv_gib is None or p.tokens_per_gib is None for p in plans):
+        return None, "needs each engine's non-KV size and tokens per GiB (weights_gib or measured)"
+    budget = sum(p.share_gib for p in plans)
+    gib_per_request = {p.name: p.max_model_len / p.tokens_per_gib for p in plans}
+    fixed = sum(p.non_kv_gib for p in plans)
+    if budget <= fixed:
+        return None, "the shares do not even hold the engines' weights"
+    target = (budget - fixed) / sum(gib_per_request.values())
+
+    def concurrency_at(p: EnginePlan, util: float) -> float:
+        return (util * total_gib - p.non_kv_gib) / gib_per_request[p.name]
+
+    utilization = {p.name: round((p.non_kv_gib + target * gib_per_request[p.name]) / total_gib, 2)
+                   for p in plans}
+    # Rounding must not grow the total: take the excess from whoever keeps the most concurrency.
+    while sum(utilization.values()) > budget / total_gib + 1e-9:
+        richest = max(plans, key=lambda p: concurrency_at(p, utilization[p.name] - 0.01))
+        utilization[richest.name] = round(utilization[richest.name] - 0.01, 2)
+    concurrency = {p.name: concurrency_at(p, utilization[p.name]) for p in plans}
+    return Split(utilization, concurrency), "equal concurrency at each engine's max_model_len"
+
+
+def plan(host: Host) -> Plan:
+    cfg = host.config
+    plans = [engine_plan(host, engine) for engine in cfg.enabled_engines]
+    split, note = recommend_split(plans, cfg.memory_total_gib)
+    return Plan(host.name, cfg.memory_total_gib, cfg.memory_headroom_gib, plans, split, note)
+
+
+def _fmt(value: float | int | None, spec: str) -> str:
+    return "?" if value is None else format(value, spec)
+
+
+def format_plan(result: Plan) -> str:
+    header = ("engine", "util", "share GiB", "weights GiB", "non-KV GiB", "KV GiB", "tok/GiB",
+              "KV pool tok", "window", "concurrency")
+    rows = [header]
+    for e in result.engines:
+        rows.append((e.name, f"{e.utilization:.2f}", f"{e.share_gib:.2f}", _fmt(e.weights_gib, ".2f"),
+                     _fmt(e.non_kv_gib, ".2f"), _fmt(e.kv_gib, ".2f"), _fmt(e.tokens_per_gib, ",.0f"),
+                     _fmt(e.pool_tokens, ","), f"{e.max_model_len:,}",
+                     "?" if e.concurrency is None else f"{e.concurrency:.2f}x"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [f"host {result.host}: {result.memory_total_gib:.1f} GiB unified memory"]
+    lines += ["  " + "  ".join(cell.rjust(w) if i else cell.ljust(w)
+                               for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.append(f"  engines take {result.used_gib:.2f} GiB; {result.free_gib:.2f} GiB stays free "
+                 f"(headroom asked: {result.headroom_gib:.1f} GiB)")
+    for e in result.engines:
+        lines.append(f"  {e.name}: KV from {e.kv_source}; tokens/GiB from {e.tokens_source}")
+    if result.split:
+        parts = ", ".join(f"{name} {util:.2f} ({result.split.concurrency[name]:.2f}x)"
+                          for name, util in result.split.utilization.items())
+        lines.append(f"  recommended split ({result.split_note}): {parts}")
+    else:
+        lines.append(f"  recommended split: none ({result.split_note})")
+    return "\n".join(lines)

@@ -1,0 +1,128 @@
+"""Everything that lands on a host, rendered from templates/ for one validated host.
+
+The tasks put these files as they are; tests render them too (golden files, systemd-analyze,
+shellcheck), so what is tested is byte for byte what a Spark receives.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from sparkform.modelconfig import GIB
+from sparkform.schema import Engine, HostConfig
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+
+_env = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(TEMPLATES),
+    undefined=jinja2.StrictUndefined,
+    keep_trailing_newline=True,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    autoescape=False,
+)
+_env.globals["gib"] = lambda value: f"{int(value * 1024)}M"
+
+
+@dataclass(frozen=True)
+class RenderedFile:
+    path: str
+    content: str
+    mode: str
+    engine: str | None = None  # the engine that must restart when this file changes
+
+    @property
+    def is_unit(self) -> bool:
+        return self.path.endswith(".service")
+
+
+def engine_environment(config: HostConfig, engine: Engine) -> dict[str, str]:
+    """The variables every launch path of this engine runs with: caps, CUDA, caches."""
+    cache = config.engine_cache_dir(engine)
+    return {
+        **config.compile_caps.as_env(),
+        "PATH": f"{config.cuda_home}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "CUDA_HOME": config.cuda_home,
+        "HOME": config.state_dir,
+        "VLLM_CACHE_ROOT": f"{cache}/vllm",
+        "FLASHINFER_WORKSPACE_BASE": cache,
+        "TRITON_CACHE_DIR": f"{cache}/triton",
+        "CUTE_DSL_CACHE_DIR": f"{cache}/cute-dsl",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+
+
+def engine_args(config: HostConfig, engine: Engine) -> list[str]:
+    """Arguments of the API server, one token each (the args file holds one per line)."""
+    args = [
+        "--model", config.checkpoint_dir(engine),
+        "--served-model-name", *engine.names,
+        "--host", config.listen_address,
+        "--port", str(engine.port),
+        "--max-model-len", str(engine.max_model_len),
+        "--max-num-seqs", str(engine.max_num_seqs),
+        "--generation-config", engine.generation_config,
+    ]
+    if engine.kv_cache_memory_bytes:
+        args += ["--kv-cache-memory-bytes", str(engine.kv_cache_memory_bytes)]
+    else:
+        args += ["--gpu-memory-utilization", f"{engine.gpu_memory_utilization:g}"]
+    if engine.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", engine.kv_cache_dtype]
+    if engine.quantization:
+        args += ["--quantization", engine.quantization]
+    if not engine.enable_prefix_caching:
+        args.append("--no-enable-prefix-caching")
+    if engine.tool_call_parser:
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", engine.tool_call_parser]
+    if engine.reasoning_parser:
+        args += ["--reasoning-parser", engine.reasoning_parser]
+    if engine.speculative_config:
+        args += ["--speculative-config", json.dumps(engine.speculative_config, separators=(",", ":"))]
+    if engine.language_model_only:
+        args.append("--language-model-only")
+    return args + engine.extra_args
+
+
+def min_available_kib(config: HostConfig, engine: Engine) -> int:
+    """MemAvailable the launch script wants before it starts this engine."""
+    if engine.kv_cache_memory_bytes:
+        share = engine.kv_cache_memory_bytes
+    else:
+        share = engine.gpu_memory_utilization * config.memory_total_gib * GIB
+    return int((share + config.memory_available_margin_gib * GIB) // 1024)
+
+
+def _render(template: str, **context) -> str:
+    return _env.get_template(template).render(**context)
+
+
+def render_host(config: HostConfig) -> list[RenderedFile]:
+    """Every file sparkform puts on the host, with its path and mode."""
+    lib, etc = config.lib_dir, config.config_dir
+    files = [
+        RenderedFile(f"{lib}/sparkform-launch", _render("sparkform-launch.sh.j2", config=config), "755"),
+        RenderedFile(f"{lib}/sparkform-wait-ready", _render("sparkform-wait-ready.sh.j2", config=config), "755"),
+        RenderedFile("/etc/profile.d/sparkform-caps.sh",
+                     _render("profile-caps.sh.j2", config=config, caps=config.compile_caps.as_env()), "644"),
+    ]
+    for engine in config.engines:
+        environment = engine_environment(config, engine)
+        files += [
+            RenderedFile(f"/etc/systemd/system/{engine.unit}",
+                         _render("engine.service.j2", config=config, engine=engine, environment=environment),
+                         "644", engine.name),
+            RenderedFile(f"{etc}/engines/{engine.name}.env",
+                         _render("engine.env.j2", config=config, engine=engine, environment=environment,
+                                 min_available_kib=min_available_kib(config, engine)),
+                         "644", engine.name),
+            RenderedFile(f"{etc}/engines/{engine.name}.args",
+                         _render("engine.args.j2", args=engine_args(config, engine)), "644", engine.name),
+        ]
+    return files

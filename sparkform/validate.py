@@ -1,0 +1,313 @@
+"""Validation of one host's data before any connection is opened.
+
+Each problem names the host, the engine, the field, the value and the fix. Field-shape errors
+come from the pydantic schema; the rules here are the ones that need the whole host: the memory
+pool, uniqueness, the boot chain, the compile storm, the MTP/vision trade-off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from sparkform import modelconfig
+from sparkform.schema import Engine, HostConfig
+
+
+@dataclass(frozen=True)
+class Problem:
+    host: str
+    field: str
+    value: Any
+    message: str
+    fix: str
+    engine: str | None = None
+
+    def __str__(self) -> str:
+        where = f"{self.host}: engine {self.engine}: " if self.engine else f"{self.host}: "
+        return f"{where}{self.field} = {self.value!r}: {self.message}. Fix: {self.fix}."
+
+
+class InventoryError(ValueError):
+    """The inventory cannot be converged; nothing was sent to any host."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(str(problem) for problem in problems))
+
+
+@dataclass
+class Host:
+    """A validated host: its data, and the config.json of each engine that names one."""
+
+    name: str
+    config: HostConfig
+    model_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _pydantic_problems(host: str, data: dict[str, Any], err: ValidationError) -> list[Problem]:
+    problems = []
+    engines = data.get("engines") if isinstance(data.get("engines"), list) else []
+    for error in err.errors():
+        loc = list(error["loc"])
+        engine = None
+        if len(loc) >= 2 and loc[0] == "engines" and isinstance(loc[1], int):
+            index = loc[1]
+            raw = engines[index] if index < len(engines) else None
+            engine = raw.get("name", f"#{index}") if isinstance(raw, dict) else f"#{index}"
+            loc = loc[2:]
+        path = ".".join(str(part) for part in loc) or "engines"
+        kind = error["type"]
+        if kind == "extra_forbidden":
+            fix = "remove it or correct its spelling (see the field table in the README)"
+            message = "unknown key"
+        elif kind == "missing":
+            fix = "set it (see the field table in the README)"
+            message = "required field is missing"
+        else:
+            message = error["msg"].removeprefix("Value error, ")
+            fix = "give a value of the documented type and range (README field table)"
+        problems.append(Problem(host, path, error.get("input"), message, fix, engine))
+    return problems
+
+
+def _model_configs(host: str, config: HostConfig, base_dir: Path) -> tuple[dict, list[Problem]]:
+    configs, problems = {}, []
+    for engine in config.engines:
+        if not engine.model_config_path:
+            continue
+        path = (base_dir / engine.model_config_path).resolve()
+        try:
+            configs[engine.name] = modelconfig.load(path)
+            modelconfig.geometry(configs[engine.name])
+        except modelconfig.ModelConfigError as err:
+            configs.pop(engine.name, None)
+            problems.append(Problem(host, "model_config_path", engine.model_config_path, str(err),
+                                    "point it at the checkpoint's config.json", engine.name))
+    return configs, problems
+
+
+def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Host:
+    """Validate one host's data; raise InventoryError with every problem found."""
+    try:
+        config = HostConfig.model_validate(data)
+    except ValidationError as err:
+        raise InventoryError(_pydantic_problems(name, data, err)) from None
+    model_configs, problems = _model_configs(name, config, base_dir)
+    host = Host(name, config, model_configs)
+    problems += host_problems(host)
+    if problems:
+        raise InventoryError(problems)
+    return host
+
+
+def host_problems(host: Host) -> list[Problem]:
+    problems: list[Problem] = []
+    for rule in (_memory_pool, _unique, _boot_chain, _mtp_and_vision, _timeouts, _cgroup_caps,
+                 _compile_storm, _cpu_pool, _native_window, _secret_files):
+        problems += rule(host)
+    return problems
+
+
+def _memory_pool(host: Host) -> list[Problem]:
+    cfg = host.config
+    engines = cfg.enabled_engines
+    share = sum(engine.gpu_memory_utilization for engine in engines)
+    budget = cfg.memory_total_gib - cfg.memory_headroom_gib
+    if share * cfg.memory_total_gib <= budget + 1e-9:
+        return []
+    terms = " + ".join(f"{e.gpu_memory_utilization:.2f} ({e.name})" for e in engines)
+    return [Problem(
+        host.name, "gpu_memory_utilization", {e.name: e.gpu_memory_utilization for e in engines},
+        f"{terms} = {share:.2f} of {cfg.memory_total_gib:.1f} GiB is "
+        f"{share * cfg.memory_total_gib:.1f} GiB, over the {budget:.1f} GiB left after "
+        f"{cfg.memory_headroom_gib:.1f} GiB of headroom",
+        f"lower the utilizations so they sum to at most {budget / cfg.memory_total_gib:.2f} "
+        f"(`sparkform plan` recommends a split), or lower memory_headroom_gib knowingly",
+    )]
+
+
+def _unique(host: Host) -> list[Problem]:
+    problems = []
+    seen_names: set[str] = set()
+    ports: dict[int, str] = {}
+    served: dict[str, str] = {}
+    for engine in host.config.engines:
+        if engine.name in seen_names:
+            problems.append(Problem(host.name, "name", engine.name, "two engines share this name",
+                                    "give each engine its own name", engine.name))
+        seen_names.add(engine.name)
+        if engine.port in ports:
+            problems.append(Problem(host.name, "port", engine.port,
+                                    f"engine {ports[engine.port]} already listens on it",
+                                    "give each engine its own port", engine.name))
+        ports.setdefault(engine.port, engine.name)
+        for alias in engine.names:
+            if alias in served and served[alias] != engine.name:
+                problems.append(Problem(
+                    host.name, "served_names", alias,
+                    f"engine {served[alias]} already answers to this name, so clients could "
+                    f"not tell which model serves them", "serve each name from one engine only",
+                    engine.name))
+            served.setdefault(alias, engine.name)
+    return problems
+
+
+def _boot_chain(host: Host) -> list[Problem]:
+    problems = []
+    by_name = {engine.name: engine for engine in host.config.engines}
+    for engine in host.config.enabled_engines:
+        for target in engine.after:
+            if target == engine.name:
+                problems.append(Problem(host.name, "after", target, "an engine cannot wait for itself",
+                                        "remove the edge", engine.name))
+            elif target not in by_name:
+                problems.append(Problem(
+                    host.name, "after", target,
+                    "no engine of that name: the After= edge would order against nothing, "
+                    "the boot chain's hole of 2026-08-18 (two cold starts in the same second)",
+                    f"name one of: {', '.join(sorted(by_name)) or '(no engines)'}", engine.name))
+            elif not by_name[target].enabled:
+                problems.append(Problem(
+                    host.name, "after", target,
+                    "that engine is disabled, and After= only orders units in the same boot "
+                    "transaction: this one would start at the same second as the others "
+                    "(the hole of 2026-08-18)",
+                    "point the edge at an enabled engine, or enable that one", engine.name))
+    if not problems and _has_cycle(host.config.enabled_engines):
+        problems.append(Problem(host.name, "after", {e.name: e.after for e in host.config.engines},
+                                "the after edges form a cycle, so no engine could start first",
+                                "break the cycle"))
+    return problems
+
+
+def _has_cycle(engines: list[Engine]) -> bool:
+    try:
+        start_order(engines)
+    except ValueError:
+        return True
+    return False
+
+
+def start_order(engines: list[Engine]) -> list[Engine]:
+    """Engines in an order where each comes after every engine in its `after` list."""
+    remaining = {engine.name: engine for engine in engines}
+    ordered: list[Engine] = []
+    while remaining:
+        ready = [e for e in remaining.values() if not set(e.after) & set(remaining)]
+        if not ready:
+            raise ValueError(f"cycle among {sorted(remaining)}")
+        for engine in ready:
+            ordered.append(remaining.pop(engine.name))
+    return ordered
+
+
+def _mtp_and_vision(host: Host) -> list[Problem]:
+    problems = []
+    for engine in host.config.engines:
+        spec = engine.speculative_config or {}
+        vision_names = [name for name in engine.names if "vision" in name.lower()]
+        if spec.get("method") == "mtp" and not engine.language_model_only:
+            problems.append(Problem(
+                host.name, "speculative_config", spec,
+                "MTP speculative decoding needs language_model_only: true on these checkpoints",
+                "set language_model_only: true (this drops the vision tower) or remove "
+                "speculative_config", engine.name))
+        if engine.language_model_only and (engine.multimodal or vision_names):
+            problems.append(Problem(
+                host.name, "language_model_only", True,
+                f"the engine answers to {', '.join(vision_names) or 'image requests'} "
+                "(multimodal), and --language-model-only disables the vision tower, so image "
+                "requests would fail. The seed's Act 4: MTP was 2.13x faster on code but needs "
+                "this flag, and the vision alias won",
+                "choose one: drop language_model_only (and MTP), or drop the vision alias and "
+                "multimodal and serve vision from another engine", engine.name))
+    return problems
+
+
+def _timeouts(host: Host) -> list[Problem]:
+    cfg = host.config
+    if cfg.timeout_start_s > cfg.readiness_budget_s:
+        return []
+    return [Problem(
+        host.name, "timeout_start_s", cfg.timeout_start_s,
+        f"TimeoutStartSec must exceed the readiness budget ({cfg.readiness_budget_s} s), or "
+        "systemd kills the start before the helper can report why it failed",
+        f"set timeout_start_s above {cfg.readiness_budget_s} (seed: 1200 against 1080)")]
+
+
+def _cgroup_caps(host: Host) -> list[Problem]:
+    cfg = host.config
+    problems = []
+    if cfg.memory_max_gib <= cfg.memory_high_gib:
+        problems.append(Problem(
+            host.name, "memory_max_gib", cfg.memory_max_gib,
+            f"MemoryMax must be above MemoryHigh ({cfg.memory_high_gib} GiB): MemoryHigh "
+            "throttles first, MemoryMax kills the unit last",
+            f"raise memory_max_gib above {cfg.memory_high_gib} or lower memory_high_gib"))
+    if cfg.memory_max_gib > cfg.memory_total_gib:
+        problems.append(Problem(
+            host.name, "memory_max_gib", cfg.memory_max_gib,
+            f"above the {cfg.memory_total_gib} GiB the host has, so the kernel's global OOM "
+            "killer would act before the unit's cap (how 2026-08-18 escaped every protection)",
+            f"set memory_max_gib below memory_total_gib ({cfg.memory_total_gib})"))
+    return problems
+
+
+def _compile_storm(host: Host) -> list[Problem]:
+    cfg = host.config
+    peak = cfg.compile_caps.max_jobs * cfg.compiler_peak_gib
+    if peak <= cfg.memory_headroom_gib:
+        return []
+    safe = max(1, int(cfg.memory_headroom_gib // cfg.compiler_peak_gib))
+    return [Problem(
+        host.name, "compile_caps.max_jobs", cfg.compile_caps.max_jobs,
+        f"{cfg.compile_caps.max_jobs} compilers x {cfg.compiler_peak_gib} GiB = {peak:.1f} GiB "
+        f"exceeds the {cfg.memory_headroom_gib} GiB headroom: a cold JIT cache would OOM the "
+        "box (the compile storm of 2026-06-07 and 2026-08-18)",
+        f"set compile_caps.max_jobs to at most {safe}")]
+
+
+def _cpu_pool(host: Host) -> list[Problem]:
+    if host.config.device != "cpu":
+        return []
+    return [Problem(host.name, "kv_cache_memory_bytes", None,
+                    "vLLM's CPU build cannot size its KV pool from a utilization and fails at start",
+                    "set kv_cache_memory_bytes (e.g. 268435456)", engine.name)
+            for engine in host.config.engines if engine.kv_cache_memory_bytes is None]
+
+
+def _native_window(host: Host) -> list[Problem]:
+    problems = []
+    for engine in host.config.engines:
+        config = host.model_configs.get(engine.name)
+        if config is None:
+            continue
+        native = modelconfig.geometry(config).native_max_len
+        if native and engine.max_model_len > native:
+            problems.append(Problem(
+                host.name, "max_model_len", engine.max_model_len,
+                f"above the checkpoint's native maximum of {native:,} tokens "
+                "(max_position_embeddings); vLLM refuses to start",
+                f"set max_model_len to at most {native}", engine.name))
+    return problems
+
+
+def _secret_files(host: Host) -> list[Problem]:
+    problems = []
+    for field_name in ("hf_token_file", "api_key_file"):
+        path = getattr(host.config, field_name)
+        if path is None:
+            continue
+        file = Path(path).expanduser()
+        if not file.is_file():
+            problems.append(Problem(host.name, field_name, path, "no such file on this machine",
+                                    "write the secret to that file (chmod 600) or unset the field"))
+        elif file.stat().st_mode & 0o077:
+            problems.append(Problem(host.name, field_name, path,
+                                    "the secret file is readable by other users",
+                                    f"chmod 600 {path}"))
+    return problems
