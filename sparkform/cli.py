@@ -12,12 +12,10 @@ import sys
 from pathlib import Path
 
 from sparkform import planner
-from sparkform.inventory import load_inventory
+from sparkform.inventory import exit_invalid, load_inventory
 from sparkform.render import render_host
 from sparkform.schema import Checkpoint, CompileCaps, Engine, HostConfig, Measured
 from sparkform.validate import InventoryError
-
-EXIT_INVALID = 2
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -84,10 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except InventoryError as err:
-        print(f"sparkform: invalid inventory {getattr(args, 'inventory', '')}:", file=sys.stderr)
-        for problem in err.problems:
-            print(f"  - {problem}", file=sys.stderr)
-        return EXIT_INVALID
+        exit_invalid(err, str(args.inventory))
     except (FileNotFoundError, IsADirectoryError) as err:
         print(f"sparkform: {err}", file=sys.stderr)
         return 1

@@ -8,16 +8,27 @@ inventory stops `pyinfra inventory/x.py deploy.py` before anything on a host cha
 from __future__ import annotations
 
 import runpy
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from sparkform.validate import Host, InventoryError, Problem, load_host
 
 BASE_DIR_KEY = "_sparkform_base_dir"  # relative paths in host data resolve against it
+EXIT_INVALID = 2
+
+
+def exit_invalid(err: InventoryError, source: str) -> NoReturn:
+    """Print every problem and exit 2. SystemExit passes through pyinfra's loader, so a
+    `pyinfra` run stops with these lines instead of a traceback, before connecting."""
+    print(f"sparkform: invalid inventory {source}:", file=sys.stderr)
+    for problem in err.problems:
+        print(f"  - {problem}", file=sys.stderr)
+    raise SystemExit(EXIT_INVALID)
 
 
 def hosts(data_by_host: dict[str, dict[str, Any]], inventory_file: str) -> list[tuple[str, dict[str, Any]]]:
-    """The pyinfra host list for `data_by_host`, validated (raises InventoryError)."""
+    """The pyinfra host list for `data_by_host`, validated: exits 2 listing every problem."""
     base_dir = Path(inventory_file).resolve().parent
     problems = []
     for name, data in data_by_host.items():
@@ -26,7 +37,7 @@ def hosts(data_by_host: dict[str, dict[str, Any]], inventory_file: str) -> list[
         except InventoryError as err:
             problems += err.problems
     if problems:
-        raise InventoryError(problems)
+        exit_invalid(InventoryError(problems), inventory_file)
     return [(name, {**data, BASE_DIR_KEY: str(base_dir)}) for name, data in data_by_host.items()]
 
 

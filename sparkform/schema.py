@@ -219,6 +219,10 @@ class HostConfig(Strict):
     def enabled_engines(self) -> list[Engine]:
         return [engine for engine in self.engines if engine.enabled]
 
+    @property
+    def hf_token_path(self) -> str:
+        return f"{self.config_dir}/secrets/hf_token"
+
     def checkpoint_dir(self, engine: Engine) -> str:
         return f"{self.models_dir}/{engine.checkpoint.folder_name}"
 

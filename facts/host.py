@@ -1,0 +1,97 @@
+"""SparkformHost: everything a converge decides on, gathered in one SSH round trip.
+
+pyinfra 3.10 does not cache facts, so a no-op run costs one round trip per fact call; the
+deploy reads this one fact once and every task decides from it.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from pyinfra.api import FactBase
+
+from sparkform.parsers import EngineState, engine_states
+
+UNIT_PROPERTIES = "Id,LoadState,ActiveState,SubState,NRestarts,MainPID,ExecMainStatus,Result,UnitFileState"
+SECTION = "@@sparkform:"
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    sha256: str | None  # None for a directory
+    mode: str
+    user: str
+    group: str
+
+
+@dataclass
+class HostSnapshot:
+    installed_packages: set[str] = field(default_factory=set)
+    users: set[str] = field(default_factory=set)
+    paths: dict[str, RemoteFile] = field(default_factory=dict)
+    markers: dict[str, str] = field(default_factory=dict)  # completion marker path -> content
+    engines: dict[str, EngineState] = field(default_factory=dict)
+
+
+def _section(name: str, command: str) -> str:
+    return f"echo {SECTION}{name}; {{ {command} ; }} 2>/dev/null || true"
+
+
+class SparkformHost(FactBase):
+    """
+    The host's state as far as sparkform manages it, in one command.
+
+    + packages: Debian packages to look up
+    + users: system users to look up
+    + paths: files and folders to stat (files are also hashed)
+    + markers: completion markers to read (venv, checkpoints)
+    + units: systemd units to show
+    """
+
+    default = HostSnapshot
+
+    def command(self, packages: list[str], users: list[str], paths: list[str],
+                markers: list[str], units: list[str]) -> str:
+        quoted_paths = " ".join(shlex.quote(p) for p in paths)
+        sections = [
+            _section("packages", "dpkg-query -W -f='${Package} ${db:Status-Status}\\n' "
+                     + " ".join(shlex.quote(p) for p in packages)),
+            _section("users", " ; ".join(f"getent passwd {shlex.quote(u)}" for u in users)),
+            _section("stat", f"stat -c '%F|%a|%U|%G|%n' {quoted_paths}"),
+            _section("sha256", f"sha256sum {quoted_paths}"),
+            _section("markers", " ; ".join(
+                f"test -f {shlex.quote(m)} && printf '%s|%s\\n' {shlex.quote(m)} \"$(cat {shlex.quote(m)})\""
+                for m in markers) or "true"),
+            _section("units", f"systemctl show -p {UNIT_PROPERTIES} "
+                     + " ".join(shlex.quote(u) for u in units)),
+        ]
+        return " ; ".join(sections)
+
+    def process(self, output: list[str]) -> HostSnapshot:
+        sections: dict[str, list[str]] = {}
+        current: list[str] = []
+        for line in output:
+            if line.startswith(SECTION):
+                current = sections.setdefault(line[len(SECTION):], [])
+            else:
+                current.append(line)
+        snapshot = HostSnapshot()
+        for line in sections.get("packages", []):
+            name, _, status = line.partition(" ")
+            if status == "installed":
+                snapshot.installed_packages.add(name)
+        snapshot.users = {line.split(":", 1)[0] for line in sections.get("users", []) if ":" in line}
+        digests = {}
+        for line in sections.get("sha256", []):
+            digest, _, path = line.partition("  ")
+            digests[path] = digest
+        for line in sections.get("stat", []):
+            kind, mode, user, group, path = line.split("|", 4)
+            snapshot.paths[path] = RemoteFile(None if kind == "directory" else digests.get(path),
+                                              mode, user, group)
+        for line in sections.get("markers", []):
+            path, _, content = line.partition("|")
+            snapshot.markers[path] = content
+        snapshot.engines = engine_states(sections.get("units", []))
+        return snapshot

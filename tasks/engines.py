@@ -1,0 +1,68 @@
+"""Engine units: reload, enable, and (re)start one at a time, each to readiness before the next."""
+
+from __future__ import annotations
+
+from pyinfra import host
+from pyinfra.api import operation
+
+from sparkform.parsers import EngineState
+from sparkform.schema import Engine
+
+JOURNAL_LINES = 40
+
+
+def _explained(command: str, unit: str) -> str:
+    """Run a systemctl command; on failure print why from the unit's journal and fail."""
+    return (f"{command} || {{ rc=$?; echo 'sparkform: {unit} failed to start; its journal:' >&2; "
+            f"journalctl -u {unit} -b -n {JOURNAL_LINES} --no-pager -o cat >&2; exit $rc; }}")
+
+
+@operation()
+def daemon_reload(needed: bool):
+    """
+    Reload systemd's units, only when a unit file changed.
+
+    + needed: whether a unit file changes in this run
+    """
+    if not needed:
+        host.noop("no unit file changed")
+        return
+    yield "systemctl daemon-reload"
+
+
+@operation()
+def engine_running(engine: Engine, current: EngineState | None, restart: bool):
+    """
+    Enable an engine at boot and have it serving; `systemctl` returns only once the readiness
+    helper (ExecStartPost) reports it serving, so the next engine never starts beside a cold one.
+
+    + engine: the engine
+    + current: its unit's state from the SparkformHost fact (None before the first deploy)
+    + restart: its unit, settings or arguments changed, so it must restart to pick them up
+    """
+    changed = False
+    if current is None or current.unit_file_state != "enabled":
+        yield f"systemctl enable {engine.unit}"
+        changed = True
+    if restart or current is None or current.active_state in ("failed", "inactive"):
+        # reset-failed: a unit that hit its start limit would refuse the start otherwise.
+        yield f"systemctl reset-failed {engine.unit} 2>/dev/null || true"
+        verb = "restart" if restart else "start"
+        yield _explained(f"systemctl {verb} {engine.unit}", engine.unit)
+        changed = True
+    if not changed:
+        host.noop(f"{engine.unit} is enabled and {current.active_state}")
+
+
+@operation()
+def engine_stopped(engine: Engine, current: EngineState | None):
+    """
+    Stop and disable an engine the inventory marks disabled.
+
+    + engine: the engine
+    + current: its unit's state from the SparkformHost fact
+    """
+    if current is None or (current.unit_file_state != "enabled" and current.active_state == "inactive"):
+        host.noop(f"{engine.unit} is stopped and disabled")
+        return
+    yield f"systemctl disable --now {engine.unit}"

@@ -1,0 +1,93 @@
+"""Files rendered from templates/ (units, scripts, settings) and secrets, put only when they differ."""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+from dataclasses import dataclass
+from io import StringIO
+from pathlib import Path
+
+from pyinfra import host, logger, state
+from pyinfra.api import FileUploadCommand, operation
+from pyinfra.operations.util.files import generate_color_diff
+from pyinfra.facts.files import FileContents
+
+from facts.host import RemoteFile
+from sparkform.schema import HostConfig
+
+
+def sha256(content: str) -> str:
+    return hashlib.sha256(content.encode()).hexdigest()
+
+
+def differs(content: str, current: RemoteFile | None) -> bool:
+    """Whether the host's copy (None: absent) holds something else than `content`."""
+    return current is None or current.sha256 != sha256(content)
+
+
+@operation()
+def managed_file(path: str, content: str, mode: str, current: RemoteFile | None,
+                 user: str = "root", group: str = "root", secret: bool = False):
+    """
+    Put `content` at `path` when the host's copy differs; with --diff show what changes.
+
+    + path: file on the host
+    + content: the text the file must hold
+    + mode: octal mode, e.g. "644"
+    + current: the host's copy (from the SparkformHost fact), None when absent
+    + user: owner
+    + group: group
+    + secret: never print the content; upload through a temporary file in the same
+      (private) folder, so the secret is never readable in /tmp
+    """
+    quoted = shlex.quote(path)
+    if differs(content, current):
+        if state.config.DIFF:
+            _log_diff(path, content, current, secret)
+        folder = path.rsplit("/", 1)[0]
+        temp = host.get_temp_filename(path, temp_directory=folder if secret else None)
+        yield FileUploadCommand(StringIO(content), path, remote_temp_filename=temp)
+        yield f"chown {user}:{group} {quoted}"
+        yield f"chmod {mode} {quoted}"
+        return
+    if current.mode != mode:
+        yield f"chmod {mode} {quoted}"
+    if (current.user, current.group) != (user, group):
+        yield f"chown {user}:{group} {quoted}"
+    if (current.mode, current.user, current.group) == (mode, user, group):
+        host.noop(f"{path} is up to date")
+
+
+def _log_diff(path: str, content: str, current: RemoteFile | None, secret: bool) -> None:
+    host.log(f"Will {'modify' if current else 'create'} {path}", logger.info)
+    if secret:
+        logger.info("  (secret: contents not shown)")
+        return
+    old = host.get_fact(FileContents, path=path) if current else None
+    old_lines = [line + "\n" for line in old or []]
+    for line in generate_color_diff(old_lines, content.splitlines(keepends=True)):
+        logger.info("  %s", line)
+    logger.info("")
+
+
+@dataclass(frozen=True)
+class Secret:
+    path: str
+    content: str
+    mode: str
+    group: str
+
+
+def secrets(config: HostConfig) -> list[Secret]:
+    """Secrets read from files on the control machine: the HF token (root only) and the API
+    key (readable by the engine user, whose scripts source it)."""
+    result = []
+    if config.hf_token_file:
+        token = Path(config.hf_token_file).expanduser().read_text().strip()
+        result.append(Secret(config.hf_token_path, f"{token}\n", "600", "root"))
+    if config.api_key_file:
+        key = Path(config.api_key_file).expanduser().read_text().strip()
+        result.append(Secret(f"{config.config_dir}/secrets/engine.env", f"VLLM_API_KEY={key}\n",
+                             "640", config.engine_user))
+    return result

@@ -1,0 +1,54 @@
+"""The pinned vLLM venv: one per version, built once, never taken as complete when half-built."""
+
+from __future__ import annotations
+
+import shlex
+
+from pyinfra import host
+from pyinfra.api import operation
+
+from facts.host import HostSnapshot
+from sparkform.schema import HostConfig
+
+MARKER = ".sparkform-complete"
+
+
+def pin(config: HostConfig) -> str:
+    return f"{config.vllm_package}=={config.vllm_version}"
+
+
+def marker_path(config: HostConfig) -> str:
+    return f"{config.venv}/{MARKER}"
+
+
+def pip_install_args(config: HostConfig) -> list[str]:
+    """pip arguments for the pin: offline from the wheelhouse, or from the configured indexes."""
+    if config.wheelhouse:
+        args = ["--no-index", "--find-links", config.wheelhouse]
+    else:
+        args = ["--index-url", config.pip_index_url] if config.pip_index_url else []
+        for url in config.pip_extra_index_urls:
+            args += ["--extra-index-url", url]
+    return args + [pin(config), *config.pip_requirements]
+
+
+@operation()
+def vllm_venv(config: HostConfig, snapshot: HostSnapshot):
+    """
+    Build the venv of the pinned vLLM unless its completion marker already names the pin.
+
+    The marker is written last, so a venv cut off halfway (killed deploy, full disk) is removed
+    and built again rather than used.
+
+    + config: the host's validated configuration
+    + snapshot: the host's state from the SparkformHost fact
+    """
+    if snapshot.markers.get(marker_path(config)) == pin(config):
+        host.noop(f"{pin(config)} already installed in {config.venv}")
+        return
+    venv = shlex.quote(config.venv)
+    pip_args = " ".join(shlex.quote(arg) for arg in pip_install_args(config))
+    yield f"rm -rf {venv}"
+    yield f"{shlex.quote(config.python)} -m venv {venv}"
+    yield f"{venv}/bin/pip install --quiet --disable-pip-version-check {pip_args}"
+    yield f"echo {shlex.quote(pin(config))} > {shlex.quote(marker_path(config))}"

@@ -1,0 +1,56 @@
+"""deploy.py through the real pyinfra CLI, in --dry mode against this machine (@local).
+
+--dry gathers the real facts and plans every operation but changes nothing, so this checks that
+the deploy loads, validates, gathers its one fact and plans each task, without a host to change.
+The full converge runs against the sandbox.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PYINFRA = Path(sys.executable).with_name("pyinfra")
+
+
+def _inventory(tmp_path: Path, extra: str = "") -> Path:
+    inventory = tmp_path / "local.py"
+    inventory.write_text(f"""
+from sparkform.inventory import hosts
+local = hosts({{"@local": {{
+    "lib_dir": "{tmp_path}/lib", "config_dir": "{tmp_path}/etc", "state_dir": "{tmp_path}/state",
+    "venv_root": "{tmp_path}/venvs", "models_dir": "{tmp_path}/models", "cache_root": "{tmp_path}/cache",
+    "engines": [
+        {{"name": "fast", "port": 18012, "checkpoint": {{"repo": "org/fast", "revision": "abc"}},
+          "gpu_memory_utilization": 0.25{extra}}},
+        {{"name": "slow", "port": 18011, "checkpoint": {{"repo": "org/slow", "revision": "def"}},
+          "gpu_memory_utilization": 0.45, "after": ["fast"]}},
+    ],
+}}}}, __file__)
+""")
+    return inventory
+
+
+def _pyinfra(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(PYINFRA), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_dry_run_plans_every_task_and_changes_nothing(tmp_path):
+    result = _pyinfra(str(_inventory(tmp_path)), "deploy.py", "--dry")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout + result.stderr
+    for operation in ("Folder " + str(tmp_path / "lib"), "vLLM venv vllm==0.27.1", "Checkpoint of fast",
+                      "File " + str(tmp_path / "lib/sparkform-launch"),
+                      "File /etc/systemd/system/vllm-slow.service", "Reload systemd units",
+                      "Engine fast serving", "Engine slow serving"):
+        assert operation in out, operation
+    # Started in `after` order, whatever the inventory's order.
+    assert out.index("Engine fast serving") < out.index("Engine slow serving")
+    assert not (tmp_path / "lib").exists(), "--dry changed the host"
+
+
+def test_broken_inventory_stops_before_connecting(tmp_path):
+    result = _pyinfra(str(_inventory(tmp_path, ', "max_num_seq": 64')), "deploy.py", "--dry")
+    assert result.returncode == 2
+    assert "engine fast: max_num_seq = 64: unknown key" in result.stderr
+    assert "Connecting to hosts" not in result.stdout + result.stderr
