@@ -42,6 +42,19 @@ def _cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+VERIFY_SUITE = Path(__file__).resolve().parent.parent / "tests" / "verify"
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    """Run the testinfra suite against every host of the inventory (exit code: pytest's)."""
+    load_inventory(args.inventory)  # a broken inventory stops here, before any connection
+    import pytest
+
+    options = [str(VERIFY_SUITE), f"--inventory={args.inventory.resolve()}", "-p", "no:cacheprovider",
+               f"--rootdir={VERIFY_SUITE}", "-q", *args.pytest_args]
+    return int(pytest.main(options))
+
+
 def field_table() -> str:
     """The README's table of inventory fields, from the schema's own descriptions."""
     sections = [("host", HostConfig), ("compile_caps.", CompileCaps), ("engines[].", Engine),
@@ -76,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     render.add_argument("--out", type=Path, required=True)
     render.add_argument("--host", help="only this host")
     render.set_defaults(run=_cmd_render)
+    verify = sub.add_parser("verify", help="check converged hosts over SSH (testinfra suite tests/verify)")
+    verify.add_argument("inventory", type=Path)
+    verify.add_argument("pytest_args", nargs="*", help="further pytest arguments (after --)")
+    verify.set_defaults(run=_cmd_verify)
     fields = sub.add_parser("fields", help="print the inventory field table (Markdown)")
     fields.set_defaults(run=_cmd_fields)
     args = parser.parse_args(argv)

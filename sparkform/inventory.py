@@ -46,8 +46,8 @@ def host_from_data(name: str, data: dict[str, Any]) -> Host:
     return load_host(name, data, Path(data.get(BASE_DIR_KEY, ".")))
 
 
-def load_inventory(path: Path) -> list[Host]:
-    """Every host of a pyinfra inventory module, validated."""
+def raw_inventory(path: Path) -> dict[str, dict[str, Any]]:
+    """Each host's data as the pyinfra inventory module defines it (connector keys included)."""
     namespace = runpy.run_path(str(path))
     found: dict[str, dict[str, Any]] = {}
     for name, value in namespace.items():
@@ -55,16 +55,22 @@ def load_inventory(path: Path) -> list[Host]:
             continue
         for entry in value:
             if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], dict):
-                found[entry[0]] = entry[1]
+                found[entry[0]] = {BASE_DIR_KEY: str(Path(path).resolve().parent), **entry[1]}
             elif isinstance(entry, str):
-                found[entry] = {}
+                found[entry] = {BASE_DIR_KEY: str(Path(path).resolve().parent)}
+    return found
+
+
+def load_inventory(path: Path) -> list[Host]:
+    """Every host of a pyinfra inventory module, validated."""
+    found = raw_inventory(path)
     if not found:
         raise InventoryError([Problem(str(path), "hosts", None, "the inventory defines no host",
                                       "define a list of (name, data) tuples, e.g. with sparkform.inventory.hosts()")])
     loaded, problems = [], []
     for name, data in found.items():
         try:
-            loaded.append(host_from_data(name, {BASE_DIR_KEY: str(path.resolve().parent), **data}))
+            loaded.append(host_from_data(name, data))
         except InventoryError as err:
             problems += err.problems
     if problems:

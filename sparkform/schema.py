@@ -172,7 +172,7 @@ class HostConfig(Strict):
     vllm_version: str = Field("0.27.1", description="Pinned vLLM version; each version gets its own venv.")
     pip_index_url: str | None = Field(None, description="pip `--index-url` for the venv install; None keeps pip's default.")
     pip_extra_index_urls: list[str] = Field(default_factory=list, description="pip `--extra-index-url` values (e.g. the CUDA wheel index).")
-    pip_requirements: list[str] = Field(default_factory=list, description="Exact pins installed with vLLM (a lock); empty lets pip resolve.")
+    pip_requirements: list[str] = Field(default_factory=list, description="A complete lock installed with vLLM, exactly and with --no-deps; empty lets pip resolve.")
     wheelhouse: str | None = Field(None, description="Folder of wheels on the host; when set the venv installs offline from it only.")
     python: str = Field("python3", description="Interpreter the venvs are made with.")
     venv_root: str = Field("/opt/sparkform/venvs", description="Venvs live in `<venv_root>/<package>-<version>`.")

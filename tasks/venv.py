@@ -29,6 +29,9 @@ def pip_install_args(config: HostConfig) -> list[str]:
         args = ["--index-url", config.pip_index_url] if config.pip_index_url else []
         for url in config.pip_extra_index_urls:
             args += ["--extra-index-url", url]
+    if config.pip_requirements:
+        # A lock is complete by definition: install exactly it, resolve nothing.
+        args.append("--no-deps")
     return args + [pin(config), *config.pip_requirements]
 
 

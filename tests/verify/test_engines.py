@@ -1,0 +1,140 @@
+"""What a converged host must look like, read from systemd, the files and the live endpoints."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from sparkform.parsers import parse_kv_pool
+from sparkform.render import engine_environment
+
+UNIT_LIMITS_USEC = re.compile(r"^(\d+)")
+
+
+def _seconds(systemd_timespan: str) -> float:
+    """'20min', '1h', '18min 20s', '1.500s' -> seconds (systemctl show's human timespans)."""
+    units = {"h": 3600, "min": 60, "s": 1, "ms": 0.001, "us": 1e-6}
+    total = 0.0
+    for number, unit in re.findall(r"([\d.]+)(h|min|ms|us|s)", systemd_timespan):
+        total += float(number) * units[unit]
+    return total
+
+
+def _curl(remote, config, path: str, data: dict | None = None) -> str:
+    """Ask the engine from the host itself; the API key (if any) is read from its file there."""
+    key = f"{config.config_dir}/secrets/engine.env"
+    body = f"-H 'Content-Type: application/json' -d '{json.dumps(data)}'" if data else ""
+    script = (f"[ -r {key} ] && . {key}; curl -fsS --max-time 30 "
+              f"--config <(printf 'header = \"Authorization: Bearer %s\"\\n' \"${{VLLM_API_KEY:-}}\") "
+              f"{body} http://127.0.0.1:{path}")
+    return remote.check_output("bash -c %s", script)
+
+
+def test_unit_enabled_and_active(remote, engine):
+    service = remote.service(engine.unit)
+    assert service.is_enabled, f"{engine.unit} is not enabled at boot"
+    assert service.is_running, f"{engine.unit} is not running"
+
+
+def test_restart_policy_and_burst_limit(remote, engine, config):
+    props = remote.service(engine.unit).systemd_properties
+    assert props["Restart"] == "always", "an engine can die with exit 0 (2026-08-23)"
+    assert int(props["StartLimitBurst"]) == config.start_limit_burst
+    assert _seconds(props["StartLimitIntervalUSec"]) == config.start_limit_interval_s
+
+
+def test_memory_ceilings(remote, engine, config):
+    props = remote.service(engine.unit).systemd_properties
+    assert int(props["MemoryHigh"]) == int(config.memory_high_gib * 1024) * 2**20
+    assert int(props["MemoryMax"]) == int(config.memory_max_gib * 1024) * 2**20
+    assert int(props["MemoryMax"]) > int(props["MemoryHigh"])
+
+
+def test_start_timeout_above_readiness_budget(remote, engine, config):
+    props = remote.service(engine.unit).systemd_properties
+    assert _seconds(props["TimeoutStartUSec"]) > config.readiness_budget_s
+    assert f"sparkform-wait-ready {engine.port} {config.readiness_budget_s}" in props["ExecStartPost"]
+
+
+def test_caps_path_and_cuda_in_unit_environment(remote, engine, config):
+    environment = dict(item.split("=", 1) for item in
+                       remote.service(engine.unit).systemd_properties["Environment"].split())
+    expected = engine_environment(config, engine)
+    for key in ("MAX_JOBS", "NVCC_THREADS", "FLASHINFER_NVCC_THREADS", "TORCHINDUCTOR_COMPILE_THREADS",
+                "CUDA_HOME", "VLLM_CACHE_ROOT", "FLASHINFER_WORKSPACE_BASE"):
+        assert environment.get(key) == expected[key], key
+    assert environment["PATH"].startswith(f"{config.cuda_home}/bin:")
+
+
+def test_caps_reach_the_running_engine(remote, engine, config):
+    pid = remote.service(engine.unit).systemd_properties["MainPID"]
+    environ = remote.check_output(f"tr '\\0' '\\n' < /proc/{pid}/environ")
+    assert f"MAX_JOBS={config.compile_caps.max_jobs}" in environ.splitlines()
+
+
+def test_after_edges_point_at_enabled_units(remote, engine):
+    after = remote.service(engine.unit).systemd_properties.get("After", "").split()
+    for unit in after:
+        if unit.startswith("vllm-"):
+            assert remote.service(unit).is_enabled, (
+                f"{engine.unit} is ordered after {unit}, which is not enabled: the boot chain has "
+                f"a hole (2026-08-18); enable {unit} or remove the edge")
+
+
+def test_scripts_installed_with_mode_and_owner(remote, config):
+    for name in ("sparkform-launch", "sparkform-wait-ready"):
+        script = remote.file(f"{config.lib_dir}/{name}")
+        assert script.is_file
+        assert script.user == "root" and script.group == "root"
+        assert script.mode == 0o755
+
+
+def test_models_lists_every_served_name(remote, engine, config):
+    models = json.loads(_curl(remote, config, f"{engine.port}/v1/models"))
+    assert {entry["id"] for entry in models["data"]} >= set(engine.names)
+
+
+def test_one_token_completion(remote, engine, config):
+    answer = json.loads(_curl(remote, config, f"{engine.port}/v1/completions",
+                              {"model": engine.names[0], "prompt": "hello", "max_tokens": 1}))
+    assert answer["usage"]["completion_tokens"] == 1
+
+
+def test_kv_pool_read_back(remote, engine):
+    journal = remote.check_output(f"journalctl -u {engine.unit} -b --no-pager -o cat")
+    pool = parse_kv_pool(journal.splitlines())
+    assert pool is not None, f"{engine.unit} printed no KV cache size line this boot"
+    assert pool.tokens > 0 and pool.max_model_len == engine.max_model_len
+    print(f"{engine.name}: {pool.device} KV pool {pool.tokens:,} tokens, {pool.concurrency}x "
+          f"at {pool.max_model_len:,}")
+
+
+def test_checkpoint_complete_at_pinned_revision(remote, engine, config):
+    folder = config.checkpoint_dir(engine)
+    assert remote.file(f"{folder}/.sparkform-complete").exists
+    assert remote.file(f"{folder}/config.json").exists
+    # hf download records the commit it fetched in each file's metadata (first line).
+    commits = set(remote.check_output(
+        f"head -qn1 {folder}/.cache/huggingface/download/*.metadata 2>/dev/null || true").split())
+    assert len(commits) == 1, f"files of {folder} come from several commits: {commits}"
+    if re.fullmatch(r"[0-9a-f]{40}", engine.checkpoint.revision):
+        assert commits == {engine.checkpoint.revision}
+
+
+def test_no_secret_in_a_world_readable_file(remote, config):
+    secret_files = [f"{config.config_dir}/secrets/{name}" for name in ("hf_token", "engine.env")]
+    for path in secret_files:
+        file = remote.file(path)
+        if file.exists:
+            assert file.mode & 0o007 == 0, f"{path} is readable by every user"
+            # Search with the secret as a pattern file, so it never appears in an argv.
+            pattern = "/tmp/sparkform-verify-pattern"
+            leaks = remote.run(
+                f"umask 077; sed -n 's/^VLLM_API_KEY=//p; /=/!p' {path} > {pattern}; "
+                f"grep -rlF -f {pattern} /etc /usr/local/lib /var/lib/sparkform /opt/sparkform "
+                f"/run/systemd 2>/dev/null | while read -r f; do "
+                f"[ $(( 0$(stat -c %a \"$f\") & 4 )) -ne 0 ] && echo \"$f\"; done; "
+                f"journalctl -b --no-pager -o cat | grep -cF -f {pattern}; rm -f {pattern}")
+            lines = leaks.stdout.split()
+            assert lines[-1] == "0", f"the secret of {path} appears in the journal"
+            assert lines[:-1] == [], f"world-readable files hold the secret of {path}: {lines[:-1]}"
