@@ -1,0 +1,1 @@
+"""pyinfra facts sparkform reads from a DGX Spark."""
