@@ -13,7 +13,7 @@ from pyinfra import host
 
 from facts.host import SparkformHost
 from sparkform.inventory import exit_invalid, host_from_data
-from sparkform.render import render_host
+from sparkform.render import prerequisite_packages, render_host
 from sparkform.validate import InventoryError, start_order
 from tasks import checkpoints, engines, files, system, venv
 
@@ -25,16 +25,17 @@ except InventoryError as err:
 rendered = render_host(config)
 secrets = files.secrets(config)
 folders = system.folders(config)
+packages = prerequisite_packages(config.device)
 snapshot = host.get_fact(
     SparkformHost,
-    packages=system.PACKAGES,
+    packages=packages,
     users=[config.engine_user],
     paths=[f.path for f in folders] + [f.path for f in rendered] + [s.path for s in secrets],
     markers=[venv.marker_path(config)] + [checkpoints.marker_path(config, e) for e in config.engines],
     units=[engine.unit for engine in config.engines],
 )
 
-system.packages_present(name="Install prerequisites", packages=system.PACKAGES, snapshot=snapshot)
+system.packages_present(name="Install prerequisites", packages=packages, snapshot=snapshot)
 system.system_user(name=f"Engine user {config.engine_user}", user=config.engine_user,
                    home=config.state_dir, snapshot=snapshot)
 for spec in folders:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -55,6 +57,27 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return int(pytest.main(options))
 
 
+def _cmd_sandbox(args: argparse.Namespace) -> int:
+    """Local rehearsal host (Linux, root): up, down, status, or an SSH session."""
+    from sparkform.sandbox import host, stage
+
+    try:
+        if args.action == "up":
+            box = stage.up(args.name)
+            print(f"ssh: ssh -F {box.ssh_config} {box.host_alias}")
+        elif args.action == "down":
+            stage.down(args.name)
+        elif args.action == "status":
+            print(json.dumps(host.status(args.name), indent=2, default=str))
+        else:
+            box = host.get(args.name)
+            return subprocess.call([*box.ssh_args(), *args.command])
+    except host.SandboxError as err:
+        print(f"sparkform sandbox {args.action}: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def field_table() -> str:
     """The README's table of inventory fields, from the schema's own descriptions."""
     sections = [("host", HostConfig), ("compile_caps.", CompileCaps), ("engines[].", Engine),
@@ -93,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("inventory", type=Path)
     verify.add_argument("pytest_args", nargs="*", help="further pytest arguments (after --)")
     verify.set_defaults(run=_cmd_verify)
+    sandbox = sub.add_parser("sandbox", help="a local real-systemd host running real vLLM (root)")
+    sandbox.add_argument("action", choices=["up", "down", "status", "ssh"])
+    sandbox.add_argument("command", nargs="*", help="for ssh: a command to run instead of a shell")
+    sandbox.add_argument("--name", default=os.environ.get("SPARKFORM_SANDBOX", "sandbox"),
+                         help="sandbox name (default: $SPARKFORM_SANDBOX or 'sandbox')")
+    sandbox.set_defaults(run=_cmd_sandbox)
     fields = sub.add_parser("fields", help="print the inventory field table (Markdown)")
     fields.set_defaults(run=_cmd_fields)
     args = parser.parse_args(argv)

@@ -35,7 +35,8 @@ class EnginePlan:
     def pool_tokens(self) -> int | None:
         if self.kv_gib is None or self.tokens_per_gib is None:
             return None
-        return int(self.kv_gib * self.tokens_per_gib)
+        # round, not int: a measured pool (tokens / GiB x GiB) must come back exact, not one short.
+        return round(self.kv_gib * self.tokens_per_gib)
 
     @property
     def concurrency(self) -> float | None:

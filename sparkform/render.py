@@ -28,6 +28,13 @@ _env = jinja2.Environment(
 _env.globals["gib"] = lambda value: f"{int(value * 1024)}M"
 
 
+def prerequisite_packages(device: str) -> list[str]:
+    """Debian packages a host needs: python3-venv builds the vLLM venv, curl and util-linux
+    (flock) serve the launch script and the readiness helper; vLLM's CPU build loads libnuma."""
+    packages = ["python3", "python3-venv", "curl", "util-linux", "gawk"]
+    return packages + ["libnuma1"] if device == "cpu" else packages
+
+
 @dataclass(frozen=True)
 class RenderedFile:
     path: str

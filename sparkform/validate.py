@@ -70,8 +70,26 @@ def _pydantic_problems(host: str, data: dict[str, Any], err: ValidationError) ->
         else:
             message = error["msg"].removeprefix("Value error, ")
             fix = "give a value of the documented type and range (README field table)"
-        problems.append(Problem(host, path, error.get("input"), message, fix, engine))
+        value = _redact_api_key(error.get("input")) if path == "extra_args" else error.get("input")
+        problems.append(Problem(host, path, value, message, fix, engine))
     return problems
+
+
+def _redact_api_key(args: Any) -> Any:
+    """extra_args refused for an `--api-key`: print them without the key (CI logs, terminals)."""
+    if not isinstance(args, list):
+        return args
+    redacted, hide_next = [], False
+    for arg in args:
+        if hide_next:
+            redacted.append("***")
+            hide_next = False
+        elif isinstance(arg, str) and arg.split("=", 1)[0] == "--api-key":
+            hide_next = "=" not in arg
+            redacted.append(arg if hide_next else "--api-key=***")
+        else:
+            redacted.append(arg)
+    return redacted
 
 
 def _model_configs(host: str, config: HostConfig, base_dir: Path) -> tuple[dict, list[Problem]]:

@@ -11,11 +11,6 @@ from pyinfra.api import operation
 from facts.host import HostSnapshot
 from sparkform.schema import HostConfig
 
-# python3-venv builds the vLLM venv; curl and util-linux (flock) serve the launch script and the
-# readiness helper.
-PACKAGES = ["python3", "python3-venv", "curl", "util-linux", "gawk"]
-
-
 @dataclass(frozen=True)
 class Folder:
     path: str

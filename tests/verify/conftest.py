@@ -16,7 +16,7 @@ import pytest
 import testinfra
 
 from sparkform.inventory import load_inventory, raw_inventory
-from sparkform.schema import Engine, HostConfig
+from sparkform.schema import HostConfig
 
 
 def pytest_addoption(parser):
@@ -58,10 +58,11 @@ def _targets(config) -> list[Target]:
 
 
 def pytest_generate_tests(metafunc):
+    """Every test runs per host; a test that takes `engine` runs per enabled engine of each host."""
     targets = _targets(metafunc.config)
-    if "engine_case" in metafunc.fixturenames:
+    if "engine" in metafunc.fixturenames:
         cases = [(t, e) for t in targets for e in t.config.enabled_engines]
-        metafunc.parametrize("engine_case", cases, ids=[f"{t}-{e.name}" for t, e in cases])
+        metafunc.parametrize(("target", "engine"), cases, ids=[f"{t}-{e.name}" for t, e in cases])
     elif "target" in metafunc.fixturenames:
         metafunc.parametrize("target", targets, ids=[str(t) for t in targets])
 
@@ -75,10 +76,8 @@ _hosts: dict[str, testinfra.host.Host] = {}
 
 
 @pytest.fixture
-def remote(request, ssh_folder):
-    """The testinfra host of the test's target."""
-    target = request.getfixturevalue("target") if "target" in request.fixturenames \
-        else request.getfixturevalue("engine_case")[0]
+def remote(target, ssh_folder):
+    """The testinfra host of the test's target, one SSH master per host for the session."""
     if target.name not in _hosts:
         alias = target.name.replace("@", "").replace("/", "_")
         ssh_config = _ssh_config(alias, target.ssh_data, ssh_folder)
@@ -87,12 +86,5 @@ def remote(request, ssh_folder):
 
 
 @pytest.fixture
-def engine(engine_case) -> Engine:
-    return engine_case[1]
-
-
-@pytest.fixture
-def config(request) -> HostConfig:
-    target = request.getfixturevalue("target") if "target" in request.fixturenames \
-        else request.getfixturevalue("engine_case")[0]
+def config(target) -> HostConfig:
     return target.config

@@ -1,0 +1,94 @@
+"""Shared fixtures for sparkform's unit tests.
+
+`seed_data` is the seed's served pair (the appendix's "The served pair, as configured") as host
+data; `make_host` validates host data the way an inventory does (config.json paths resolve
+against tests/fixtures/model_configs); `problems_of` returns every Problem of invalid data.
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from sparkform.validate import Host, InventoryError, Problem, load_host
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures"
+MODEL_CONFIGS = FIXTURES / "model_configs"
+
+SEED_PAIR: dict[str, Any] = {
+    "vllm_version": "0.27.1",
+    "engines": [
+        {
+            "name": "nemotron",
+            "port": 8012,
+            "checkpoint": {"repo": "nvidia/Nemotron-3.5-Lightning-30B-A3B-NVFP4", "revision": "main"},
+            "quantization": "modelopt",
+            "gpu_memory_utilization": 0.25,
+            "max_model_len": 262_144,
+            "max_num_seqs": 128,
+            "served_names": ["nemotron"],
+            "tool_call_parser": "qwen3_xml",
+            "reasoning_parser": "nemotron_v3",
+        },
+        {
+            "name": "q38",
+            "port": 8011,
+            "checkpoint": {"repo": "RedHatAI/Qwen3.8-27B-NVFP4", "revision": "main"},
+            "quantization": "compressed-tensors",
+            "gpu_memory_utilization": 0.45,
+            "max_model_len": 262_144,
+            "max_num_seqs": 128,
+            "served_names": ["q38", "vision"],
+            "multimodal": True,
+            "tool_call_parser": "qwen3_xml",
+            "generation_config": "vllm",
+            "after": ["nemotron"],
+        },
+    ],
+}
+
+
+@pytest.fixture
+def seed_data() -> dict[str, Any]:
+    """A fresh, valid copy of the seed pair's host data (mutate it freely)."""
+    return copy.deepcopy(SEED_PAIR)
+
+
+@pytest.fixture
+def make_host() -> Callable[..., Host]:
+    def _make(data: dict[str, Any], name: str = "spark", base_dir: Path = MODEL_CONFIGS) -> Host:
+        return load_host(name, data, base_dir)
+
+    return _make
+
+
+@pytest.fixture
+def problems_of() -> Callable[..., list[Problem]]:
+    """The problems load_host reports for `data`; fails the test when the data is valid."""
+
+    def _problems(data: dict[str, Any], name: str = "spark", base_dir: Path = MODEL_CONFIGS) -> list[Problem]:
+        try:
+            load_host(name, data, base_dir)
+        except InventoryError as err:
+            assert err.problems, "InventoryError without problems"
+            return err.problems
+        pytest.fail("the data was accepted, but it is invalid")
+
+    return _problems
+
+
+@pytest.fixture
+def free_port() -> Callable[[], int]:
+    """A TCP port on 127.0.0.1 that nothing listens on (at the time of the call)."""
+
+    def _port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    return _port

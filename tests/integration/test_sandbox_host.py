@@ -1,0 +1,230 @@
+"""The sandbox host for real: a Debian rootfs booted with systemd-nspawn, reached over SSH.
+
+Needs root, debootstrap, systemd-container and a Debian mirror in the apt sources. The first
+run builds the rootfs (~1.5 min); after that each test boots its own sandbox in about a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import http.server
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from sparkform.sandbox import host
+from sparkform.sandbox.host import Sandbox, SandboxError
+
+
+@pytest.fixture(scope="module")
+def rootfs() -> Path:
+    """The cached rootfs (built once; the time is printed)."""
+    started = time.monotonic()
+    path = host.build_rootfs()
+    print(f"\nrootfs {path} ready in {time.monotonic() - started:.1f} s")
+    return path
+
+
+@pytest.fixture
+def make_sandbox(rootfs: Path) -> Iterator[Callable[..., Sandbox]]:
+    """Brings sandboxes up under unique names; takes every one down after the test."""
+    made: list[str] = []
+
+    def _make(**kwargs: object) -> Sandbox:
+        name = f"t-{uuid.uuid4().hex[:8]}"
+        made.append(name)
+        return host.up(name, **kwargs)
+
+    yield _make
+    for name in made:
+        host.down(name)
+
+
+def ssh(sandbox: Sandbox, command: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run `command` in the guest with the sandbox's own ssh_config (no prompts: BatchMode)."""
+    argv = [*sandbox.ssh_args(), *extra, command]
+    return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=60)
+
+
+def traces(sandbox: Sandbox) -> dict[str, object]:
+    """What a sandbox leaves on this machine; collected while it is up, checked after `down`."""
+    rt = sandbox.runtime_dir
+    cgroups = [Path(line) for line in (rt / "cgroups").read_text().split()]
+    pids = {int(p) for folder in cgroups for f in folder.rglob("cgroup.procs") for p in f.read_text().split()}
+    return {
+        "rt": rt,
+        "layers": Path((rt / "layers").read_text().strip()),
+        "cgroups": cgroups,
+        "pids": pids,
+        "netns": host.netns_name(sandbox.name),
+        "host_if": f"sfsb-{sandbox.address.split('.')[2]}",
+    }
+
+
+def leftovers(found: dict[str, object]) -> list[str]:
+    """Everything of a sandbox that is still there (should be [] after `down`)."""
+    rt, layers = found["rt"], found["layers"]
+    mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    left = [line for line in mounts if str(rt) in line or str(layers) in line]
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout.split()
+    left += [f"netns {found['netns']}"] if found["netns"] in netns else []
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    left += [f"link {found['host_if']}"] if f" {found['host_if']}@" in links or f" {found['host_if']}:" in links else []
+    left += [f"cgroup {folder}" for folder in found["cgroups"] if folder.exists()]
+    left += [f"pid {pid}" for pid in found["pids"] if host._alive(pid)]
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            root = os.readlink(proc / "root")
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue  # gone, or a zombie (this machine's PID 1 reaps orphans lazily)
+        if root.startswith(str(rt)) or str(rt) in cmdline:
+            left.append(f"process {proc.name}: {cmdline!r}")
+    left += [str(p) for p in (rt, layers, host.NSPAWN_RUN / "propagate" / f"sfsb-{rt.name}") if p.exists()]
+    return left
+
+
+@contextlib.contextmanager
+def serving(address: str, directory: Path) -> Iterator[int]:
+    """An HTTP server for `directory` on `address` (a free port, yielded) while the block runs."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer((address, 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_up_boots_real_systemd_reachable_by_ssh(make_sandbox: Callable[..., Sandbox], tmp_path: Path) -> None:
+    (tmp_path / "hello.txt").write_text("from the host\n")
+    sandbox = make_sandbox(binds=[(str(tmp_path), "/mnt/shared")])
+    print(f"up took {sandbox.up_seconds:.2f} s")
+    assert sandbox.up_seconds < 2.0
+    assert ssh(sandbox, "systemctl is-system-running").stdout.strip() in ("running", "degraded")
+    assert ssh(sandbox, "cat /proc/1/comm").stdout.strip() == "systemd"
+    assert ssh(sandbox, "ip -4 -o addr show eth0").stdout.split()[3] == f"{sandbox.address}/30"
+    assert ssh(sandbox, "cat /mnt/shared/hello.txt").stdout == "from the host\n"
+    assert ssh(sandbox, "touch /mnt/shared/x", check=False).returncode != 0  # bound read-only
+    with serving(sandbox.host_address, tmp_path) as port:  # the guest reaches this machine's services
+        assert ssh(sandbox, f"curl -sf http://{sandbox.host_address}:{port}/hello.txt").stdout == "from the host\n"
+    assert host.status(sandbox.name)["state"] in ("running", "degraded")
+    assert sandbox.name in host.names()
+
+
+def test_strict_host_key_checking(make_sandbox: Callable[..., Sandbox], tmp_path: Path) -> None:
+    sandbox = make_sandbox()
+    assert sandbox.known_hosts.read_text().startswith(f"{sandbox.address} ssh-ed25519 ")
+    # A fresh connection (no control master) with the written files needs no prompt...
+    no_mux = ("-o", "ControlPath=none")
+    assert ssh(sandbox, "true", *no_mux).returncode == 0
+    # ...and one that expects another host key is refused.
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
+    other = (tmp_path / "other.pub").read_text().split()[:2]
+    (tmp_path / "known_hosts").write_text(f"{sandbox.address} {' '.join(other)}\n")
+    refused = ssh(sandbox, "true", *no_mux, "-o", f"UserKnownHostsFile={tmp_path / 'known_hosts'}", check=False)
+    assert refused.returncode == 255 and "Host key verification failed" in refused.stderr
+
+
+def test_two_sandboxes_run_at_once(make_sandbox: Callable[..., Sandbox]) -> None:
+    first, second = make_sandbox(), make_sandbox()
+    assert first.address != second.address
+    for sandbox in (first, second):
+        assert ssh(sandbox, "hostname").stdout.strip() == sandbox.name
+        assert sandbox.name in host.names()
+
+
+def test_up_of_a_name_that_is_up_is_an_error(make_sandbox: Callable[..., Sandbox]) -> None:
+    sandbox = make_sandbox()
+    with pytest.raises(SandboxError, match="already up"):
+        host.up(sandbox.name)
+    assert ssh(sandbox, "true").returncode == 0
+
+
+def test_down_leaves_nothing(make_sandbox: Callable[..., Sandbox]) -> None:
+    sandbox = make_sandbox()
+    ssh(sandbox, "true")  # a control master runs now
+    found = traces(sandbox)
+    started = time.monotonic()
+    host.down(sandbox.name)
+    print(f"down took {time.monotonic() - started:.2f} s")
+    assert leftovers(found) == []
+    assert sandbox.name not in host.names()
+    assert host.status(sandbox.name)["up"] is False
+    host.down(sandbox.name)  # again: a no-op
+    host.down("never-was-up")
+
+
+def test_down_after_nspawn_was_killed_leaves_nothing(make_sandbox: Callable[..., Sandbox]) -> None:
+    sandbox = make_sandbox()
+    found = traces(sandbox)
+    os.kill(host.status(sandbox.name)["pid"], signal.SIGKILL)
+    time.sleep(0.2)
+    assert host.status(sandbox.name)["up"] is False
+    host.down(sandbox.name)
+    assert leftovers(found) == []
+
+
+def test_reboot_brings_the_same_sandbox_back(make_sandbox: Callable[..., Sandbox]) -> None:
+    sandbox = make_sandbox()
+    ssh(sandbox, "echo before-reboot > /root/marker")
+    host_key = ssh(sandbox, "cat /etc/ssh/ssh_host_ed25519_key.pub").stdout
+    pid_before = host.status(sandbox.name)["pid"]
+    seconds = host.reboot(sandbox.name)
+    print(f"reboot took {seconds:.2f} s")
+    after = host.status(sandbox.name)
+    assert after["up"] and after["pid"] != pid_before and after["address"] == sandbox.address
+    # Strict host key checking passes with the known_hosts written at `up`: same host key.
+    assert ssh(sandbox, "cat /etc/ssh/ssh_host_ed25519_key.pub", "-o", "ControlPath=none").stdout == host_key
+    assert ssh(sandbox, "cat /root/marker").stdout == "before-reboot\n"
+    assert ssh(sandbox, "systemctl is-system-running").stdout.strip() in ("running", "degraded")
+
+
+def test_memory_max_is_enforced_once_the_controller_is_writable(make_sandbox: Callable[..., Sandbox]) -> None:
+    sandbox = make_sandbox()
+    host.memory_controller_writable(sandbox.name)
+    assert_memory_max_kills(sandbox)
+    host.reboot(sandbox.name)  # mounts the controller read-only again; reboot() makes it writable again
+    assert_memory_max_kills(sandbox)
+
+
+def assert_memory_max_kills(sandbox: Sandbox) -> None:
+    """A unit with MemoryMax=50M that allocates 200 MiB is killed."""
+    hog = "python3 -c 'x=bytearray(200*2**20); import time; time.sleep(5)'"
+    run = ssh(sandbox, f"systemd-run --wait --collect -p MemoryMax=50M {hog}", check=False)
+    assert run.returncode != 0
+    assert "Finished with result: signal" in run.stderr or "Finished with result: oom-kill" in run.stderr, run.stderr
+
+
+def test_apt_mirror_reads_both_source_formats(tmp_path: Path) -> None:
+    (tmp_path / "sources.list.d").mkdir()
+    with pytest.raises(SandboxError, match="no apt source"):
+        host.apt_mirror(apt_dir=tmp_path)
+    (tmp_path / "sources.list").write_text(
+        "# deb http://old.example/debian bookworm main\n"
+        "deb [arch=amd64 signed-by=/k.gpg] http://one.example/debian bookworm-updates main\n"
+    )
+    (tmp_path / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\nURIs: http://off.example/debian\nSuites: bookworm\nEnabled: no\n\n"
+        "Types: deb deb-src\n# a comment\nURIs: http://two.example/debian\n"
+        "Suites: bookworm bookworm-updates\nComponents: main\n"
+    )
+    assert host.apt_mirror(apt_dir=tmp_path) == "http://two.example/debian"
+    (tmp_path / "sources.list").write_text("deb http://one.example/debian bookworm main contrib\n")
+    assert host.apt_mirror(apt_dir=tmp_path) == "http://one.example/debian"
+
+
+def test_rootfs_key_depends_on_the_package_list() -> None:
+    base = host.rootfs_key(host.BASE_PACKAGES)
+    assert host.rootfs_key(reversed(host.BASE_PACKAGES)) == base
+    assert host.rootfs_key([*host.BASE_PACKAGES, "jq"]) != base

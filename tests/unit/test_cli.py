@@ -1,0 +1,292 @@
+"""The `sparkform` CLI, and the acceptance test of the inventory issue: each broken inventory under
+tests/fixtures/inventories/broken/ exits 2 with the field named, and no connection is attempted.
+
+No connection, proven two ways: every broken inventory runs in a subprocess of the real console
+script and finishes fast (its ssh_hostname is in the reserved `.invalid` domain), and runs again
+in-process with every socket entry point (connect, create_connection, getaddrinfo, ...) patched to
+fail loudly and record the attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sparkform import cli
+
+REPO = Path(__file__).resolve().parents[2]
+INVENTORIES = REPO / "tests" / "fixtures" / "inventories"
+BROKEN = INVENTORIES / "broken"
+SEED_INVENTORY = REPO / "inventory" / "spark.py"
+CONSOLE_SCRIPT = Path(sys.executable).with_name("sparkform")
+
+# file: (text stderr must contain, naming the field (and the engine where there is one), more text)
+EXPECTED = {
+    "utilization_over_pool": ("spark-test: gpu_memory_utilization = {'fast': 0.45, 'slow': 0.45}",
+                              "0.45 (fast) + 0.45 (slow) = 0.90 of 121.0 GiB is 108.9 GiB"),
+    "typo_host_key": ("spark-test: gpu_memory_utilisation = 0.45", "unknown key"),
+    "typo_engine_key": ("spark-test: engine slow: max_num_seq = 64", "unknown key"),
+    "duplicate_name": ("spark-test: engine fast: name = 'fast'", "two engines share this name"),
+    "duplicate_port": ("spark-test: engine slow: port = 8012", "engine fast already listens on it"),
+    "duplicate_served_name": ("spark-test: engine slow: served_names = 'fast'", "already answers to this name"),
+    "mtp_without_language_model_only": ("spark-test: engine fast: speculative_config = ", "language_model_only"),
+    "language_model_only_with_vision": ("spark-test: engine slow: language_model_only = True", "vision"),
+    "timeout_not_above_budget": ("spark-test: timeout_start_s = 1080", "readiness budget (1080 s)"),
+    "after_missing": ("spark-test: engine slow: after = 'fats'", "name one of: fast, slow"),
+    "after_disabled": ("spark-test: engine slow: after = 'fast'", "disabled"),
+    "after_self": ("spark-test: engine slow: after = 'slow'", "itself"),
+    "after_cycle": ("spark-test: after = ", "cycle"),
+    "memory_max_not_above_high": ("spark-test: memory_max_gib = 100.0", "MemoryHigh"),
+    "memory_max_over_total": ("spark-test: memory_max_gib = 125.0", "121.0 GiB the host has"),
+    "compile_storm": ("spark-test: compile_caps.max_jobs = 20", "66.0 GiB"),
+    "cpu_without_kv_bytes": ("spark-test: engine fast: kv_cache_memory_bytes = None", "CPU"),
+    "window_over_native": ("spark-test: engine slow: max_model_len = 131072", "40,960"),
+    "model_config_missing": ("spark-test: engine slow: model_config_path = 'no-such/config.json'", "does not exist"),
+    "secret_file_missing": ("spark-test: hf_token_file = '/nonexistent/sparkform-test/hf-token'", "no such file"),
+    "wrong_type_port": ("spark-test: engine fast: port = 'eighty'", "valid integer"),
+    "wrong_type_utilization": ("spark-test: engine slow: gpu_memory_utilization = 'half'", "valid number"),
+    "unknown_quantization": ("spark-test: engine slow: quantization = 'nvfp4-magic'", "Unknown quantization method"),
+    "api_key_in_extra_args": ("spark-test: engine slow: extra_args = ['--api-key', '***']", "api_key_file"),
+    "missing_revision": ("spark-test: engine fast: checkpoint.revision = ", "required field is missing"),
+}
+BROKEN_FILES = sorted(BROKEN.glob("*.py"))
+
+
+def clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARK_")}
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def sparkform(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
+    command = [str(CONSOLE_SCRIPT)] if CONSOLE_SCRIPT.exists() else [sys.executable, "-m", "sparkform.cli"]
+    start = time.monotonic()
+    result = subprocess.run([*command, *args], capture_output=True, text=True, cwd=cwd, env=clean_env(),
+                            timeout=60)
+    return result, time.monotonic() - start
+
+
+class ConnectionAttempted(AssertionError):
+    pass
+
+
+@pytest.fixture
+def no_network(monkeypatch) -> list[str]:
+    """Every way to open a connection fails the test and is recorded."""
+    attempts: list[str] = []
+
+    def blocked(name):
+        def _blocked(*args, **kwargs):
+            attempts.append(f"{name}{args[1:] if name.startswith('socket.') else args}")
+            raise ConnectionAttempted(f"{name} called: sparkform plan must not connect")
+        return _blocked
+
+    for name in ("connect", "connect_ex", "sendto"):
+        monkeypatch.setattr(socket.socket, name, blocked(f"socket.{name}"))
+    for name in ("create_connection", "getaddrinfo", "gethostbyname", "gethostbyname_ex"):
+        monkeypatch.setattr(socket, name, blocked(name))
+    for var in ("SPARK_HOST", "SPARK_USER", "SPARK_HF_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    return attempts
+
+
+def test_the_network_guard_catches_a_connection(no_network):
+    with pytest.raises(ConnectionAttempted):
+        socket.create_connection(("spark-broken.invalid", 22), timeout=1)
+    with socket.socket() as sock, pytest.raises(ConnectionAttempted):
+        sock.connect(("127.0.0.1", 22))
+    assert len(no_network) == 2
+
+
+# --- the broken inventories ------------------------------------------------------------------------
+
+def test_there_are_at_least_a_dozen_broken_inventories_each_with_an_expectation():
+    names = {path.stem for path in BROKEN_FILES}
+    assert len(names) >= 12
+    assert names == set(EXPECTED), f"without expectation: {names - set(EXPECTED)}; " \
+                                   f"without file: {set(EXPECTED) - names}"
+
+
+@pytest.mark.parametrize("path", BROKEN_FILES, ids=[p.stem for p in BROKEN_FILES])
+def test_broken_inventory_exits_2_naming_the_field(path, tmp_path):
+    result, elapsed = sparkform("plan", str(path), cwd=tmp_path)
+    named, detail = EXPECTED[path.stem]
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0] == f"sparkform: invalid inventory {path}:"
+    assert any(line.startswith(f"  - {named}") for line in lines[1:]), result.stderr
+    assert detail in result.stderr
+    assert "Fix: " in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""  # no plan printed for an invalid inventory
+    assert "DO-NOT-PRINT" not in result.stderr
+    assert elapsed < 15, f"{elapsed:.1f} s: did it try to reach spark-broken.invalid?"
+
+
+@pytest.mark.parametrize("path", BROKEN_FILES, ids=[p.stem for p in BROKEN_FILES])
+def test_broken_inventory_in_process_without_any_connection(path, no_network, capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["plan", str(path)])
+    assert caught.value.code == 2
+    assert no_network == []
+    err = capsys.readouterr().err
+    assert EXPECTED[path.stem][0] in err
+
+
+def test_the_unbroken_base_of_the_broken_inventories_is_valid(tmp_path):
+    result, _ = sparkform("plan", str(INVENTORIES / "valid_pair.py"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "host spark-test" in result.stdout
+
+
+def test_every_problem_of_an_inventory_is_listed(tmp_path, no_network, capsys):
+    inventory = tmp_path / "two_hosts.py"
+    inventory.write_text(
+        "from sparkform.inventory import hosts\n"
+        "engines = [{'name': 'a', 'port': 8011, 'checkpoint': {'repo': 'o/a', 'revision': 'r'}}]\n"
+        "spark = hosts({\n"
+        "    'one': {'timeout_start_s': 60, 'engines': engines},\n"
+        "    'two': {'memory_max_gib': 90.0, 'engines': engines, 'gpu_memory_utilisation': 0.3},\n"
+        "}, __file__)\n")
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["plan", str(inventory)])
+    assert caught.value.code == 2
+    problems = [line for line in capsys.readouterr().err.splitlines() if line.startswith("  - ")]
+    assert [p.split(" = ")[0] for p in problems] == ["  - one: timeout_start_s", "  - two: gpu_memory_utilisation"]
+    assert no_network == []
+
+
+def test_problems_found_after_loading_also_exit_2(tmp_path, no_network, capsys):
+    # A plain host list (not built with hosts()) is validated by the CLI itself.
+    inventory = tmp_path / "plain.py"
+    inventory.write_text("spark = [('spark-test', {'engines': [{'name': 'a', 'port': 80, "
+                         "'checkpoint': {'repo': 'o/a', 'revision': 'r'}}]})]\n")
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["plan", str(inventory)])
+    assert caught.value.code == 2
+    assert "spark-test: engine a: port = 80: " in capsys.readouterr().err
+
+
+def test_an_inventory_without_hosts_is_invalid(tmp_path, capsys):
+    inventory = tmp_path / "empty.py"
+    inventory.write_text("NOTHING = 1\n")
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["plan", str(inventory)])
+    assert caught.value.code == 2
+    assert "the inventory defines no host" in capsys.readouterr().err
+
+
+def test_a_missing_inventory_exits_1(tmp_path, capsys):
+    assert cli.main(["plan", str(tmp_path / "nope.py")]) == 1
+    assert "No such file" in capsys.readouterr().err
+
+
+# --- the seed inventory --------------------------------------------------------------------------------
+
+def test_seed_inventory_plan_exits_0_and_prints_both_engines(tmp_path):
+    result, elapsed = sparkform("plan", str(SEED_INVENTORY), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert lines[0] == "host spark.local: 121.0 GiB unified memory"
+    nemotron = next(line.split() for line in lines if line.strip().startswith("nemotron "))
+    q38 = next(line.split() for line in lines if line.strip().startswith("q38 "))
+    assert nemotron[1] == "0.25" and nemotron[-3:] == ["2,703,604", "262,144", "10.31x"]
+    assert q38[1] == "0.45" and q38[-3:] == ["858,483", "262,144", "3.27x"]
+    assert "recommended split (equal concurrency at each engine's max_model_len): nemotron 0.21" in result.stdout
+    assert elapsed < 15
+
+
+def test_seed_inventory_plan_in_process_without_any_connection(no_network, capsys):
+    assert cli.main(["plan", str(SEED_INVENTORY)]) == 0
+    out = capsys.readouterr().out
+    assert "nemotron" in out and "q38" in out
+    assert no_network == []
+
+
+def test_plan_host_name_follows_spark_host(tmp_path):
+    env = clean_env() | {"SPARK_HOST": "gb10.lan", "SPARK_USER": "ops"}
+    result = subprocess.run([sys.executable, "-m", "sparkform.cli", "plan", str(SEED_INVENTORY)],
+                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("host gb10.lan: ")
+
+
+def test_plan_json(tmp_path):
+    result, _ = sparkform("plan", "--json", str(SEED_INVENTORY), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (plan,) = json.loads(result.stdout)
+    assert plan["host"] == "spark.local"
+    engines = {e["name"]: e for e in plan["engines"]}
+    assert engines["nemotron"]["pool_tokens"] == 2_703_604
+    assert engines["q38"]["pool_tokens"] == 858_483
+    assert engines["q38"]["weights_gib"] == 21.81
+    assert round(engines["nemotron"]["concurrency"], 2) == 10.31
+    assert plan["split"]["utilization"] == {"nemotron": 0.21, "q38": 0.49}
+    assert plan["used_gib"] == pytest.approx(84.7)
+
+
+# --- render and fields --------------------------------------------------------------------------------
+
+def test_render_writes_every_file_with_its_mode(tmp_path):
+    out = tmp_path / "rendered"
+    result, _ = sparkform("render", str(SEED_INVENTORY), "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    root = out / "spark.local"
+    written = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    assert written == sorted([
+        "usr/local/lib/sparkform/sparkform-launch", "usr/local/lib/sparkform/sparkform-wait-ready",
+        "etc/profile.d/sparkform-caps.sh",
+        "etc/systemd/system/vllm-nemotron.service", "etc/sparkform/engines/nemotron.env",
+        "etc/sparkform/engines/nemotron.args",
+        "etc/systemd/system/vllm-q38.service", "etc/sparkform/engines/q38.env", "etc/sparkform/engines/q38.args",
+    ])
+    assert result.stdout.splitlines() == [str(root / "usr/local/lib/sparkform/sparkform-launch"),
+                                          *result.stdout.splitlines()[1:]]
+    assert stat.S_IMODE((root / "usr/local/lib/sparkform/sparkform-launch").stat().st_mode) == 0o755
+    assert stat.S_IMODE((root / "etc/systemd/system/vllm-q38.service").stat().st_mode) == 0o644
+    assert "Restart=always" in (root / "etc/systemd/system/vllm-q38.service").read_text()
+
+
+def test_render_only_the_named_host(tmp_path):
+    out = tmp_path / "rendered"
+    result, _ = sparkform("render", str(SEED_INVENTORY), "--out", str(out), "--host", "other", cwd=tmp_path)
+    assert result.returncode == 0
+    assert result.stdout == ""
+    assert not out.exists()
+
+
+def test_render_of_a_broken_inventory_writes_nothing(tmp_path):
+    out = tmp_path / "rendered"
+    result, _ = sparkform("render", str(BROKEN / "duplicate_port.py"), "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "port = 8012" in result.stderr
+    assert not out.exists()
+
+
+def test_fields_table_lists_every_field(capsys):
+    assert cli.main(["fields"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[:2] == ["| field | default | meaning |", "|---|---|---|"]
+    rows = {line.split("|")[1].strip().strip("`"): line for line in table[2:]}
+    for name in ("device", "memory_max_gib", "compile_caps.max_jobs", "engines[].gpu_memory_utilization",
+                 "engines[].checkpoint.revision", "engines[].measured.kv_pool_tokens"):
+        assert name in rows, name
+    assert "| `engines[].name` | required |" in rows["engines[].name"]
+    assert "`1200`" in rows["timeout_start_s"]
+    assert "`0.25`" in rows["engines[].gpu_memory_utilization"]
+
+
+def test_no_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main([])
+    assert caught.value.code == 2
+    assert "usage: sparkform" in capsys.readouterr().err

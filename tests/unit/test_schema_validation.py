@@ -1,0 +1,452 @@
+"""Inventory validation: the schema (field shapes) and every whole-host rule in validate.py.
+
+Each rule has at least one invalid case (the Problem must name the host, the engine when there is
+one, the field and a fix) and one valid case at or near its boundary. Host data starts from the
+seed's served pair (tests/conftest.py) and is changed by one "mutator" per case.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from sparkform import inventory as inventory_module
+from sparkform.schema import KNOWN_QUANTIZATIONS, HostConfig
+from sparkform.validate import InventoryError, Problem, load_host, start_order
+
+Mutator = Callable[[dict[str, Any]], None]
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+def eng(data: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(e for e in data["engines"] if e["name"] == name)
+
+
+def at(engine_name: str, **fields: Any) -> Mutator:
+    """Set fields of one engine."""
+
+    def mutate(data: dict[str, Any]) -> None:
+        eng(data, engine_name).update(copy.deepcopy(fields))
+
+    return mutate
+
+
+def drop(engine_name: str, *fields: str) -> Mutator:
+    def mutate(data: dict[str, Any]) -> None:
+        for name in fields:
+            eng(data, engine_name).pop(name, None)
+
+    return mutate
+
+
+def host(**fields: Any) -> Mutator:
+    """Set host-level fields."""
+
+    def mutate(data: dict[str, Any]) -> None:
+        data.update(copy.deepcopy(fields))
+
+    return mutate
+
+
+def both(*mutators: Mutator) -> Mutator:
+    def mutate(data: dict[str, Any]) -> None:
+        for mutator in mutators:
+            mutator(data)
+
+    return mutate
+
+
+def problems_for(field: str, problems: list[Problem]) -> list[Problem]:
+    found = [p for p in problems if p.field == field]
+    assert found, f"no problem names {field!r}; got: {[str(p) for p in problems]}"
+    return found
+
+
+# --- the invalid cases ---------------------------------------------------------------------------
+# (id, mutator, field, engine or None, substrings the message must contain)
+
+INVALID = [
+    # The memory pool: 0.39 + 0.45 = 0.84 of 121 GiB = 101.64 GiB > 121 - 20 = 101 GiB.
+    ("utilization-over-pool", at("nemotron", gpu_memory_utilization=0.39), "gpu_memory_utilization", None,
+     ["0.39 (nemotron) + 0.45 (q38) = 0.84", "121.0 GiB is 101.6 GiB", "101.0 GiB left", "20.0 GiB of headroom"]),
+    # Uniqueness.
+    ("duplicate-name", both(at("q38", name="nemotron", after=[], served_names=["q38"])), "name", "nemotron",
+     ["two engines share this name"]),
+    ("duplicate-port", at("q38", port=8012), "port", "q38", ["engine nemotron already listens on it"]),
+    ("duplicate-served-name", at("q38", served_names=["q38", "nemotron"]), "served_names", "q38",
+     ["engine nemotron already answers to this name"]),
+    # The default served name of an engine is its own name: serving "nemotron" twice is caught too.
+    ("served-name-clashes-with-default-name",
+     both(at("nemotron", served_names=[]), at("q38", served_names=["q38", "nemotron"])),
+     "served_names", "q38", ["engine nemotron already answers to this name"]),
+    # MTP and vision.
+    ("mtp-without-language-model-only",
+     at("nemotron", speculative_config={"method": "mtp", "num_speculative_tokens": 3}),
+     "speculative_config", "nemotron", ["language_model_only"]),
+    ("language-model-only-with-vision-alias", at("q38", language_model_only=True, multimodal=False),
+     "language_model_only", "q38", ["vision"]),
+    ("language-model-only-with-multimodal", at("q38", language_model_only=True, served_names=["q38"]),
+     "language_model_only", "q38", ["image requests"]),
+    ("mtp-on-the-vision-engine",
+     at("q38", speculative_config={"method": "mtp", "num_speculative_tokens": 3}, language_model_only=True),
+     "language_model_only", "q38", ["vision"]),
+    # Timeouts.
+    ("timeout-equal-to-budget", host(timeout_start_s=1080), "timeout_start_s", None, ["1080"]),
+    ("timeout-below-budget", host(readiness_budget_s=1300), "timeout_start_s", None, ["1300"]),
+    # The boot chain.
+    ("after-missing-engine", at("q38", after=["nemotorn"]), "after", "q38", ["no engine of that name"]),
+    ("after-disabled-engine", at("nemotron", enabled=False), "after", "q38", ["disabled"]),
+    ("after-itself", at("q38", after=["q38"]), "after", "q38", ["itself"]),
+    ("after-cycle", at("nemotron", after=["q38"]), "after", None, ["cycle"]),
+    # cgroup caps.
+    ("memory-max-equal-to-high", host(memory_max_gib=105.0), "memory_max_gib", None, ["MemoryHigh (105.0 GiB)"]),
+    ("memory-max-below-high", host(memory_max_gib=100.0), "memory_max_gib", None, ["MemoryHigh"]),
+    ("memory-max-over-total", host(memory_max_gib=125.0), "memory_max_gib", None, ["121.0 GiB the host has"]),
+    # The compile storm: 7 x 3.3 = 23.1 GiB > 20 GiB headroom.
+    ("compile-storm", host(compile_caps={"max_jobs": 7}), "compile_caps.max_jobs", None,
+     ["7 compilers x 3.3 GiB = 23.1 GiB", "20.0 GiB headroom"]),
+    ("compile-storm-small-headroom", host(memory_headroom_gib=6.0), "compile_caps.max_jobs", None,
+     ["4 compilers x 3.3 GiB = 13.2 GiB"]),
+    # CPU needs an explicit pool.
+    ("cpu-without-kv-bytes", both(host(device="cpu"), at("nemotron", kv_cache_memory_bytes=268435456)),
+     "kv_cache_memory_bytes", "q38", ["CPU"]),
+    # The checkpoint's native window (qwen3_32b_dense.json: max_position_embeddings 40,960).
+    ("window-over-native", at("q38", model_config_path="qwen3_32b_dense.json"), "max_model_len", "q38",
+     ["40,960"]),
+    ("model-config-missing", at("q38", model_config_path="no-such-config.json"), "model_config_path", "q38",
+     ["does not exist"]),
+    ("model-config-without-heads", at("q38", model_config_path="no_attention_heads.json"), "model_config_path",
+     "q38", ["num_attention_heads"]),
+    ("model-config-without-attention", at("q38", model_config_path="no_full_attention.json"),
+     "model_config_path", "q38", ["no full-attention layer"]),
+    ("model-config-not-json", at("q38", model_config_path="not_json.json"), "model_config_path", "q38",
+     ["not valid JSON"]),
+    # Secrets that are not there.
+    ("hf-token-file-missing", host(hf_token_file="/nonexistent/sparkform-test/hf_token"), "hf_token_file", None,
+     ["no such file"]),
+    ("api-key-file-missing", host(api_key_file="/nonexistent/sparkform-test/api_key"), "api_key_file", None,
+     ["no such file"]),
+    # Unknown keys: typos are errors, at host level, in an engine and in nested tables.
+    ("typo-at-host-level", host(gpu_memory_utilisation=0.45), "gpu_memory_utilisation", None, ["unknown key"]),
+    ("typo-in-engine", both(drop("q38", "gpu_memory_utilization"), at("q38", gpu_memory_utilisation=0.45)),
+     "gpu_memory_utilisation", "q38", ["unknown key"]),
+    ("typo-host-budget", host(readiness_budget=1080), "readiness_budget", None, ["unknown key"]),
+    ("typo-in-checkpoint", at("q38", checkpoint={"repo": "RedHatAI/Qwen3.8-27B-NVFP4", "revision": "main",
+                                                 "branch": "main"}), "checkpoint.branch", "q38", ["unknown key"]),
+    ("typo-in-compile-caps", host(compile_caps={"max_job": 4}), "compile_caps.max_job", None, ["unknown key"]),
+    ("typo-in-measured", at("q38", measured={"kv_cache_gb": 26.8}), "measured.kv_cache_gb", "q38", ["unknown key"]),
+    # Wrong types and ranges.
+    ("port-not-a-number", at("nemotron", port="eighty"), "port", "nemotron", ["integer"]),
+    ("port-privileged", at("nemotron", port=80), "port", "nemotron", ["1024"]),
+    ("utilization-not-a-number", at("q38", gpu_memory_utilization="high"), "gpu_memory_utilization", "q38",
+     ["number"]),
+    ("utilization-over-0.95", at("q38", gpu_memory_utilization=0.96), "gpu_memory_utilization", "q38", ["0.95"]),
+    ("max-model-len-fraction", at("q38", max_model_len=131072.5), "max_model_len", "q38", ["integer"]),
+    ("served-names-not-a-list", at("q38", served_names="q38"), "served_names", "q38", ["list"]),
+    ("served-name-with-space", at("q38", served_names=["q38", "vision model"]), "served_names", "q38",
+     ["whitespace"]),
+    ("engines-not-a-list", host(engines={"name": "q38"}), "engines", None, ["list"]),
+    ("enabled-not-a-bool", at("q38", enabled="maybe"), "enabled", "q38", ["boolean"]),
+    ("engine-name-uppercase", at("q38", name="Q38", after=["nemotron"]), "name", "Q38", ["pattern"]),
+    ("after-not-a-name", at("q38", after=["vllm-nemotron.service"]), "after", "q38", ["not an engine name"]),
+    ("device-unknown", host(device="rocm"), "device", None, ["'cuda' or 'cpu'"]),
+    ("checkpoint-missing", drop("q38", "checkpoint"), "checkpoint", "q38", ["required field is missing"]),
+    ("revision-missing", at("q38", checkpoint={"repo": "RedHatAI/Qwen3.8-27B-NVFP4"}), "checkpoint.revision",
+     "q38", ["required field is missing"]),
+    ("repo-not-owner-name", at("q38", checkpoint={"repo": "Qwen3.8-27B", "revision": "main"}),
+     "checkpoint.repo", "q38", ["owner/name"]),
+    ("unknown-quantization", at("q38", quantization="nvfp4-magic"), "quantization", "q38",
+     ["Unknown quantization method", "compressed-tensors"]),
+    ("unknown-kv-cache-dtype", at("q38", kv_cache_dtype="fp16"), "kv_cache_dtype", "q38", ["fp8"]),
+    ("api-key-in-extra-args", at("q38", extra_args=["--api-key", "sk-test-123"]), "extra_args", "q38",
+     ["api_key_file"]),
+    ("api-key-equals-in-extra-args", at("q38", extra_args=["--api-key=sk-test-123"]), "extra_args", "q38",
+     ["api_key_file"]),
+    ("newline-in-extra-args", at("q38", extra_args=["--max-num-batched-tokens 8192\n--x"]), "extra_args", "q38",
+     ["newline"]),
+]
+
+
+@pytest.mark.parametrize(("mutator", "field", "engine_name", "texts"),
+                         [case[1:] for case in INVALID], ids=[case[0] for case in INVALID])
+def test_invalid_host_data_names_host_engine_field_and_fix(seed_data, problems_of, mutator, field,
+                                                            engine_name, texts):
+    mutator(seed_data)
+    problems = problems_of(seed_data, name="spark-test")
+    matching = problems_for(field, problems)
+    problem = next((p for p in matching if p.engine == engine_name), None)
+    assert problem is not None, f"no {field} problem for engine {engine_name}: {[str(p) for p in matching]}"
+    assert problem.host == "spark-test"
+    assert problem.fix.strip(), "every problem carries a fix"
+    for text in texts:
+        assert text in problem.message, f"{text!r} not in {problem.message!r}"
+    rendered = str(problem)
+    assert rendered.startswith("spark-test: ")
+    assert f"{field} = " in rendered
+    assert f"Fix: {problem.fix}." in rendered
+    if engine_name:
+        assert f"engine {engine_name}: " in rendered
+    else:
+        assert "engine " not in rendered.split(f"{field} = ")[0]
+
+
+# --- valid cases at the boundaries ---------------------------------------------------------------
+
+VALID = [
+    ("seed-pair", lambda data: None),
+    # 0.38 + 0.45 = 0.83 of 121 GiB = 100.43 GiB <= 101 GiB.
+    ("utilization-just-under-pool", at("nemotron", gpu_memory_utilization=0.38)),
+    # A disabled engine's share does not count.
+    ("disabled-engine-outside-pool", lambda data: data["engines"].append(
+        {"name": "embed", "port": 8004, "enabled": False, "gpu_memory_utilization": 0.5,
+         "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"}})),
+    ("mtp-with-language-model-only-and-no-vision",
+     at("nemotron", speculative_config={"method": "mtp", "num_speculative_tokens": 3}, language_model_only=True)),
+    ("other-speculation-without-language-model-only",
+     at("q38", speculative_config={"method": "ngram", "num_speculative_tokens": 3})),
+    ("timeout-one-above-budget", host(timeout_start_s=1081)),
+    ("memory-max-just-above-high", host(memory_max_gib=105.5)),
+    ("memory-max-equal-to-total", host(memory_max_gib=121.0)),
+    # 6 x 3.3 = 19.8 GiB <= 20 GiB.
+    ("compile-jobs-at-headroom", host(compile_caps={"max_jobs": 6})),
+    ("cpu-with-kv-bytes", both(host(device="cpu"), at("nemotron", kv_cache_memory_bytes=268435456),
+                               at("q38", kv_cache_memory_bytes=268435456))),
+    ("window-equal-to-native", at("q38", model_config_path="qwen3_32b_dense.json", max_model_len=40960)),
+    ("window-under-hybrid-native", at("nemotron", model_config_path="nemotron_h.json")),
+    ("port-given-as-digits", at("q38", port="8011")),
+    ("every-known-quantization", at("q38", quantization=sorted(KNOWN_QUANTIZATIONS)[0])),
+    ("fp8-kv-cache", at("q38", kv_cache_dtype="fp8")),
+    ("other-extra-args", at("q38", extra_args=["--max-num-batched-tokens", "8192", "--api-server-count=1"])),
+    ("pyinfra-connector-keys", host(ssh_user="root", ssh_port=22, ssh_key="~/.ssh/id_ed25519",
+                                    ssh_hostname="spark.local", ssh_strict_host_key_checking="accept-new",
+                                    _sudo=True, _sudo_user="vllm", sudo=True, _sparkform_base_dir="/x",
+                                    docker_identifier="c1", chroot_directory="/", winrm_port=5985)),
+]
+
+
+@pytest.mark.parametrize("mutator", [case[1] for case in VALID], ids=[case[0] for case in VALID])
+def test_valid_host_data_loads(seed_data, make_host, mutator):
+    mutator(seed_data)
+    loaded = make_host(seed_data)
+    assert [e.name for e in loaded.config.engines][:2] == ["nemotron", "q38"]
+
+
+def test_seed_pair_values_survive_validation(seed_data, make_host):
+    config = make_host(seed_data).config
+    nemotron, q38 = config.engines
+    assert (nemotron.port, q38.port) == (8012, 8011)
+    assert q38.names == ["q38", "vision"]
+    assert nemotron.names == ["nemotron"]
+    assert q38.after == ["nemotron"]
+    assert q38.unit == "vllm-q38.service"
+    assert config.timeout_start_s == 1200 and config.readiness_budget_s == 1080
+    assert config.start_limit_burst == 3 and config.start_limit_interval_s == 3600
+    assert (config.memory_high_gib, config.memory_max_gib) == (105.0, 112.0)
+    assert config.compile_caps.as_env() == {"MAX_JOBS": "4", "NVCC_THREADS": "1",
+                                            "FLASHINFER_NVCC_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "4"}
+    assert config.venv == "/opt/sparkform/venvs/vllm-0.27.1"
+    assert config.checkpoint_dir(q38) == "/var/lib/sparkform/models/RedHatAI--Qwen3.8-27B-NVFP4@main"
+
+
+def test_connector_keys_are_accepted_but_not_part_of_the_config(seed_data, make_host):
+    seed_data.update(ssh_user="admin", _sudo=True, ssh_port=2222, sudo_user="root")
+    config = make_host(seed_data).config
+    dumped = config.model_dump()
+    assert not {"ssh_user", "_sudo", "ssh_port", "sudo_user"} & set(dumped)
+
+
+def test_a_key_that_only_looks_like_a_connector_key_is_still_unknown(seed_data, problems_of):
+    seed_data["ssh"] = {"user": "root"}  # pyinfra's keys are ssh_*, not a nested table
+    problem = problems_for("ssh", problems_of(seed_data))[0]
+    assert problem.message == "unknown key"
+
+
+def test_unknown_key_problem_shows_the_value_and_the_fix(seed_data, problems_of):
+    eng(seed_data, "q38")["gpu_memory_utilisation"] = 0.45
+    problem = problems_for("gpu_memory_utilisation", problems_of(seed_data))[0]
+    assert problem.value == 0.45
+    assert "spelling" in problem.fix
+    assert str(problem) == (
+        "spark: engine q38: gpu_memory_utilisation = 0.45: unknown key. "
+        "Fix: remove it or correct its spelling (see the field table in the README).")
+
+
+def test_memory_pool_problem_shows_the_arithmetic_with_custom_totals(seed_data, problems_of):
+    seed_data.update(memory_total_gib=100.0, memory_headroom_gib=10.0)
+    eng(seed_data, "nemotron")["gpu_memory_utilization"] = 0.5
+    eng(seed_data, "q38")["gpu_memory_utilization"] = 0.45
+    problem = problems_for("gpu_memory_utilization", problems_of(seed_data))[0]
+    assert problem.engine is None
+    assert problem.value == {"nemotron": 0.5, "q38": 0.45}
+    assert problem.message == ("0.50 (nemotron) + 0.45 (q38) = 0.95 of 100.0 GiB is 95.0 GiB, "
+                               "over the 90.0 GiB left after 10.0 GiB of headroom")
+    assert "at most 0.90" in problem.fix
+
+
+def test_cpu_host_reports_every_engine_without_a_pool(seed_data, problems_of):
+    seed_data["device"] = "cpu"
+    problems = problems_for("kv_cache_memory_bytes", problems_of(seed_data))
+    assert sorted(p.engine for p in problems) == ["nemotron", "q38"]
+
+
+def test_after_missing_lists_the_engines_that_exist(seed_data, problems_of):
+    eng(seed_data, "q38")["after"] = ["nemotorn"]
+    problem = problems_for("after", problems_of(seed_data))[0]
+    assert problem.value == "nemotorn"
+    assert problem.fix == "name one of: nemotron, q38"
+
+
+def test_three_engine_cycle_is_found(seed_data, problems_of):
+    seed_data["engines"].append({"name": "embed", "port": 8004, "gpu_memory_utilization": 0.05,
+                                 "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"}, "after": ["q38"]})
+    eng(seed_data, "nemotron")["after"] = ["embed"]
+    problem = problems_for("after", problems_of(seed_data))[0]
+    assert "cycle" in problem.message
+    assert problem.value == {"nemotron": ["embed"], "q38": ["nemotron"], "embed": ["q38"]}
+
+
+def test_start_order_follows_the_after_edges(seed_data, make_host):
+    seed_data["engines"].insert(0, {"name": "embed", "port": 8004, "gpu_memory_utilization": 0.05,
+                                    "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"},
+                                    "after": ["q38", "nemotron"]})
+    engines = make_host(seed_data).config.engines
+    assert [e.name for e in start_order(engines)] == ["nemotron", "q38", "embed"]
+
+
+def test_every_rule_problem_is_reported_at_once(seed_data, problems_of):
+    seed_data.update(timeout_start_s=900, memory_max_gib=104.0, compile_caps={"max_jobs": 8})
+    eng(seed_data, "q38")["port"] = 8012
+    fields = sorted(p.field for p in problems_of(seed_data))
+    assert fields == ["compile_caps.max_jobs", "memory_max_gib", "port", "timeout_start_s"]
+
+
+def test_every_shape_problem_is_reported_at_once(seed_data, problems_of):
+    seed_data["gpu_memory_utilisation"] = 0.4
+    eng(seed_data, "nemotron")["port"] = "eighty"
+    eng(seed_data, "q38")["quantization"] = "nvfp4-magic"
+    found = {(p.engine, p.field) for p in problems_of(seed_data)}
+    assert found == {(None, "gpu_memory_utilisation"), ("nemotron", "port"), ("q38", "quantization")}
+
+
+def test_compile_storm_fix_names_the_safe_job_count(seed_data, problems_of):
+    seed_data.update(compile_caps={"max_jobs": 20}, compiler_peak_gib=3.3, memory_headroom_gib=20.0)
+    problem = problems_for("compile_caps.max_jobs", problems_of(seed_data))[0]
+    assert problem.value == 20
+    assert "66.0 GiB" in problem.message
+    assert problem.fix == "set compile_caps.max_jobs to at most 6"
+
+
+def test_window_over_native_names_the_limit(seed_data, problems_of):
+    eng(seed_data, "q38").update(model_config_path="qwen3_32b_dense.json", max_model_len=40961)
+    problem = problems_for("max_model_len", problems_of(seed_data))[0]
+    assert problem.value == 40961
+    assert problem.fix == "set max_model_len to at most 40960"
+
+
+def test_model_config_path_resolves_against_the_inventory_folder(seed_data, make_host, problems_of, tmp_path):
+    eng(seed_data, "q38")["model_config_path"] = "qwen3_5_hybrid.json"
+    # Found next to the inventory (here: tests/fixtures/model_configs) ...
+    assert "q38" in make_host(seed_data).model_configs
+    # ... and not found relative to another folder.
+    problem = problems_for("model_config_path", problems_of(seed_data, base_dir=tmp_path))[0]
+    assert str(tmp_path) in problem.message
+
+
+# --- secret files --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field", ["hf_token_file", "api_key_file"])
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_secret_file_readable_by_others_is_refused(seed_data, problems_of, tmp_path, field, mode):
+    secret = tmp_path / "secret"
+    secret.write_text("hf_abcdefghijklmnop\n")
+    os.chmod(secret, mode)
+    seed_data[field] = str(secret)
+    problem = problems_for(field, problems_of(seed_data))[0]
+    assert "readable by other users" in problem.message
+    assert problem.fix == f"chmod 600 {secret}"
+
+
+@pytest.mark.parametrize("field", ["hf_token_file", "api_key_file"])
+def test_secret_file_at_0600_is_accepted(seed_data, make_host, tmp_path, field):
+    secret = tmp_path / "secret"
+    secret.write_text("hf_abcdefghijklmnop\n")
+    os.chmod(secret, 0o600)
+    seed_data[field] = str(secret)
+    assert getattr(make_host(seed_data).config, field) == str(secret)
+
+
+def test_secret_file_that_is_a_folder_is_refused(seed_data, problems_of, tmp_path):
+    seed_data["api_key_file"] = str(tmp_path)
+    problem = problems_for("api_key_file", problems_of(seed_data))[0]
+    assert problem.message == "no such file on this machine"
+
+
+# --- the inventory helper -------------------------------------------------------------------------
+
+def test_hosts_validates_every_host_and_exits_2_listing_them_all(seed_data, tmp_path, capsys):
+    broken = copy.deepcopy(seed_data)
+    broken["timeout_start_s"] = 60
+    other = copy.deepcopy(seed_data)
+    eng(other, "q38")["port"] = 8012
+    # SystemExit, not an exception pyinfra's inventory loader would wrap: the run stops here.
+    with pytest.raises(SystemExit) as caught:
+        inventory_module.hosts({"a": broken, "b": other, "c": seed_data}, str(tmp_path / "inv.py"))
+    assert caught.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"sparkform: invalid inventory {tmp_path / 'inv.py'}:"
+    assert lines[1].startswith("  - a: timeout_start_s = 60: ")
+    assert lines[2].startswith("  - b: engine q38: port = 8012: engine nemotron already listens on it.")
+    assert len(lines) == 3
+
+
+def test_hosts_returns_pyinfra_host_list_with_base_dir(seed_data, tmp_path):
+    seed_data["ssh_user"] = "root"
+    result = inventory_module.hosts({"spark.local": seed_data}, str(tmp_path / "inv.py"))
+    assert len(result) == 1
+    name, data = result[0]
+    assert name == "spark.local"
+    assert data["ssh_user"] == "root"
+    assert data[inventory_module.BASE_DIR_KEY] == str(tmp_path.resolve())
+    # What pyinfra hands back (with the base dir) validates again.
+    assert inventory_module.host_from_data(name, data).config.engines[1].name == "q38"
+
+
+def test_load_inventory_without_hosts_is_invalid(tmp_path):
+    module = tmp_path / "empty.py"
+    module.write_text("X = 1\n")
+    with pytest.raises(InventoryError) as caught:
+        inventory_module.load_inventory(module)
+    assert caught.value.problems[0].field == "hosts"
+
+
+def test_load_inventory_reads_the_seed_inventory(monkeypatch):
+    for var in ("SPARK_HOST", "SPARK_USER", "SPARK_HF_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    repo = Path(__file__).resolve().parents[2]
+    (loaded,) = inventory_module.load_inventory(repo / "inventory" / "spark.py")
+    assert loaded.name == "spark.local"
+    assert [e.name for e in loaded.config.engines] == ["nemotron", "q38"]
+    assert isinstance(loaded.config, HostConfig)
+
+
+def test_load_host_rejects_without_touching_the_data(seed_data):
+    eng(seed_data, "q38")["port"] = 8012
+    before = copy.deepcopy(seed_data)
+    with pytest.raises(InventoryError):
+        load_host("spark", seed_data)
+    assert seed_data == before
+
+
+@pytest.mark.parametrize("args", [["--port-offset", "1", "--api-key", "sk-live-SECRET"],
+                                  ["--api-key=sk-live-SECRET", "--port-offset", "1"]])
+def test_refused_api_key_is_not_echoed(seed_data, problems_of, args):
+    eng(seed_data, "q38")["extra_args"] = args
+    problem = problems_for("extra_args", problems_of(seed_data))[0]
+    assert "SECRET" not in str(problem)
+    assert "--port-offset" in str(problem)  # the rest of the value still shows
+    assert problem.value in (["--port-offset", "1", "--api-key", "***"], ["--api-key=***", "--port-offset", "1"])
