@@ -95,8 +95,14 @@ def _kv_gib(engine: Engine, share_gib: float) -> tuple[float | None, float | Non
     """(kv_gib, non_kv_gib, source) for an engine at its configured share."""
     if engine.kv_cache_memory_bytes:
         return engine.kv_cache_memory_bytes / GIB, None, "kv_cache_memory_bytes"
-    if engine.measured.kv_cache_gib:
-        return engine.measured.kv_cache_gib, share_gib - engine.measured.kv_cache_gib, "measured"
+    measured = engine.measured
+    if measured.kv_cache_gib:
+        measured_util = measured.gpu_memory_utilization or engine.gpu_memory_utilization
+        # Weights and workspace do not move with the utilization; the pool takes the difference.
+        non_kv = share_gib / engine.gpu_memory_utilization * measured_util - measured.kv_cache_gib
+        source = "measured" if measured_util == engine.gpu_memory_utilization else \
+            f"measured at {measured_util:.2f}, re-derived"
+        return max(share_gib - non_kv, 0.0), non_kv, source
     if engine.weights_gib is not None:
         non_kv = engine.weights_gib + engine.non_kv_overhead_gib
         return max(share_gib - non_kv, 0.0), non_kv, "share - weights - overhead"

@@ -76,6 +76,7 @@ class Checkpoint(Strict):
 class Measured(Strict):
     """Figures read off this engine's own boot log; they override the planner's estimates."""
 
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=0.95, description="Utilization the figures were read at; when the engine's differs, the pool is re-derived (same non-KV size).")
     kv_cache_gib: float | None = Field(None, gt=0, description="`Available KV cache memory` the engine printed, GiB.")
     kv_pool_tokens: int | None = Field(None, gt=0, description="`KV cache size: N tokens` the engine printed at that memory.")
     cold_start_s: float | None = Field(None, gt=0, description="Cold start to readiness, seconds (sets expectations after a reboot).")
@@ -153,7 +154,9 @@ class Engine(Strict):
         for arg in args:
             if "\n" in arg:
                 raise ValueError(f"argument {arg!r} contains a newline; give one token per item")
-            if arg.split("=", 1)[0] == "--api-key":
+            flag = arg.split("=", 1)[0]
+            # argparse also takes unambiguous abbreviations (--api-k).
+            if len(flag) > len("--api-") and "--api-key".startswith(flag):
                 raise ValueError("--api-key would put the key in argv (visible in ps): set api_key_file instead")
         return args
 

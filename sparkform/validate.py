@@ -108,8 +108,17 @@ def _model_configs(host: str, config: HostConfig, base_dir: Path) -> tuple[dict,
     return configs, problems
 
 
+SECRET_FILE_FIELDS = ("hf_token_file", "api_key_file")
+
+
 def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Host:
-    """Validate one host's data; raise InventoryError with every problem found."""
+    """Validate one host's data; raise InventoryError with every problem found.
+
+    Relative paths (secret files, model configs) resolve against `base_dir`, the inventory's
+    folder, whatever the current directory is.
+    """
+    data = {**data, **{key: str((base_dir / Path(data[key]).expanduser()).resolve())
+                       for key in SECRET_FILE_FIELDS if isinstance(data.get(key), str)}}
     try:
         config = HostConfig.model_validate(data)
     except ValidationError as err:
@@ -316,7 +325,7 @@ def _native_window(host: Host) -> list[Problem]:
 
 def _secret_files(host: Host) -> list[Problem]:
     problems = []
-    for field_name in ("hf_token_file", "api_key_file"):
+    for field_name in SECRET_FILE_FIELDS:
         path = getattr(host.config, field_name)
         if path is None:
             continue

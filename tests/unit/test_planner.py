@@ -404,10 +404,6 @@ def test_no_split_when_the_shares_do_not_hold_the_weights(seed_data, make_host):
     assert result.split_note == "the shares do not even hold the engines' weights"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known planner limitation: a measured KV figure is tied to the utilization it was measured "
-    "at, but Measured does not record that utilization, so after a utilization change the plan "
-    "still reports the old pool as measured (and non-KV absorbs the difference)"))
 def test_measured_pool_follows_a_changed_utilization(monkeypatch):
     for var in ("SPARK_HOST", "SPARK_USER", "SPARK_HF_TOKEN_FILE"):
         monkeypatch.delenv(var, raising=False)
@@ -419,6 +415,7 @@ def test_measured_pool_follows_a_changed_utilization(monkeypatch):
     q38 = by_name(planner.plan(load_host("spark", data)))["q38"]
     # Measured 26.8 GiB at 0.45; at 0.49 the share is 4.84 GiB larger and so is the pool.
     assert q38.kv_gib == pytest.approx(26.8 + 0.04 * 121, rel=0.01)
+    assert q38.kv_source == "measured at 0.45, re-derived"
 
 
 # --- output ------------------------------------------------------------------------------------------
