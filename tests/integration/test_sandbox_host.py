@@ -20,15 +20,19 @@ from pathlib import Path
 
 import pytest
 
+from sparkform.render import prerequisite_packages
 from sparkform.sandbox import host
 from sparkform.sandbox.host import Sandbox, SandboxError
+
+# The rootfs the rehearsal stage boots (sparkform.sandbox.stage): one build serves both suites.
+STAGE_PACKAGES = prerequisite_packages("cpu")
 
 
 @pytest.fixture(scope="module")
 def rootfs() -> Path:
     """The cached rootfs (built once; the time is printed)."""
     started = time.monotonic()
-    path = host.build_rootfs()
+    path = host.build_rootfs(STAGE_PACKAGES)
     print(f"\nrootfs {path} ready in {time.monotonic() - started:.1f} s")
     return path
 
@@ -41,7 +45,7 @@ def make_sandbox(rootfs: Path) -> Iterator[Callable[..., Sandbox]]:
     def _make(**kwargs: object) -> Sandbox:
         name = f"t-{uuid.uuid4().hex[:8]}"
         made.append(name)
-        return host.up(name, **kwargs)
+        return host.up(name, extra_packages=STAGE_PACKAGES, **kwargs)
 
     yield _make
     for name in made:
