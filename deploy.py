@@ -45,6 +45,7 @@ for secret in secrets:
                        mode=secret.mode, group=secret.group, current=snapshot.paths.get(secret.path),
                        secret=True)
 
+venv.wheelhouse_synced(name="Wheelhouse on the host", config=config, snapshot=snapshot)
 venv.vllm_venv(name=f"vLLM venv {venv.pin(config)}", config=config, snapshot=snapshot)
 for engine in config.enabled_engines:
     checkpoints.checkpoint(name=f"Checkpoint of {engine.name}", config=config, engine=engine,

@@ -177,6 +177,7 @@ class HostConfig(Strict):
     pip_extra_index_urls: list[str] = Field(default_factory=list, description="pip `--extra-index-url` values (e.g. the CUDA wheel index).")
     pip_requirements: list[str] = Field(default_factory=list, description="A complete lock installed with vLLM, exactly and with --no-deps; empty lets pip resolve.")
     wheelhouse: str | None = Field(None, description="Folder of wheels on the host; when set the venv installs offline from it only.")
+    wheelhouse_source: str | None = Field(None, description="Folder of wheels on the control machine, copied into `wheelhouse` on the host before a venv build.")
     python: str = Field("python3", description="Interpreter the venvs are made with.")
     venv_root: str = Field("/opt/sparkform/venvs", description="Venvs live in `<venv_root>/<package>-<version>`.")
     state_dir: str = Field("/var/lib/sparkform", description="Engine user's home, launch locks, the host record.")

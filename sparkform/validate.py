@@ -108,17 +108,19 @@ def _model_configs(host: str, config: HostConfig, base_dir: Path) -> tuple[dict,
     return configs, problems
 
 
+# Files on the control machine; relative paths resolve against the inventory's folder.
+LOCAL_PATH_FIELDS = ("hf_token_file", "api_key_file", "wheelhouse_source")
 SECRET_FILE_FIELDS = ("hf_token_file", "api_key_file")
 
 
 def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Host:
     """Validate one host's data; raise InventoryError with every problem found.
 
-    Relative paths (secret files, model configs) resolve against `base_dir`, the inventory's
+    Relative local paths (secret files, the wheelhouse source, model configs) resolve against `base_dir`, the inventory's
     folder, whatever the current directory is.
     """
     data = {**data, **{key: str((base_dir / Path(data[key]).expanduser()).resolve())
-                       for key in SECRET_FILE_FIELDS if isinstance(data.get(key), str)}}
+                       for key in LOCAL_PATH_FIELDS if isinstance(data.get(key), str)}}
     try:
         config = HostConfig.model_validate(data)
     except ValidationError as err:
@@ -134,7 +136,7 @@ def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Ho
 def host_problems(host: Host) -> list[Problem]:
     problems: list[Problem] = []
     for rule in (_memory_pool, _unique, _boot_chain, _mtp_and_vision, _timeouts, _cgroup_caps,
-                 _compile_storm, _cpu_pool, _native_window, _secret_files):
+                 _compile_storm, _cpu_pool, _native_window, _secret_files, _wheelhouse):
         problems += rule(host)
     return problems
 
@@ -338,3 +340,17 @@ def _secret_files(host: Host) -> list[Problem]:
                                     "the secret file is readable by other users",
                                     f"chmod 600 {path}"))
     return problems
+
+
+def _wheelhouse(host: Host) -> list[Problem]:
+    source = host.config.wheelhouse_source
+    if source is None:
+        return []
+    if host.config.wheelhouse is None:
+        return [Problem(host.name, "wheelhouse_source", source,
+                        "there is no host folder to copy the wheels into",
+                        "set wheelhouse to a folder on the host, e.g. /var/cache/sparkform/wheelhouse")]
+    if not any(Path(source).expanduser().glob("*.whl")):
+        return [Problem(host.name, "wheelhouse_source", source, "no wheel (*.whl) in that folder on this machine",
+                        "download them first: pip download --no-deps -d FOLDER -r LOCK")]
+    return []

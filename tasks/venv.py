@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 from pyinfra import host
-from pyinfra.api import operation
+from pyinfra.api import FileUploadCommand, operation
+from pyinfra.facts.files import FindFiles
 
 from facts.host import HostSnapshot
 from sparkform.schema import HostConfig
@@ -35,6 +37,32 @@ def pip_install_args(config: HostConfig) -> list[str]:
     return args + [pin(config), *config.pip_requirements]
 
 
+def venv_is_current(config: HostConfig, snapshot: HostSnapshot) -> bool:
+    return snapshot.markers.get(marker_path(config)) == pin(config)
+
+
+@operation()
+def wheelhouse_synced(config: HostConfig, snapshot: HostSnapshot):
+    """
+    Copy the wheels the host lacks from `wheelhouse_source` into `wheelhouse`, only when a venv
+    is about to be built (a no-op run never lists the folder).
+
+    + config: the host's validated configuration
+    + snapshot: the host's state from the SparkformHost fact
+    """
+    if not config.wheelhouse_source or venv_is_current(config, snapshot):
+        host.noop("no venv to build")
+        return
+    present = {path.rsplit("/", 1)[-1] for path in host.get_fact(FindFiles, path=config.wheelhouse) or []}
+    missing = sorted(wheel for wheel in Path(config.wheelhouse_source).glob("*.whl") if wheel.name not in present)
+    if not missing:
+        host.noop(f"{config.wheelhouse} holds every wheel")
+        return
+    yield f"install -d -m 755 {shlex.quote(config.wheelhouse)}"
+    for wheel in missing:
+        yield FileUploadCommand(str(wheel), f"{config.wheelhouse}/{wheel.name}")
+
+
 @operation()
 def vllm_venv(config: HostConfig, snapshot: HostSnapshot):
     """
@@ -46,7 +74,7 @@ def vllm_venv(config: HostConfig, snapshot: HostSnapshot):
     + config: the host's validated configuration
     + snapshot: the host's state from the SparkformHost fact
     """
-    if snapshot.markers.get(marker_path(config)) == pin(config):
+    if venv_is_current(config, snapshot):
         host.noop(f"{pin(config)} already installed in {config.venv}")
         return
     venv = shlex.quote(config.venv)

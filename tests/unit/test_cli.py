@@ -56,6 +56,7 @@ EXPECTED = {
     "unknown_quantization": ("spark-test: engine slow: quantization = 'nvfp4-magic'", "Unknown quantization method"),
     "api_key_in_extra_args": ("spark-test: engine slow: extra_args = ['--api-key', '***']", "api_key_file"),
     "missing_revision": ("spark-test: engine fast: checkpoint.revision = ", "required field is missing"),
+    "wheelhouse_without_host_folder": ("spark-test: wheelhouse_source = ", "no host folder to copy the wheels into"),
 }
 BROKEN_FILES = sorted(BROKEN.glob("*.py"))
 

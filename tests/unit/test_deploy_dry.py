@@ -54,3 +54,25 @@ def test_broken_inventory_stops_before_connecting(tmp_path):
     assert result.returncode == 2
     assert "engine fast: max_num_seq = 64: unknown key" in result.stderr
     assert "Connecting to hosts" not in result.stdout + result.stderr
+
+
+def test_dry_run_copies_the_wheelhouse_only_when_a_venv_is_built(tmp_path):
+    source = tmp_path / "wheels"
+    source.mkdir()
+    (source / "demo-1.0-py3-none-any.whl").write_bytes(b"not a real wheel")
+    inventory = tmp_path / "wh.py"
+    inventory.write_text(f"""
+from sparkform.inventory import hosts
+local = hosts({{"@local": {{
+    "lib_dir": "{tmp_path}/lib", "config_dir": "{tmp_path}/etc", "state_dir": "{tmp_path}/state",
+    "venv_root": "{tmp_path}/venvs", "models_dir": "{tmp_path}/models", "cache_root": "{tmp_path}/cache",
+    "wheelhouse": "{tmp_path}/wh", "wheelhouse_source": "{source}",
+    "engines": [{{"name": "x", "port": 18000, "checkpoint": {{"repo": "o/x", "revision": "r"}}}}],
+}}}}, __file__)
+""")
+    result = _pyinfra(str(inventory), "deploy.py", "--dry")
+    assert result.returncode == 0, result.stdout + result.stderr
+    plan_line = next(line for line in (result.stdout + result.stderr).splitlines()
+                     if "Wheelhouse on the host" in line)
+    assert "1 (@local)" in plan_line
+    assert not (tmp_path / "wh").exists()

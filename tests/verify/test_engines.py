@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from sparkform.parsers import parse_kv_pool
 from sparkform.render import engine_environment
 
@@ -98,6 +100,22 @@ def test_one_token_completion(remote, engine, config):
     answer = json.loads(_curl(remote, config, f"{engine.port}/v1/completions",
                               {"model": engine.names[0], "prompt": "hello", "max_tokens": 1}))
     assert answer["usage"]["completion_tokens"] == 1
+
+
+def test_chat_completion(remote, engine, config):
+    answer = json.loads(_curl(remote, config, f"{engine.port}/v1/chat/completions",
+                              {"model": engine.names[-1], "max_tokens": 4,
+                               "messages": [{"role": "user", "content": "hello"}]}))
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+    assert answer["usage"]["completion_tokens"] >= 1
+
+
+def test_api_key_guards_the_api(remote, engine, config):
+    """With an API key configured, /v1 refuses a request without it (401)."""
+    if not remote.file(f"{config.config_dir}/secrets/engine.env").exists:
+        pytest.skip("no api_key_file in the inventory")
+    status = remote.check_output(f"curl -s -o /dev/null -w '%{{http_code}}' http://127.0.0.1:{engine.port}/v1/models")
+    assert status == "401"
 
 
 def test_kv_pool_read_back(remote, engine):
