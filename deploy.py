@@ -17,6 +17,8 @@ from sparkform.render import prerequisite_packages, render_host
 from sparkform.validate import InventoryError, start_order
 from tasks import checkpoints, engines, files, system, venv
 
+UNIT_GLOB = "/etc/systemd/system/vllm-*.service"
+
 try:
     config = host_from_data(host.name, host.data.dict()).config
 except InventoryError as err:
@@ -33,6 +35,7 @@ snapshot = host.get_fact(
     paths=[f.path for f in folders] + [f.path for f in rendered] + [s.path for s in secrets],
     markers=[venv.marker_path(config)] + [checkpoints.marker_path(config, e) for e in config.engines],
     units=[engine.unit for engine in config.engines],
+    unit_glob=UNIT_GLOB,
 )
 
 system.packages_present(name="Install prerequisites", packages=packages, snapshot=snapshot)
@@ -56,14 +59,21 @@ for file in rendered:
     files.managed_file(name=f"File {file.path}", path=file.path, content=file.content,
                        mode=file.mode, current=snapshot.paths.get(file.path))
 
+# Units sparkform wrote for engines that have left the inventory.
+leftovers = sorted(snapshot.rendered_units - {f.path for f in rendered if f.is_unit})
+for unit_path in leftovers:
+    name = unit_path.rsplit("/", 1)[-1].removeprefix("vllm-").removesuffix(".service")
+    engines.engine_removed(name=f"Remove engine {name} (no longer in the inventory)", unit_path=unit_path,
+                           settings=list(config.settings_files(name)))
+
 engines.daemon_reload(name="Reload systemd units",
-                      needed=any(f.is_unit and f.path in changed for f in rendered))
+                      needed=bool(leftovers) or any(f.is_unit and f.path in changed for f in rendered))
 for engine in config.engines:
     if not engine.enabled:
         engines.engine_stopped(name=f"Stop disabled engine {engine.name}", engine=engine,
                                current=snapshot.engines.get(engine.unit))
 # One at a time, in `after` order: each `systemctl start` returns when its engine serves.
-for engine in start_order(config.enabled_engines):
+for engine in start_order(config):
     engines.engine_running(name=f"Engine {engine.name} serving", engine=engine,
                            current=snapshot.engines.get(engine.unit),
                            restart=any(f.engine == engine.name and f.path in changed for f in rendered))

@@ -31,6 +31,7 @@ class HostSnapshot:
     users: set[str] = field(default_factory=set)
     paths: dict[str, RemoteFile] = field(default_factory=dict)
     markers: dict[str, str] = field(default_factory=dict)  # completion marker path -> content
+    rendered_units: set[str] = field(default_factory=set)  # unit files sparkform wrote, by path
     engines: dict[str, EngineState] = field(default_factory=dict)
 
 
@@ -47,12 +48,14 @@ class SparkformHost(FactBase):
     + paths: files and folders to stat (files are also hashed)
     + markers: completion markers to read (venv, checkpoints)
     + units: systemd units to show
+    + unit_glob: unit files to look through for sparkform's header (finds units of engines that
+      left the inventory)
     """
 
     default = HostSnapshot
 
     def command(self, packages: list[str], users: list[str], paths: list[str],
-                markers: list[str], units: list[str]) -> str:
+                markers: list[str], units: list[str], unit_glob: str) -> str:
         quoted_paths = " ".join(shlex.quote(p) for p in paths)
         sections = [
             _section("packages", "dpkg-query -W -f='${Package} ${db:Status-Status}\\n' "
@@ -65,6 +68,7 @@ class SparkformHost(FactBase):
                 for m in markers) or "true"),
             _section("units", f"systemctl show -p {UNIT_PROPERTIES} "
                      + " ".join(shlex.quote(u) for u in units)),
+            _section("rendered_units", f"grep -l '^# Rendered by sparkform' {unit_glob}"),
         ]
         return " ; ".join(sections)
 
@@ -94,4 +98,5 @@ class SparkformHost(FactBase):
             path, _, content = line.partition("|")
             snapshot.markers[path] = content
         snapshot.engines = engine_states(sections.get("units", []))
+        snapshot.rendered_units = set(sections.get("rendered_units", []))
         return snapshot

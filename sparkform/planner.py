@@ -9,7 +9,6 @@ one engine; the recommended split equalises concurrency at each engine's window 
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from sparkform import modelconfig

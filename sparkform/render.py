@@ -112,7 +112,7 @@ def _render(template: str, **context) -> str:
 
 def render_host(config: HostConfig) -> list[RenderedFile]:
     """Every file sparkform puts on the host, with its path and mode."""
-    lib, etc = config.lib_dir, config.config_dir
+    lib = config.lib_dir
     files = [
         RenderedFile(f"{lib}/sparkform-launch", _render("sparkform-launch.sh.j2", config=config), "755"),
         RenderedFile(f"{lib}/sparkform-wait-ready", _render("sparkform-wait-ready.sh.j2", config=config), "755"),
@@ -121,15 +121,16 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
     ]
     for engine in config.engines:
         environment = engine_environment(config, engine)
+        env_file, args_file = config.settings_files(engine.name)
         files += [
             RenderedFile(f"/etc/systemd/system/{engine.unit}",
                          _render("engine.service.j2", config=config, engine=engine, environment=environment),
                          "644", engine.name),
-            RenderedFile(f"{etc}/engines/{engine.name}.env",
+            RenderedFile(env_file,
                          _render("engine.env.j2", config=config, engine=engine, environment=environment,
                                  min_available_kib=min_available_kib(config, engine)),
                          "644", engine.name),
-            RenderedFile(f"{etc}/engines/{engine.name}.args",
+            RenderedFile(args_file,
                          _render("engine.args.j2", args=engine_args(config, engine)), "644", engine.name),
         ]
     return files

@@ -109,6 +109,8 @@ class Engine(Strict):
     speculative_config: dict[str, Any] | None = Field(None, description="`--speculative-config`, e.g. {method: mtp, num_speculative_tokens: 3}.")
     language_model_only: bool = Field(False, description="`--language-model-only`: drops the vision tower (MTP needs it).")
     extra_args: list[str] = Field(default_factory=list, description="Further `vllm serve` arguments, one token per item.")
+    memory_high_gib: float | None = Field(None, gt=0, description="MemoryHigh= of this engine's unit; None takes the host's.")
+    memory_max_gib: float | None = Field(None, gt=0, description="MemoryMax= of this engine's unit; None takes the host's.")
     model_config_path: str | None = Field(None, description="config.json of the checkpoint (path relative to the inventory) for the planner.")
     weights_gib: float | None = Field(None, gt=0, description="Size of the weights in memory, GiB, for the planner when no KV figure was measured.")
     non_kv_overhead_gib: float = Field(2.5, ge=0, description="Activations, CUDA graphs and workspace besides weights and KV, GiB (seed: ~2.3 for Qwen3.8).")
@@ -226,6 +228,34 @@ class HostConfig(Strict):
     @property
     def hf_token_path(self) -> str:
         return f"{self.config_dir}/secrets/hf_token"
+
+    def memory_limits(self, engine: Engine) -> tuple[float, float]:
+        """(MemoryHigh, MemoryMax) of the engine's unit, GiB: its own, else the host's."""
+        return (engine.memory_high_gib or self.memory_high_gib, engine.memory_max_gib or self.memory_max_gib)
+
+    def settings_files(self, engine_name: str) -> tuple[str, str]:
+        """The engine's environment file and arguments file (read by the launch script)."""
+        folder = f"{self.config_dir}/engines"
+        return f"{folder}/{engine_name}.env", f"{folder}/{engine_name}.args"
+
+    def boot_edges(self, engine: Engine) -> list[str]:
+        """The enabled engines `engine` starts after: its `after` list, each disabled engine
+        replaced by the engines it comes after. After= orders only units in the same boot
+        transaction, so an edge to a disabled unit is a hole (2026-08-18); this keeps the chain
+        whole when an engine in the middle is disabled."""
+        by_name = {e.name: e for e in self.engines}
+        edges: list[str] = []
+        pending, seen = list(engine.after), {engine.name}
+        while pending:
+            name = pending.pop(0)
+            if name in seen or name not in by_name:
+                continue
+            seen.add(name)
+            if by_name[name].enabled:
+                edges.append(name)
+            else:
+                pending += by_name[name].after
+        return edges
 
     def checkpoint_dir(self, engine: Engine) -> str:
         return f"{self.models_dir}/{engine.checkpoint.folder_name}"

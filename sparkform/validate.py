@@ -199,34 +199,22 @@ def _boot_chain(host: Host) -> list[Problem]:
                     "no engine of that name: the After= edge would order against nothing, "
                     "the boot chain's hole of 2026-08-18 (two cold starts in the same second)",
                     f"name one of: {', '.join(sorted(by_name)) or '(no engines)'}", engine.name))
-            elif not by_name[target].enabled:
-                problems.append(Problem(
-                    host.name, "after", target,
-                    "that engine is disabled, and After= only orders units in the same boot "
-                    "transaction: this one would start at the same second as the others "
-                    "(the hole of 2026-08-18)",
-                    "point the edge at an enabled engine, or enable that one", engine.name))
-    if not problems and _has_cycle(host.config.enabled_engines):
-        problems.append(Problem(host.name, "after", {e.name: e.after for e in host.config.engines},
-                                "the after edges form a cycle, so no engine could start first",
-                                "break the cycle"))
+    if not problems:
+        try:
+            start_order(host.config)
+        except ValueError:
+            problems.append(Problem(host.name, "after", {e.name: e.after for e in host.config.engines},
+                                    "the after edges form a cycle, so no engine could start first",
+                                    "break the cycle"))
     return problems
 
 
-def _has_cycle(engines: list[Engine]) -> bool:
-    try:
-        start_order(engines)
-    except ValueError:
-        return True
-    return False
-
-
-def start_order(engines: list[Engine]) -> list[Engine]:
-    """Engines in an order where each comes after every engine in its `after` list."""
-    remaining = {engine.name: engine for engine in engines}
+def start_order(config: HostConfig) -> list[Engine]:
+    """The enabled engines in an order where each comes after every engine it waits for."""
+    remaining = {engine.name: engine for engine in config.enabled_engines}
     ordered: list[Engine] = []
     while remaining:
-        ready = [e for e in remaining.values() if not set(e.after) & set(remaining)]
+        ready = [e for e in remaining.values() if not set(config.boot_edges(e)) & set(remaining)]
         if not ready:
             raise ValueError(f"cycle among {sorted(remaining)}")
         for engine in ready:
@@ -271,18 +259,26 @@ def _timeouts(host: Host) -> list[Problem]:
 def _cgroup_caps(host: Host) -> list[Problem]:
     cfg = host.config
     problems = []
-    if cfg.memory_max_gib <= cfg.memory_high_gib:
-        problems.append(Problem(
-            host.name, "memory_max_gib", cfg.memory_max_gib,
-            f"MemoryMax must be above MemoryHigh ({cfg.memory_high_gib} GiB): MemoryHigh "
-            "throttles first, MemoryMax kills the unit last",
-            f"raise memory_max_gib above {cfg.memory_high_gib} or lower memory_high_gib"))
-    if cfg.memory_max_gib > cfg.memory_total_gib:
-        problems.append(Problem(
-            host.name, "memory_max_gib", cfg.memory_max_gib,
-            f"above the {cfg.memory_total_gib} GiB the host has, so the kernel's global OOM "
-            "killer would act before the unit's cap (how 2026-08-18 escaped every protection)",
-            f"set memory_max_gib below memory_total_gib ({cfg.memory_total_gib})"))
+    for engine in [None, *cfg.engines]:
+        if engine is None:
+            high, highest = cfg.memory_high_gib, cfg.memory_max_gib
+        elif engine.memory_high_gib or engine.memory_max_gib:
+            high, highest = cfg.memory_limits(engine)
+        else:
+            continue
+        name = engine.name if engine else None
+        if highest <= high:
+            problems.append(Problem(
+                host.name, "memory_max_gib", highest,
+                f"MemoryMax must be above MemoryHigh ({high} GiB): MemoryHigh throttles first, "
+                "MemoryMax kills the unit last",
+                f"raise memory_max_gib above {high} or lower memory_high_gib", name))
+        if highest > cfg.memory_total_gib:
+            problems.append(Problem(
+                host.name, "memory_max_gib", highest,
+                f"above the {cfg.memory_total_gib} GiB the host has, so the kernel's global OOM "
+                "killer would act before the unit's cap (how 2026-08-18 escaped every protection)",
+                f"set memory_max_gib below memory_total_gib ({cfg.memory_total_gib})", name))
     return problems
 
 

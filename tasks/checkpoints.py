@@ -9,6 +9,7 @@ from pyinfra.api import operation
 
 from facts.host import HostSnapshot
 from sparkform.schema import Engine, HostConfig
+from tasks.venv import own_pattern
 
 MARKER = ".sparkform-complete"  # the launch script refuses a checkpoint without it
 
@@ -40,6 +41,8 @@ def checkpoint(config: HostConfig, engine: Engine, snapshot: HostSnapshot):
     if config.hf_token_file:
         env.append(f'HF_TOKEN="$(cat {shlex.quote(config.hf_token_path)})"')
     includes = "".join(f" --include {shlex.quote(p)}" for p in engine.checkpoint.include)
+    # A deploy cut off mid-download can leave its `hf download` running: stop it first.
+    yield f"pkill -f -- {shlex.quote(own_pattern(f'hf download {engine.checkpoint.repo} '))} || true"
     yield f"install -d -m 755 {folder}"
     yield (f"env {' '.join(env)} {shlex.quote(config.venv)}/bin/hf download "
            f"{shlex.quote(engine.checkpoint.repo)} --revision {shlex.quote(engine.checkpoint.revision)}"

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import shlex
+
 from pyinfra import host
 from pyinfra.api import operation
 
 from sparkform.parsers import EngineState
 from sparkform.schema import Engine
 
-JOURNAL_LINES = 40
+JOURNAL_LINES = 30
+# Journal lines that say why a start failed: exceptions, refusals, the helper's verdict.
+WHY = r"(Error|error:|exceeds|refus|sparkform-|Failed with result|start request repeated)"
 
 
 def _explained(command: str, unit: str) -> str:
     """Run a systemctl command; on failure print why from the unit's journal and fail."""
+    journal = f"journalctl -u {unit} -b --no-pager -o cat"
     return (f"{command} || {{ rc=$?; echo 'sparkform: {unit} failed to start; its journal:' >&2; "
-            f"journalctl -u {unit} -b -n {JOURNAL_LINES} --no-pager -o cat >&2; exit $rc; }}")
+            f"{journal} | grep -E '{WHY}' | tail -n {JOURNAL_LINES} >&2; exit $rc; }}")
 
 
 @operation()
@@ -44,14 +49,29 @@ def engine_running(engine: Engine, current: EngineState | None, restart: bool):
     if current is None or current.unit_file_state != "enabled":
         yield f"systemctl enable {engine.unit}"
         changed = True
-    if restart or current is None or current.active_state in ("failed", "inactive"):
-        # reset-failed: a unit that hit its start limit would refuse the start otherwise.
+    if restart or current is None or current.active_state != "active":
+        # reset-failed: a unit that hit its start limit would refuse the start otherwise. `start`
+        # joins a start already under way (a boot) and cuts short an auto-restart wait.
         yield f"systemctl reset-failed {engine.unit} 2>/dev/null || true"
         verb = "restart" if restart else "start"
         yield _explained(f"systemctl {verb} {engine.unit}", engine.unit)
         changed = True
     if not changed:
         host.noop(f"{engine.unit} is enabled and {current.active_state}")
+
+
+@operation()
+def engine_removed(unit_path: str, settings: list[str]):
+    """
+    Stop, disable and delete an engine that left the inventory, so no unit sparkform wrote
+    outlives it (a forgotten enabled unit starts at boot, outside the chain).
+
+    + unit_path: the unit file sparkform rendered for it
+    + settings: its settings files (env, args)
+    """
+    unit = shlex.quote(unit_path.rsplit("/", 1)[-1])
+    yield f"systemctl disable --now {unit} || true"
+    yield "rm -f " + " ".join(shlex.quote(path) for path in [unit_path, *settings])
 
 
 @operation()

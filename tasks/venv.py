@@ -15,6 +15,12 @@ from sparkform.schema import HostConfig
 MARKER = ".sparkform-complete"
 
 
+def own_pattern(text: str) -> str:
+    """A `pkill -f` pattern for `text` that does not match the shell running pkill (whose
+    command line holds the pattern itself): the first character goes into brackets."""
+    return f"[{text[0]}]{text[1:]}"
+
+
 def pin(config: HostConfig) -> str:
     return f"{config.vllm_package}=={config.vllm_version}"
 
@@ -79,6 +85,8 @@ def vllm_venv(config: HostConfig, snapshot: HostSnapshot):
         return
     venv = shlex.quote(config.venv)
     pip_args = " ".join(shlex.quote(arg) for arg in pip_install_args(config))
+    # A deploy cut off mid-install can leave its pip running on the host: stop it first.
+    yield f"pkill -f -- {shlex.quote(own_pattern(config.venv + '/bin/pip'))} || true"
     yield f"rm -rf {venv}"
     yield f"{shlex.quote(config.python)} -m venv {venv}"
     yield f"{venv}/bin/pip install --quiet --disable-pip-version-check {pip_args}"

@@ -7,6 +7,7 @@ folder, so a sandbox can download real (tiny) checkpoints with the real client a
     <root>/<owner>/<name>/<commit>/<files...>     one folder per commit, never changed
     <root>/<owner>/<name>/refs/<branch>           the commit a branch points at
     <root>/<owner>/<name>/corrupted.json          "<commit>/<path>" entries served corrupted
+    <root>/stall                                  while it exists, file bodies pause mid-way
 
 Every lookup reads the folder, so another process (a test) can move a branch or corrupt a file
 while the server runs. Commit ids are 40 hex digits derived from the repo id and the files'
@@ -24,6 +25,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -209,6 +211,19 @@ class FakeHub:
             folder = self.repo_dir(repo_id) / commit
             self._meta_cache[key] = {path: describe_file(folder / path, path) for path in repo_files(folder)}
         return self._meta_cache[key]
+
+    def stall(self, stalled: bool = True) -> None:
+        """Make downloads hang after their first chunk until `stall(False)`: a download that
+        is in flight long enough for a test to cut it."""
+        flag = self.root / "stall"
+        if stalled:
+            flag.touch()
+        else:
+            flag.unlink(missing_ok=True)
+
+    def wait_while_stalled(self, poll_s: float = 0.1) -> None:
+        while (self.root / "stall").exists():
+            time.sleep(poll_s)
 
     def _corrupted_list(self, repo_id: str) -> Path:
         """The file that lists the corrupted entries of `repo_id`."""
@@ -411,7 +426,9 @@ class HubHandler(BaseHTTPRequestHandler):
         if send_body:
             flip_at = meta.size // 2 if f"{commit}/{path}" in self.hub.corrupted(repo_id) else None
             with (self.hub.repo_dir(repo_id) / commit / path).open("rb") as handle:
-                for chunk in body_chunks(handle, first, last, flip_at):
+                for index, chunk in enumerate(body_chunks(handle, first, last, flip_at)):
+                    if index == 1:
+                        self.hub.wait_while_stalled()
                     self.wfile.write(chunk)
 
     # --- answers ---------------------------------------------------------------------------

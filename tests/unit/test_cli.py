@@ -41,7 +41,6 @@ EXPECTED = {
     "language_model_only_with_vision": ("spark-test: engine slow: language_model_only = True", "vision"),
     "timeout_not_above_budget": ("spark-test: timeout_start_s = 1080", "readiness budget (1080 s)"),
     "after_missing": ("spark-test: engine slow: after = 'fats'", "name one of: fast, slow"),
-    "after_disabled": ("spark-test: engine slow: after = 'fast'", "disabled"),
     "after_self": ("spark-test: engine slow: after = 'slow'", "itself"),
     "after_cycle": ("spark-test: after = ", "cycle"),
     "memory_max_not_above_high": ("spark-test: memory_max_gib = 100.0", "MemoryHigh"),

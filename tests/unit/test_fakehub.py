@@ -190,3 +190,24 @@ def test_runs_as_a_process_and_publishes_the_tiny_models(tmp_path: Path) -> None
     finally:
         process.terminate()
         assert process.wait(timeout=10) == 0
+
+
+def test_stalled_hub_holds_a_download_until_released(hub: FakeHub) -> None:
+    """A stalled hub keeps a weights download in flight (a test can cut the deploy there)."""
+    import threading
+    import time
+
+    url = f"{hub.url}/{LLAMA}/resolve/main/model.safetensors"
+    hub.stall()
+    result: list = []
+    fetcher = threading.Thread(target=lambda: result.append(fetch(url)))
+    fetcher.start()
+    fetcher.join(timeout=1.0)
+    assert fetcher.is_alive() and not result, "the stalled download finished"
+    started = time.monotonic()
+    hub.stall(False)
+    fetcher.join(timeout=10)
+    status, _, body = result[0]
+    assert status == 200 and time.monotonic() - started < 5
+    commit = hub.resolve(LLAMA, "main")
+    assert body == (hub.repo_dir(LLAMA) / commit / "model.safetensors").read_bytes()

@@ -1020,3 +1020,13 @@ def test_rendered_scripts_are_executable_in_the_box(make_box):
     box = make_box()
     for script in (box.launch, box.wait_ready):
         assert stat.S_IMODE(script.stat().st_mode) == 0o755
+
+
+def test_unit_after_a_disabled_engine_is_ordered_after_what_that_engine_waited_for():
+    data = json.loads(json.dumps(VARIANT))
+    retired = next(e for e in data["engines"] if e["name"] == "retired")
+    retired["after"] = ["hands"]
+    next(e for e in data["engines"] if e["name"] == "embed")["after"] = ["retired"]
+    files = {f.path: f for f in render_host(load_host("variant", data).config)}
+    embed = parse_unit(files["/etc/systemd/system/vllm-embed.service"].content)
+    assert unit_value(embed, "Unit", "After").split() == ["network-online.target", "vllm-hands.service"]

@@ -100,7 +100,6 @@ INVALID = [
     ("timeout-below-budget", host(readiness_budget_s=1300), "timeout_start_s", None, ["1300"]),
     # The boot chain.
     ("after-missing-engine", at("q38", after=["nemotorn"]), "after", "q38", ["no engine of that name"]),
-    ("after-disabled-engine", at("nemotron", enabled=False), "after", "q38", ["disabled"]),
     ("after-itself", at("q38", after=["q38"]), "after", "q38", ["itself"]),
     ("after-cycle", at("nemotron", after=["q38"]), "after", None, ["cycle"]),
     # cgroup caps.
@@ -314,8 +313,30 @@ def test_start_order_follows_the_after_edges(seed_data, make_host):
     seed_data["engines"].insert(0, {"name": "embed", "port": 8004, "gpu_memory_utilization": 0.05,
                                     "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"},
                                     "after": ["q38", "nemotron"]})
-    engines = make_host(seed_data).config.engines
-    assert [e.name for e in start_order(engines)] == ["nemotron", "q38", "embed"]
+    config = make_host(seed_data).config
+    assert [e.name for e in start_order(config)] == ["nemotron", "q38", "embed"]
+
+
+def test_a_disabled_engine_in_the_chain_is_bridged_not_a_hole(seed_data, make_host):
+    """2026-08-18: an After= edge to a disabled unit orders nothing. Disabling the middle of a
+    chain must leave the ends ordered; disabling the head leaves the next engine unordered."""
+    seed_data["engines"].append({"name": "embed", "port": 8004, "gpu_memory_utilization": 0.05,
+                                 "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"}, "after": ["q38"]})
+    eng(seed_data, "q38")["enabled"] = False
+    config = make_host(seed_data).config
+    engines = {e.name: e for e in config.engines}
+    assert config.boot_edges(engines["embed"]) == ["nemotron"]
+    assert [e.name for e in start_order(config)] == ["nemotron", "embed"]
+    eng(seed_data, "nemotron")["enabled"] = False
+    eng(seed_data, "q38")["enabled"] = True
+    config = make_host(seed_data).config
+    assert config.boot_edges(next(e for e in config.engines if e.name == "q38")) == []
+
+
+def test_a_cycle_through_a_disabled_engine_is_no_self_edge(seed_data, make_host):
+    eng(seed_data, "nemotron").update(enabled=False, after=["q38"])
+    config = make_host(seed_data).config
+    assert config.boot_edges(next(e for e in config.engines if e.name == "q38")) == []
 
 
 def test_every_rule_problem_is_reported_at_once(seed_data, problems_of):

@@ -1,0 +1,90 @@
+"""What the deploy tests on the sandbox share: running pyinfra and sparkform for real, reading
+the host over SSH, and inventories edited the way a user edits one."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sparkform.sandbox import host
+
+ROOT = Path(__file__).resolve().parents[2]
+SANDBOX_INVENTORY = ROOT / "inventory" / "sandbox.py"
+BIN = Path(sys.executable).parent
+UNITS = ("vllm-nemotron.service", "vllm-q38.service")
+
+
+def pyinfra(inventory: Path, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "pyinfra"), str(inventory), "deploy.py", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def verify(inventory: Path = SANDBOX_INVENTORY) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "sparkform"), "verify", str(inventory)], capture_output=True,
+                          text=True, timeout=600)
+
+
+def ssh(box: host.Sandbox, command: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([*box.ssh_args(), command], capture_output=True, text=True, check=check,
+                          timeout=300)
+
+
+def unit_properties(box: host.Sandbox, unit: str, *names: str) -> dict[str, str]:
+    out = ssh(box, f"systemctl show -p {','.join(names)} {unit}").stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def main_pids(box: host.Sandbox) -> dict[str, int]:
+    return {unit: int(unit_properties(box, unit, "MainPID")["MainPID"]) for unit in UNITS}
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 1.0):
+    """Poll `predicate` until it returns something truthy; fail naming `what` at the timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def serving(box: host.Sandbox, unit: str) -> bool:
+    """Active means ExecStartPost (the readiness helper) reported it serving."""
+    return ssh(box, f"systemctl is-active {unit}", check=False).stdout.strip() == "active"
+
+
+def changed_operations(inventory: Path) -> list[str]:
+    """Names of the operations a --dry run would change (pyinfra has no 'changes pending' code)."""
+    result = pyinfra(inventory, "--dry", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)["plan"]
+    return [op["name"] for op in plan if op["hosts_with_change"]]
+
+
+def edited_inventory(folder: Path, engine_changes: dict[str, dict] | None = None,
+                     host_changes: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """The sandbox inventory with some fields changed, as a user would edit it."""
+    path = folder / f"edited-{time.monotonic_ns()}.py"
+    path.write_text(
+        "import runpy\n"
+        "from sparkform.inventory import hosts\n"
+        f"data = runpy.run_path({str(SANDBOX_INVENTORY)!r})['sandbox'][0][1]\n"
+        f"data.update({host_changes or {}!r})\n"
+        f"data['engines'] = [e for e in data['engines'] if e['name'] not in {list(drop)!r}]\n"
+        f"for engine in data['engines']:\n"
+        f"    engine.update({engine_changes or {}!r}.get(engine['name'], {{}}))\n"
+        f"edited = hosts({{{os.environ['SPARKFORM_SANDBOX']!r}: data}}, __file__)\n")
+    return path
+
+
+def journal_times(box: host.Sandbox, pattern: str, units: tuple[str, ...] = UNITS) -> list[float]:
+    """Unix times of this boot's journal lines of `units` that match `pattern`."""
+    selectors = " ".join(f"-u {unit}" for unit in units)
+    lines = ssh(box, f"journalctl -b {selectors} --no-pager -o short-unix").stdout.splitlines()
+    return [float(line.split()[0]) for line in lines if re.search(pattern, line)]

