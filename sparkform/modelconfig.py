@@ -8,6 +8,7 @@ ten times the tokens per GiB of a dense-attention model (the seed's Act 2).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class KvGeometry:
+    """What one sequence costs in cache: per token (attention layers), per sequence (state)."""
+
     architecture: str
     num_layers: int
     kv_layers: int  # layers that hold per-token KV
@@ -33,6 +36,7 @@ class KvGeometry:
     kv_heads: int
     head_dim: int
     native_max_len: int | None
+    state_bytes_per_layer: int | None = None  # one sequence's Mamba/linear-attention state
 
     def bytes_per_token(self, kv_dtype_bytes: float) -> float:
         # K and V of every full-attention layer (tensor parallel 1, as on a Spark).
@@ -44,6 +48,18 @@ class KvGeometry:
     @property
     def is_hybrid(self) -> bool:
         return self.state_layers > 0
+
+    def state_blocks(self, kv_bytes: float, kv_dtype_bytes: float) -> int | None:
+        """Cache blocks of a hybrid's pool, each holding one sequence's state (vLLM's "Mamba
+        cache blocks", which bound max_num_seqs). An estimate by vLLM's rules: the attention
+        block grows until one page holds a state; layers share blocks in groups the size of the
+        smaller layer kind. None when config.json lacks the state's dimensions."""
+        if not self.is_hybrid or not self.state_bytes_per_layer:
+            return None
+        token_bytes = self.kv_heads * 2 * self.head_dim * kv_dtype_bytes
+        block_tokens = max(16, math.ceil(self.state_bytes_per_layer / token_bytes / 16) * 16)
+        group_size = min(self.kv_layers, self.state_layers)
+        return int(kv_bytes // (block_tokens * token_bytes * group_size))
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -83,7 +99,23 @@ def geometry(config: dict[str, Any]) -> KvGeometry:
         raise ModelConfigError(f"config.json of {arch} has no full-attention layer")
     native = cfg.get("max_position_embeddings")
     return KvGeometry(arch, num_layers, kv_layers, state_layers, kv_heads, head_dim,
-                      int(native) if native else None)
+                      int(native) if native else None, _state_bytes_per_layer(cfg))
+
+
+def _state_bytes_per_layer(cfg: dict[str, Any]) -> int | None:
+    """Conv state plus SSM/recurrent state of one layer for one sequence, in the model dtype."""
+    dtype = DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), 2)
+    if "mamba_num_heads" in cfg:  # Nemotron-H, Mamba-2
+        inner = cfg["mamba_num_heads"] * cfg["mamba_head_dim"]
+        conv_dim = inner + 2 * cfg.get("n_groups", 1) * cfg["ssm_state_size"]
+        return int(((cfg.get("conv_kernel", 4) - 1) * conv_dim + inner * cfg["ssm_state_size"]) * dtype)
+    if "linear_num_value_heads" in cfg:  # Qwen3-Next / Qwen3.5, Gated DeltaNet
+        key_dim = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+        value_dim = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+        recurrent = cfg["linear_num_value_heads"] * cfg["linear_key_head_dim"] * cfg["linear_value_head_dim"]
+        conv = (cfg.get("linear_conv_kernel_dim", 4) - 1) * (2 * key_dim + value_dim)
+        return int((conv + recurrent) * dtype)
+    return None
 
 
 def kv_dtype_bytes(kv_cache_dtype: str, config: dict[str, Any]) -> float:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from sparkform import modelconfig
 from sparkform.modelconfig import GIB
 from sparkform.schema import Engine
-from sparkform.validate import Host
+from sparkform.validate import Host, Problem
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,8 @@ class EnginePlan:
     tokens_per_gib: float | None
     tokens_source: str
     max_model_len: int
+    max_num_seqs: int
+    state_blocks: int | None  # hybrids: sequences the pool can hold state for
 
     @property
     def pool_tokens(self) -> int | None:
@@ -108,12 +110,36 @@ def _kv_gib(engine: Engine, share_gib: float) -> tuple[float | None, float | Non
     return None, None, "unknown: set weights_gib or measured.kv_cache_gib"
 
 
+def _state_blocks(host: Host, engine: Engine, kv_gib: float | None) -> int | None:
+    config = host.model_configs.get(engine.name)
+    if config is None or kv_gib is None:
+        return None
+    return modelconfig.geometry(config).state_blocks(
+        kv_gib * GIB, modelconfig.kv_dtype_bytes(engine.kv_cache_dtype, config))
+
+
 def engine_plan(host: Host, engine: Engine) -> EnginePlan:
     share = engine.gpu_memory_utilization * host.config.memory_total_gib
     kv_gib, non_kv, kv_source = _kv_gib(engine, share)
     per_gib, tokens_source = _tokens_per_gib(host, engine)
     return EnginePlan(engine.name, engine.gpu_memory_utilization, share, engine.weights_gib,
-                      non_kv, kv_gib, kv_source, per_gib, tokens_source, engine.max_model_len)
+                      non_kv, kv_gib, kv_source, per_gib, tokens_source, engine.max_model_len,
+                      engine.max_num_seqs, _state_blocks(host, engine, kv_gib))
+
+
+def state_block_problems(host: Host) -> list[Problem]:
+    """max_num_seqs above the state blocks a hybrid's pool holds: vLLM refuses CUDA graph
+    capture ("max_num_seqs (256) exceeds available Mamba cache blocks (147)", seed appendix)."""
+    problems = []
+    for engine in host.config.enabled_engines:
+        blocks = engine_plan(host, engine).state_blocks
+        if blocks is not None and engine.max_num_seqs > blocks:
+            problems.append(Problem(
+                host.name, "max_num_seqs", engine.max_num_seqs,
+                f"above the {blocks} Mamba cache blocks the planner predicts for this pool (each "
+                "decoding sequence holds one); vLLM would refuse CUDA graph capture at start",
+                f"lower max_num_seqs to at most {blocks} or raise gpu_memory_utilization", engine.name))
+    return problems
 
 
 def recommend_split(plans: list[EnginePlan], total_gib: float) -> tuple[Split | None, str]:
@@ -173,7 +199,9 @@ def format_plan(result: Plan) -> str:
     lines.append(f"  engines take {result.used_gib:.2f} GiB; {result.free_gib:.2f} GiB stays free "
                  f"(headroom asked: {result.headroom_gib:.1f} GiB)")
     for e in result.engines:
-        lines.append(f"  {e.name}: KV from {e.kv_source}; tokens/GiB from {e.tokens_source}")
+        blocks = "" if e.state_blocks is None else \
+            f"; {e.state_blocks:,} Mamba cache blocks for max_num_seqs {e.max_num_seqs}"
+        lines.append(f"  {e.name}: KV from {e.kv_source}; tokens/GiB from {e.tokens_source}{blocks}")
     if result.split:
         parts = ", ".join(f"{name} {util:.2f} ({result.split.concurrency[name]:.2f}x)"
                           for name, util in result.split.utilization.items())

@@ -134,9 +134,12 @@ def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Ho
 
 
 def host_problems(host: Host) -> list[Problem]:
+    from sparkform.planner import state_block_problems  # the planner builds on this module
+
     problems: list[Problem] = []
     for rule in (_memory_pool, _unique, _boot_chain, _mtp_and_vision, _timeouts, _cgroup_caps,
-                 _compile_storm, _cpu_pool, _native_window, _secret_files, _wheelhouse):
+                 _compile_storm, _cpu_pool, _native_window, _secret_files, _wheelhouse,
+                 state_block_problems):
         problems += rule(host)
     return problems
 

@@ -7,30 +7,16 @@ Everything is read from systemd, the journal and the endpoints, not from the too
 
 from __future__ import annotations
 
-import os
 import re
 import time
-import uuid
 
 import pytest
 from deploy_helpers import (SANDBOX_INVENTORY, changed_operations, edited_inventory, journal_times,
                             main_pids, pyinfra, ssh, verify)
 
-from sparkform.sandbox import host, stage
+from sparkform.sandbox import host
 
 BOOT_BACK_TIMEOUT_S = 600
-
-
-@pytest.fixture(scope="module")
-def box():
-    name = f"c-{uuid.uuid4().hex[:6]}"
-    os.environ["SPARKFORM_SANDBOX"] = name
-    sandbox = stage.up(name)
-    try:
-        yield sandbox
-    finally:
-        stage.down(name)
-        os.environ.pop("SPARKFORM_SANDBOX", None)
 
 
 def test_converge_from_scratch_then_verify(box):

@@ -445,3 +445,27 @@ def test_plan_as_dict_is_json(seed_data, make_host):
     assert engines["nemotron"]["pool_tokens"] == 2_777_998
     assert engines["q38"]["concurrency"] == pytest.approx(953_661 / 131_072)
     assert set(result["split"]["utilization"]) == {"nemotron", "q38"}
+
+
+def test_mamba_cache_blocks_by_vllms_page_rules(seed_data, make_host):
+    """Nemotron-H: one sequence's Mamba-2 state per layer is conv (kernel-1) x (heads x head_dim
+    + 2 x groups x state) plus SSM heads x head_dim x state, in bf16. The attention block grows
+    until a page holds it; 6 attention and 23 Mamba layers share blocks in groups of 6."""
+    state = ((4 - 1) * (64 * 64 + 2 * 8 * 128) + 64 * 64 * 128) * 2
+    token_bytes = 2 * 2 * 128 * 1  # KV heads x (K+V) x head_dim x fp8
+    block_tokens = max(16, -(-state // (token_bytes * 16)) * 16)  # ceil to a multiple of 16
+    expected = int(9.12 * 2**30 // (block_tokens * token_bytes * 6))
+    nemotron = eng(seed_data, "nemotron")
+    nemotron.update(model_config_path="nemotron_h_mamba.json", kv_cache_dtype="fp8",
+                    measured={"kv_cache_gib": 9.12})
+    plan = by_name(planner.plan(make_host(seed_data)))["nemotron"]
+    assert plan.state_blocks == expected == 1497
+    assert by_name(planner.plan(make_host(seed_data)))["q38"].state_blocks is None  # no config.json
+
+
+def test_max_num_seqs_above_the_mamba_blocks_is_refused(seed_data, problems_of):
+    eng(seed_data, "nemotron").update(model_config_path="nemotron_h_mamba.json", kv_cache_dtype="fp8",
+                                      measured={"kv_cache_gib": 0.5}, max_num_seqs=128)
+    (problem,) = problems_of(seed_data)
+    assert (problem.engine, problem.field, problem.value) == ("nemotron", "max_num_seqs", 128)
+    assert "82 Mamba cache blocks" in problem.message and "at most 82" in problem.fix

@@ -78,9 +78,11 @@ def test_after_edges_point_at_enabled_units(remote, engine):
     after = remote.service(engine.unit).systemd_properties.get("After", "").split()
     for unit in after:
         if unit.startswith("vllm-"):
-            assert remote.service(unit).is_enabled, (
-                f"{engine.unit} is ordered after {unit}, which is not enabled: the boot chain has "
-                f"a hole (2026-08-18); enable {unit} or remove the edge")
+            # Only "enabled" joins the boot transaction; "static" and "disabled" units do not.
+            state = remote.run(f"systemctl is-enabled {unit}").stdout.strip()
+            assert state == "enabled", (
+                f"{engine.unit} is ordered after {unit}, which is not enabled ({state}): the boot "
+                f"chain has a hole (2026-08-18); enable {unit} or remove the edge")
 
 
 def test_scripts_installed_with_mode_and_owner(remote, config):
