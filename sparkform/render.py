@@ -13,7 +13,7 @@ from pathlib import Path
 import jinja2
 
 from sparkform.modelconfig import GIB
-from sparkform.schema import Engine, HostConfig
+from sparkform.schema import COMPLETE_MARKER, Engine, HostConfig
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -114,7 +114,8 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
     """Every file sparkform puts on the host, with its path and mode."""
     lib = config.lib_dir
     files = [
-        RenderedFile(f"{lib}/sparkform-launch", _render("sparkform-launch.sh.j2", config=config), "755"),
+        RenderedFile(f"{lib}/sparkform-launch",
+                     _render("sparkform-launch.sh.j2", config=config, complete_marker=COMPLETE_MARKER), "755"),
         RenderedFile(f"{lib}/sparkform-wait-ready", _render("sparkform-wait-ready.sh.j2", config=config), "755"),
         RenderedFile("/etc/profile.d/sparkform-caps.sh",
                      _render("profile-caps.sh.j2", config=config, caps=config.compile_caps.as_env()), "644"),

@@ -14,6 +14,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
+# Written last into a venv or a checkpoint folder: without it the folder is unfinished, and the
+# launch script refuses the checkpoint.
+COMPLETE_MARKER = ".sparkform-complete"
 
 # Quantization methods `vllm serve --quantization` accepts (0.27-0.33); an unknown string only
 # fails later, at engine start, with "Unknown quantization method".

@@ -8,14 +8,11 @@ from pyinfra import host
 from pyinfra.api import operation
 
 from facts.host import HostSnapshot
-from sparkform.schema import Engine, HostConfig
+from sparkform.schema import COMPLETE_MARKER, Engine, HostConfig
 from tasks.venv import own_pattern
 
-MARKER = ".sparkform-complete"  # the launch script refuses a checkpoint without it
-
-
 def marker_path(config: HostConfig, engine: Engine) -> str:
-    return f"{config.checkpoint_dir(engine)}/{MARKER}"
+    return f"{config.checkpoint_dir(engine)}/{COMPLETE_MARKER}"
 
 
 @operation()
@@ -24,7 +21,8 @@ def checkpoint(config: HostConfig, engine: Engine, snapshot: HostSnapshot):
     Download an engine's checkpoint unless its completion marker is there.
 
     The token is read from its 0600 file by the remote shell, so it never appears in argv, in
-    pyinfra's output or in a unit. `hf download` resumes a cut download.
+    pyinfra's output or in a unit. A rerun keeps the files `hf download` finished and fetches a
+    cut one again; the marker is written only after the whole download succeeded.
 
     + config: the host's validated configuration
     + engine: the engine whose checkpoint this is

@@ -10,9 +10,8 @@ from pyinfra.api import FileUploadCommand, operation
 from pyinfra.facts.files import FindFiles
 
 from facts.host import HostSnapshot
-from sparkform.schema import HostConfig
+from sparkform.schema import COMPLETE_MARKER, HostConfig
 
-MARKER = ".sparkform-complete"
 
 
 def own_pattern(text: str) -> str:
@@ -26,7 +25,7 @@ def pin(config: HostConfig) -> str:
 
 
 def marker_path(config: HostConfig) -> str:
-    return f"{config.venv}/{MARKER}"
+    return f"{config.venv}/{COMPLETE_MARKER}"
 
 
 def pip_install_args(config: HostConfig) -> list[str]:

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import SEED_PAIR
-
 from sparkform.inventory import load_inventory
 
 INVENTORY = Path(__file__).resolve().parents[2] / "inventory"
 
 
-def test_spark_inventory_is_the_seeds_pair(monkeypatch):
+def test_spark_inventory_is_the_seeds_pair(monkeypatch, seed_data):
     monkeypatch.delenv("SPARK_HF_TOKEN_FILE", raising=False)
     (spark,) = load_inventory(INVENTORY / "spark.py")
-    assert spark.config.vllm_version == SEED_PAIR["vllm_version"]
+    assert spark.config.vllm_version == seed_data["vllm_version"]
     engines = {engine.name: engine for engine in spark.config.engines}
     assert set(engines) == {"nemotron", "q38"}
-    for expected in SEED_PAIR["engines"]:
+    for expected in seed_data["engines"]:
         engine = engines[expected["name"]].model_dump()
         for key, value in expected.items():
             if isinstance(value, dict):
