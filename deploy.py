@@ -48,16 +48,17 @@ for secret in secrets:
                        mode=secret.mode, group=secret.group, current=snapshot.paths.get(secret.path),
                        secret=True)
 
+# Scripts before the venv and checkpoints: the checkpoint fetch is one of them.
+changed = {f.path for f in rendered if files.differs(f.content, snapshot.paths.get(f.path))}
+for file in rendered:
+    files.managed_file(name=f"File {file.path}", path=file.path, content=file.content,
+                       mode=file.mode, current=snapshot.paths.get(file.path))
+
 venv.wheelhouse_synced(name="Wheelhouse on the host", config=config, snapshot=snapshot)
 venv.vllm_venv(name=f"vLLM venv {venv.pin(config)}", config=config, snapshot=snapshot)
 for engine in config.enabled_engines:
     checkpoints.checkpoint(name=f"Checkpoint of {engine.name}", config=config, engine=engine,
                            snapshot=snapshot)
-
-changed = {f.path for f in rendered if files.differs(f.content, snapshot.paths.get(f.path))}
-for file in rendered:
-    files.managed_file(name=f"File {file.path}", path=file.path, content=file.content,
-                       mode=file.mode, current=snapshot.paths.get(file.path))
 
 # Units sparkform wrote for engines that have left the inventory.
 leftovers = sorted(snapshot.rendered_units - {f.path for f in rendered if f.is_unit})

@@ -117,6 +117,9 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
         RenderedFile(f"{lib}/sparkform-launch",
                      _render("sparkform-launch.sh.j2", config=config, complete_marker=COMPLETE_MARKER), "755"),
         RenderedFile(f"{lib}/sparkform-wait-ready", _render("sparkform-wait-ready.sh.j2", config=config), "755"),
+        # Run by the venv's python (it needs huggingface_hub), so not executable on its own.
+        RenderedFile(f"{lib}/sparkform-checkpoint",
+                     _render("sparkform-checkpoint.py.j2", complete_marker=COMPLETE_MARKER), "644"),
         RenderedFile("/etc/profile.d/sparkform-caps.sh",
                      _render("profile-caps.sh.j2", config=config, caps=config.compile_caps.as_env()), "644"),
     ]

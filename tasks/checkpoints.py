@@ -18,11 +18,12 @@ def marker_path(config: HostConfig, engine: Engine) -> str:
 @operation()
 def checkpoint(config: HostConfig, engine: Engine, snapshot: HostSnapshot):
     """
-    Download an engine's checkpoint unless its completion marker is there.
+    Fetch and verify an engine's checkpoint unless its completion marker is there.
 
-    The token is read from its 0600 file by the remote shell, so it never appears in argv, in
-    pyinfra's output or in a unit. A rerun keeps the files `hf download` finished and fetches a
-    cut one again; the marker is written only after the whole download succeeded.
+    `sparkform-checkpoint` (rendered from templates/) checks the free space, downloads, compares
+    every file with the hub's tree (sha256 for the weights), re-fetches a file that differs, and
+    writes the manifest and the marker last. The token is read from its 0600 file by the remote
+    shell, so it never appears in argv, in pyinfra's output or in a unit.
 
     + config: the host's validated configuration
     + engine: the engine whose checkpoint this is
@@ -32,17 +33,15 @@ def checkpoint(config: HostConfig, engine: Engine, snapshot: HostSnapshot):
     if marker in snapshot.markers:
         host.noop(f"{engine.checkpoint.repo}@{engine.checkpoint.revision} is complete")
         return
-    folder = shlex.quote(config.checkpoint_dir(engine))
     env = ["HF_HUB_DISABLE_TELEMETRY=1"]
     if config.hf_endpoint:
         env.append(f"HF_ENDPOINT={shlex.quote(config.hf_endpoint)}")
     if config.hf_token_file:
         env.append(f'HF_TOKEN="$(cat {shlex.quote(config.hf_token_path)})"')
     includes = "".join(f" --include {shlex.quote(p)}" for p in engine.checkpoint.include)
-    # A deploy cut off mid-download can leave its `hf download` running: stop it first.
-    yield f"pkill -f -- {shlex.quote(own_pattern(f'hf download {engine.checkpoint.repo} '))} || true"
-    yield f"install -d -m 755 {folder}"
-    yield (f"env {' '.join(env)} {shlex.quote(config.venv)}/bin/hf download "
-           f"{shlex.quote(engine.checkpoint.repo)} --revision {shlex.quote(engine.checkpoint.revision)}"
-           f" --local-dir {folder}{includes} --quiet")
-    yield f"touch {shlex.quote(marker)}"
+    script = f"{config.lib_dir}/sparkform-checkpoint"
+    repo = shlex.quote(engine.checkpoint.repo)
+    # A deploy cut off mid-download can leave its fetch running: stop it first.
+    yield f"pkill -f -- {shlex.quote(own_pattern(f'{script} {engine.checkpoint.repo} '))} || true"
+    yield (f"env {' '.join(env)} {shlex.quote(config.venv)}/bin/python {shlex.quote(script)} {repo} "
+           f"{shlex.quote(engine.checkpoint.revision)} {shlex.quote(config.checkpoint_dir(engine))}{includes}")

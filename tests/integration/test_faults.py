@@ -63,7 +63,8 @@ def test_deploy_killed_during_the_download_leaves_no_checkpoint_taken_as_complet
     hub.stall()
     deploy = start_pyinfra()
     try:
-        wait_for(lambda: running_on_host(box, "hf download"), 600, "hf download on the host", 0.5)
+        wait_for(lambda: running_on_host(box, "sparkform-checkpoint sparkform-test/"), 600,
+                 "the checkpoint fetch on the host", 0.5)
         time.sleep(1)
     finally:
         deploy.kill()

@@ -246,7 +246,7 @@ def test_render_writes_every_file_with_its_mode(tmp_path):
     written = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     assert written == sorted([
         "usr/local/lib/sparkform/sparkform-launch", "usr/local/lib/sparkform/sparkform-wait-ready",
-        "etc/profile.d/sparkform-caps.sh",
+        "usr/local/lib/sparkform/sparkform-checkpoint", "etc/profile.d/sparkform-caps.sh",
         "etc/systemd/system/vllm-nemotron.service", "etc/sparkform/engines/nemotron.env",
         "etc/sparkform/engines/nemotron.args",
         "etc/systemd/system/vllm-q38.service", "etc/sparkform/engines/q38.env", "etc/sparkform/engines/q38.args",
@@ -254,6 +254,7 @@ def test_render_writes_every_file_with_its_mode(tmp_path):
     assert result.stdout.splitlines() == [str(root / "usr/local/lib/sparkform/sparkform-launch"),
                                           *result.stdout.splitlines()[1:]]
     assert stat.S_IMODE((root / "usr/local/lib/sparkform/sparkform-launch").stat().st_mode) == 0o755
+    assert stat.S_IMODE((root / "usr/local/lib/sparkform/sparkform-checkpoint").stat().st_mode) == 0o644
     assert stat.S_IMODE((root / "etc/systemd/system/vllm-q38.service").stat().st_mode) == 0o644
     assert "Restart=always" in (root / "etc/systemd/system/vllm-q38.service").read_text()
 

@@ -149,6 +149,7 @@ def test_rendered_file_list_and_modes(seed_files):
     assert {path: (f.mode, f.engine) for path, f in seed_files.items()} == {
         "/usr/local/lib/sparkform/sparkform-launch": ("755", None),
         "/usr/local/lib/sparkform/sparkform-wait-ready": ("755", None),
+        "/usr/local/lib/sparkform/sparkform-checkpoint": ("644", None),
         "/etc/profile.d/sparkform-caps.sh": ("644", None),
         "/etc/systemd/system/vllm-nemotron.service": ("644", "nemotron"),
         "/etc/sparkform/engines/nemotron.env": ("644", "nemotron"),
@@ -468,7 +469,7 @@ def test_no_secret_in_any_rendered_file(seed_data, tmp_path):
         os.chmod(tmp_path / name, 0o600)
     seed_data.update(hf_token_file=str(tmp_path / "hf"), api_key_file=str(tmp_path / "key"))
     files = render_host(load_host("spark", seed_data).config)
-    assert len(files) == 9
+    assert len(files) == 10
     for file in files:
         assert token not in file.content and key not in file.content, file.path
         assert "SECRET" not in file.content, file.path
