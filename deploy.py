@@ -36,6 +36,7 @@ snapshot = host.get_fact(
     markers=[venv.marker_path(config)] + [checkpoints.marker_path(config, e) for e in config.engines],
     units=[engine.unit for engine in config.engines],
     unit_glob=UNIT_GLOB,
+    checkpoints=[config.checkpoint_dir(engine) for engine in config.engines],
 )
 
 system.packages_present(name="Install prerequisites", packages=packages, snapshot=snapshot)

@@ -12,9 +12,27 @@ from dataclasses import dataclass, field
 from pyinfra.api import FactBase
 
 from sparkform.parsers import EngineState, engine_states
+from sparkform.schema import CHECKPOINT_MANIFEST
 
 UNIT_PROPERTIES = "Id,LoadState,ActiveState,SubState,NRestarts,MainPID,ExecMainStatus,Result,UnitFileState"
 SECTION = "@@sparkform:"
+# Trusts a checkpoint's manifest by size and mtime, hashing nothing: prints "folder|ok" or
+# "folder|<files that differ>" for each folder that has a manifest.
+MANIFEST_CHECK = f"""
+import json, os, sys
+for folder in sys.argv[1:]:
+    try:
+        files = json.load(open(os.path.join(folder, "{CHECKPOINT_MANIFEST}")))["files"]
+    except (OSError, ValueError):
+        continue
+    def same(entry):
+        try:
+            st = os.stat(os.path.join(folder, entry["path"]))
+        except OSError:
+            return False
+        return st.st_size == entry["size"] and abs(st.st_mtime - entry["mtime"]) < 1e-3
+    print(folder + "|" + (",".join(e["path"] for e in files if not same(e)) or "ok"))
+"""
 
 
 @dataclass(frozen=True)
@@ -32,6 +50,8 @@ class HostSnapshot:
     paths: dict[str, RemoteFile] = field(default_factory=dict)
     markers: dict[str, str] = field(default_factory=dict)  # completion marker path -> content
     rendered_units: set[str] = field(default_factory=set)  # unit files sparkform wrote, by path
+    # checkpoint folder -> files whose size or mtime no longer match its manifest ([] when intact)
+    checkpoint_drift: dict[str, list[str]] = field(default_factory=dict)
     engines: dict[str, EngineState] = field(default_factory=dict)
 
 
@@ -50,12 +70,13 @@ class SparkformHost(FactBase):
     + units: systemd units to show
     + unit_glob: unit files to look through for sparkform's header (finds units of engines that
       left the inventory)
+    + checkpoints: checkpoint folders whose manifest to check by size and mtime
     """
 
     default = HostSnapshot
 
     def command(self, packages: list[str], users: list[str], paths: list[str],
-                markers: list[str], units: list[str], unit_glob: str) -> str:
+                markers: list[str], units: list[str], unit_glob: str, checkpoints: list[str]) -> str:
         quoted_paths = " ".join(shlex.quote(p) for p in paths)
         sections = [
             _section("packages", "dpkg-query -W -f='${Package} ${db:Status-Status}\\n' "
@@ -69,6 +90,8 @@ class SparkformHost(FactBase):
             _section("units", f"systemctl show -p {UNIT_PROPERTIES} "
                      + " ".join(shlex.quote(u) for u in units)),
             _section("rendered_units", f"grep -l '^# Rendered by sparkform' {unit_glob}"),
+            _section("manifests", f"python3 -c {shlex.quote(MANIFEST_CHECK)} "
+                     + " ".join(shlex.quote(c) for c in checkpoints)),
         ]
         return " ; ".join(sections)
 
@@ -99,4 +122,7 @@ class SparkformHost(FactBase):
             snapshot.markers[path] = content
         snapshot.engines = engine_states(sections.get("units", []))
         snapshot.rendered_units = set(sections.get("rendered_units", []))
+        for line in sections.get("manifests", []):
+            folder, _, verdict = line.rpartition("|")
+            snapshot.checkpoint_drift[folder] = [] if verdict == "ok" else verdict.split(",")
         return snapshot

@@ -53,7 +53,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     import pytest
 
     options = [str(VERIFY_SUITE), f"--inventory={args.inventory.resolve()}", "-p", "no:cacheprovider",
-               f"--rootdir={VERIFY_SUITE}", "-q", *args.pytest_args]
+               f"--rootdir={VERIFY_SUITE}", "-q", *(["--deep"] if args.deep else []), *args.pytest_args]
     return int(pytest.main(options))
 
 
@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     render.set_defaults(run=_cmd_render)
     verify = sub.add_parser("verify", help="check converged hosts over SSH (testinfra suite tests/verify)")
     verify.add_argument("inventory", type=Path)
+    verify.add_argument("--deep", action="store_true", help="also re-hash every checkpoint file against its manifest")
     verify.add_argument("pytest_args", nargs="*", help="further pytest arguments (after --)")
     verify.set_defaults(run=_cmd_verify)
     sandbox = sub.add_parser("sandbox", help="a local real-systemd host running real vLLM (root)")

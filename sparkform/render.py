@@ -13,7 +13,7 @@ from pathlib import Path
 import jinja2
 
 from sparkform.modelconfig import GIB
-from sparkform.schema import COMPLETE_MARKER, Engine, HostConfig
+from sparkform.schema import CHECKPOINT_MANIFEST, COMPLETE_MARKER, Engine, HostConfig
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -119,7 +119,8 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
         RenderedFile(f"{lib}/sparkform-wait-ready", _render("sparkform-wait-ready.sh.j2", config=config), "755"),
         # Run by the venv's python (it needs huggingface_hub), so not executable on its own.
         RenderedFile(f"{lib}/sparkform-checkpoint",
-                     _render("sparkform-checkpoint.py.j2", complete_marker=COMPLETE_MARKER), "644"),
+                     _render("sparkform-checkpoint.py.j2", complete_marker=COMPLETE_MARKER,
+                             manifest=CHECKPOINT_MANIFEST), "644"),
         RenderedFile("/etc/profile.d/sparkform-caps.sh",
                      _render("profile-caps.sh.j2", config=config, caps=config.compile_caps.as_env()), "644"),
     ]

@@ -17,6 +17,8 @@ NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
 # Written last into a venv or a checkpoint folder: without it the folder is unfinished, and the
 # launch script refuses the checkpoint.
 COMPLETE_MARKER = ".sparkform-complete"
+# Path, size, sha256 and mtime of every verified checkpoint file, beside the marker.
+CHECKPOINT_MANIFEST = ".sparkform-manifest.json"
 
 # Quantization methods `vllm serve --quantization` accepts (0.27-0.33); an unknown string only
 # fails later, at engine start, with "Unknown quantization method".

@@ -18,7 +18,8 @@ def marker_path(config: HostConfig, engine: Engine) -> str:
 @operation()
 def checkpoint(config: HostConfig, engine: Engine, snapshot: HostSnapshot):
     """
-    Fetch and verify an engine's checkpoint unless its completion marker is there.
+    Fetch and verify an engine's checkpoint unless its completion marker is there and every
+    file still has the size and mtime its manifest recorded (a no-op run hashes nothing).
 
     `sparkform-checkpoint` (rendered from templates/) checks the free space, downloads, compares
     every file with the hub's tree (sha256 for the weights), re-fetches a file that differs, and
@@ -30,7 +31,8 @@ def checkpoint(config: HostConfig, engine: Engine, snapshot: HostSnapshot):
     + snapshot: the host's state from the SparkformHost fact
     """
     marker = marker_path(config, engine)
-    if marker in snapshot.markers:
+    drift = snapshot.checkpoint_drift.get(config.checkpoint_dir(engine), [])
+    if marker in snapshot.markers and not drift:
         host.noop(f"{engine.checkpoint.repo}@{engine.checkpoint.revision} is complete")
         return
     env = ["HF_HUB_DISABLE_TELEMETRY=1"]
@@ -41,6 +43,9 @@ def checkpoint(config: HostConfig, engine: Engine, snapshot: HostSnapshot):
     includes = "".join(f" --include {shlex.quote(p)}" for p in engine.checkpoint.include)
     script = f"{config.lib_dir}/sparkform-checkpoint"
     repo = shlex.quote(engine.checkpoint.repo)
+    if drift:
+        # Files changed since they were verified: the engine must not start on them meanwhile.
+        yield f"rm -f {shlex.quote(marker)}"
     # A deploy cut off mid-download can leave its fetch running: stop it first.
     yield f"pkill -f -- {shlex.quote(own_pattern(f'{script} {engine.checkpoint.repo} '))} || true"
     yield (f"env {' '.join(env)} {shlex.quote(config.venv)}/bin/python {shlex.quote(script)} {repo} "

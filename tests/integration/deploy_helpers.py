@@ -24,8 +24,8 @@ def pyinfra(inventory: Path, *args: str, timeout: float = 1800) -> subprocess.Co
                           capture_output=True, text=True, timeout=timeout)
 
 
-def verify(inventory: Path = SANDBOX_INVENTORY) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "sparkform"), "verify", str(inventory)], capture_output=True,
+def verify(*options: str, inventory: Path = SANDBOX_INVENTORY) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "sparkform"), "verify", str(inventory), *options], capture_output=True,
                           text=True, timeout=600)
 
 

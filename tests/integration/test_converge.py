@@ -89,3 +89,24 @@ def test_reboot_brings_both_back_second_after_first_is_ready(box):
     print(f"\nafter the reboot q38 started {q38_start - nemotron_ready:.1f} s after nemotron was ready")
     result = verify()
     assert result.returncode == 0, result.stdout[-4000:]
+
+
+SHARD = "/var/lib/sparkform/models/sparkform-test--tiny-qwen3@main/model-00001-of-00002.safetensors"
+
+
+def test_checkpoint_drift_is_caught_deep_verify_names_it_and_a_truncated_shard_is_fetched_again(box):
+    assert verify("--deep").returncode == 0
+    # A flipped byte, size and mtime kept: the no-op run trusts the manifest; --deep re-hashes.
+    ssh(box, "python3 -c \"import os,sys; p=sys.argv[1]; st=os.stat(p); f=open(p,'r+b'); f.seek(st.st_size//2); "
+             "b=f.read(1); f.seek(st.st_size//2); f.write(bytes([b[0]^255])); f.close(); "
+             f"os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))\" {SHARD}")
+    assert changed_operations(SANDBOX_INVENTORY) == []
+    result = verify("--deep")
+    assert result.returncode != 0 and "model-00001-of-00002.safetensors" in result.stdout
+    # A truncated shard: its size no longer matches the manifest, so the deploy fetches it again.
+    ssh(box, f"truncate -s 1000 {SHARD}")
+    assert changed_operations(SANDBOX_INVENTORY) == ["Checkpoint of nemotron"]
+    before = main_pids(box)
+    assert pyinfra(SANDBOX_INVENTORY, "-y").returncode == 0
+    assert verify("--deep").returncode == 0  # the flipped byte went with the re-fetch
+    assert main_pids(box) == before  # same revision, same files: nothing to restart

@@ -66,6 +66,9 @@ def test_deploy_killed_during_the_download_leaves_no_checkpoint_taken_as_complet
         wait_for(lambda: running_on_host(box, "sparkform-checkpoint sparkform-test/"), 600,
                  "the checkpoint fetch on the host", 0.5)
         time.sleep(1)
+        # The fetch runs with the token in its environment, never in any process's argv.
+        leaks = ssh(box, "ps -eo args | grep -cF -f /etc/sparkform/secrets/hf_token", check=False).stdout
+        assert leaks.strip() == "0"
     finally:
         deploy.kill()
         deploy.wait()
@@ -281,7 +284,7 @@ def test_disabling_the_first_engine_leaves_no_edge_to_it(box, tmp_path):
     assert ssh(box, "systemctl is-enabled vllm-nemotron", check=False).stdout.strip() == "disabled"
     assert not serving(box, "vllm-nemotron.service")
     assert "vllm-nemotron.service" not in q38_after(box)
-    result = verify(inventory)
+    result = verify(inventory=inventory)
     assert result.returncode == 0, result.stdout[-3000:]
 
 
@@ -291,7 +294,7 @@ def test_removing_the_first_engine_removes_its_unit(box, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert ssh(box, "test -e /etc/systemd/system/vllm-nemotron.service", check=False).returncode == 1
     assert "vllm-nemotron.service" not in q38_after(box)
-    result = verify(inventory)
+    result = verify(inventory=inventory)
     assert result.returncode == 0, result.stdout[-3000:]
     converge_back(box)
     assert "vllm-nemotron.service" in q38_after(box)

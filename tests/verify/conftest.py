@@ -21,6 +21,7 @@ from sparkform.schema import HostConfig
 
 def pytest_addoption(parser):
     parser.addoption("--inventory", required=True, type=Path, help="pyinfra inventory to verify")
+    parser.addoption("--deep", action="store_true", help="also re-hash every checkpoint file")
 
 
 @dataclass(frozen=True)

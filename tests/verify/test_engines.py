@@ -9,6 +9,7 @@ import pytest
 
 from sparkform.parsers import parse_kv_pool
 from sparkform.render import engine_environment
+from sparkform.schema import CHECKPOINT_MANIFEST
 
 UNIT_LIMITS_USEC = re.compile(r"^(\d+)")
 
@@ -139,6 +140,28 @@ def test_checkpoint_complete_at_pinned_revision(remote, engine, config):
     assert len(commits) == 1, f"files of {folder} come from several commits: {commits}"
     if re.fullmatch(r"[0-9a-f]{40}", engine.checkpoint.revision):
         assert commits == {engine.checkpoint.revision}
+
+
+# Re-hashes every file of a checkpoint against its manifest; prints the files that differ.
+DEEP_CHECK = """
+import hashlib, json, os, sys
+folder = sys.argv[1]
+for entry in json.load(open(os.path.join(folder, sys.argv[2])))["files"]:
+    digest = hashlib.sha256()
+    with open(os.path.join(folder, entry["path"]), "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 23), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != entry["sha256"]:
+        print(entry["path"])
+"""
+
+
+def test_checkpoint_files_hash_as_verified(remote, engine, config, request):
+    if not request.config.getoption("--deep"):
+        pytest.skip("re-hashing runs with --deep")
+    out = remote.check_output("python3 -c %s %s %s", DEEP_CHECK, config.checkpoint_dir(engine),
+                              CHECKPOINT_MANIFEST)
+    assert out == "", f"files of {config.checkpoint_dir(engine)} differ from their verified sha256: {out}"
 
 
 def test_no_secret_in_a_world_readable_file(remote, config):
