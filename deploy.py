@@ -14,10 +14,11 @@ from pyinfra import host
 from facts.host import SparkformHost
 from sparkform.inventory import exit_invalid, host_from_data
 from sparkform.render import prerequisite_packages, render_host
+from sparkform.schema import UNIT_PREFIX
 from sparkform.validate import InventoryError, start_order
 from tasks import checkpoints, engines, files, system, venv
 
-UNIT_GLOB = "/etc/systemd/system/vllm-*.service"
+UNIT_GLOB = f"/etc/systemd/system/{UNIT_PREFIX}*.service"
 
 try:
     config = host_from_data(host.name, host.data.dict()).config
@@ -64,7 +65,7 @@ for engine in config.enabled_engines:
 # Units sparkform wrote for engines that have left the inventory.
 leftovers = sorted(snapshot.rendered_units - {f.path for f in rendered if f.is_unit})
 for unit_path in leftovers:
-    name = unit_path.rsplit("/", 1)[-1].removeprefix("vllm-").removesuffix(".service")
+    name = unit_path.rsplit("/", 1)[-1].removeprefix(UNIT_PREFIX).removesuffix(".service")
     engines.engine_removed(name=f"Remove engine {name} (no longer in the inventory)", unit_path=unit_path,
                            settings=list(config.settings_files(name)))
 

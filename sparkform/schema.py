@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
+UNIT_PREFIX = "vllm-"  # engine NAME runs as unit vllm-NAME.service (the seed's names)
 # Written last into a venv or a checkpoint folder: without it the folder is unfinished, and the
 # launch script refuses the checkpoint.
 COMPLETE_MARKER = ".sparkform-complete"
@@ -169,7 +170,7 @@ class Engine(Strict):
 
     @property
     def unit(self) -> str:
-        return f"vllm-{self.name}.service"
+        return f"{UNIT_PREFIX}{self.name}.service"
 
     @property
     def names(self) -> list[str]:

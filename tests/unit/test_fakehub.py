@@ -7,6 +7,8 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 from pathlib import Path
 from urllib.error import HTTPError
@@ -194,9 +196,6 @@ def test_runs_as_a_process_and_publishes_the_tiny_models(tmp_path: Path) -> None
 
 def test_stalled_hub_holds_a_download_until_released(hub: FakeHub) -> None:
     """A stalled hub keeps a weights download in flight (a test can cut the deploy there)."""
-    import threading
-    import time
-
     url = f"{hub.url}/{LLAMA}/resolve/main/model.safetensors"
     hub.stall()
     result: list = []
