@@ -1,5 +1,6 @@
-"""`sparkform`: the commands that work on an inventory without connecting to it.
+"""`sparkform`: plan, render and verify an inventory's hosts, and run the local sandbox.
 
+`plan`, `render` and `fields` never connect; `verify` validates the inventory before it does.
 Exit codes: 0 success; 2 the inventory is invalid (each problem printed with host, engine,
 field, value and fix); 1 any other error (e.g. the inventory file is missing).
 """
@@ -66,7 +67,7 @@ def _sandbox_howto(box) -> str:
 
     key = stage.secret_file(box.runtime_dir, "api_key")
     lines = [f"ssh in:  sparkform sandbox ssh --name {box.name}   (or: ssh -F {box.ssh_config} {box.host_alias})"]
-    os.environ.setdefault("SPARKFORM_SANDBOX", box.name)
+    os.environ["SPARKFORM_SANDBOX"] = box.name  # the inventory points at this sandbox
     for target in load_inventory(SANDBOX_INVENTORY):
         for engine in target.config.enabled_engines:
             body = json.dumps({"model": engine.names[0], "max_tokens": 8,
