@@ -9,14 +9,17 @@ so a bad value stops the run before anything on the host changes. Every decision
 one fact (SparkformHost), gathered in one round trip.
 """
 
-from pyinfra import host
+from pyinfra import host, logger
 
 from facts.host import SparkformHost
+from sparkform import hostrecord
+from sparkform.hub import resolve_pins
 from sparkform.inventory import exit_invalid, host_from_data
 from sparkform.render import prerequisite_packages, render_host
-from sparkform.schema import UNIT_PREFIX
-from sparkform.validate import InventoryError, start_order
-from tasks import checkpoints, engines, files, system, venv
+from sparkform.schema import ENGINES_TARGET, UNIT_PREFIX
+from sparkform.validate import InventoryError, boot_chain_holes, start_order
+from tasks import checkpoints, engines, files, jit, system, venv
+from tasks import record as record_ops
 
 UNIT_GLOB = f"/etc/systemd/system/{UNIT_PREFIX}*.service"
 
@@ -25,7 +28,6 @@ try:
 except InventoryError as err:
     exit_invalid(err, f"data of host {host.name}")
 
-rendered = render_host(config)
 secrets = files.secrets(config)
 folders = system.folders(config)
 packages = prerequisite_packages(config.device)
@@ -33,12 +35,39 @@ snapshot = host.get_fact(
     SparkformHost,
     packages=packages,
     users=[config.engine_user],
-    paths=[f.path for f in folders] + [f.path for f in rendered] + [s.path for s in secrets],
-    markers=[venv.marker_path(config)] + [checkpoints.marker_path(config, e) for e in config.engines],
-    units=[engine.unit for engine in config.engines],
+    paths=[f.path for f in folders] + [f.path for f in render_host(config)] + [s.path for s in secrets],
+    markers=[venv.marker_path(config)],
+    units=[engine.unit for engine in config.engines] + [ENGINES_TARGET],
     unit_glob=UNIT_GLOB,
-    checkpoints=[config.checkpoint_dir(engine) for engine in config.engines],
+    models_dir=config.models_dir,
+    pins_dir=config.pins_dir,
+    cache_root=config.cache_root,
+    record_path=hostrecord.record_path(config.state_dir),
 )
+# Branches and tags become commits: the host's record of them, else the hub's answer now.
+try:
+    config = config.pinned(resolve_pins(host.name, config, snapshot.pins))
+except InventoryError as err:
+    exit_invalid(err, f"data of host {host.name}")
+rendered = render_host(config)
+changed = {f.path for f in rendered if files.differs(f.content, snapshot.paths.get(f.path))}
+order = start_order(config)
+
+# What changed since the last converge, and which engines' JIT caches it made stale.
+live = hostrecord.parse_live_versions(snapshot.live_versions, f"{config.vllm_package}-{config.vllm_version}")
+record = hostrecord.HostRecord.from_json(snapshot.record)
+drift = hostrecord.drift(record, live, {e.name: snapshot.cache_keys.get(e.name) for e in order},
+                         {e.name for e in order if jit.caches_aside(config, e, snapshot)})
+last_cold = hostrecord.last_cold_starts(record, {e.name: e.measured.cold_start_s for e in order})
+for line in hostrecord.drift_report(drift, last_cold):
+    logger.warning(f"[{host.name}] since the last converge: {line}")
+# The boot chain: an edge to a unit that is not enabled orders nothing (2026-08-18).
+for unit, dep, state in boot_chain_holes({u: s.after for u, s in snapshot.engines.items()
+                                          if s.unit_file_state == "enabled"}, snapshot.unit_files):
+    repaired = (f"/etc/systemd/system/{unit}" in changed
+                or any(e.unit == dep for e in order) or not any(e.unit == unit for e in order))
+    logger.warning(f"[{host.name}] boot chain: {unit} waits for {dep}, which is {state}: "
+                   + ("this run repairs it" if repaired else "fix that unit by hand"))
 
 system.packages_present(name="Install prerequisites", packages=packages, snapshot=snapshot)
 system.system_user(name=f"Engine user {config.engine_user}", user=config.engine_user,
@@ -50,17 +79,23 @@ for secret in secrets:
                        mode=secret.mode, group=secret.group, current=snapshot.paths.get(secret.path),
                        secret=True)
 
-# Scripts before the venv and checkpoints: the checkpoint fetch is one of them.
-changed = {f.path for f in rendered if files.differs(f.content, snapshot.paths.get(f.path))}
-for file in rendered:
-    files.managed_file(name=f"File {file.path}", path=file.path, content=file.content,
-                       mode=file.mode, current=snapshot.paths.get(file.path))
+def put_files(selected: list) -> None:
+    for file in selected:
+        files.managed_file(name=f"File {file.path}", path=file.path, content=file.content,
+                           mode=file.mode, current=snapshot.paths.get(file.path))
 
+
+# Shared scripts first (the checkpoint fetch is one of them). Each engine's unit and settings
+# only once its venv and checkpoint are complete: a failed fetch leaves the engine pointed at
+# the revision it serves, and the next run still sees its settings as changed.
+put_files([f for f in rendered if f.engine is None])
 venv.wheelhouse_synced(name="Wheelhouse on the host", config=config, snapshot=snapshot)
 venv.vllm_venv(name=f"vLLM venv {venv.pin(config)}", config=config, snapshot=snapshot)
 for engine in config.enabled_engines:
-    checkpoints.checkpoint(name=f"Checkpoint of {engine.name}", config=config, engine=engine,
-                           snapshot=snapshot)
+    checkpoints.checkpoint(name=f"Checkpoint of {engine.name}: {engine.checkpoint.repo} "
+                                f"{engine.checkpoint.revision} -> {config.commit(engine)}",
+                           config=config, engine=engine, snapshot=snapshot)
+put_files([f for f in rendered if f.engine is not None])
 
 # Units sparkform wrote for engines that have left the inventory.
 leftovers = sorted(snapshot.rendered_units - {f.path for f in rendered if f.is_unit})
@@ -75,8 +110,25 @@ for engine in config.engines:
     if not engine.enabled:
         engines.engine_stopped(name=f"Stop disabled engine {engine.name}", engine=engine,
                                current=snapshot.engines.get(engine.unit))
+# Stale caches aside before any engine starts: no cold start beside another one.
+for engine in order:
+    if engine.name in drift.stale_engines:
+        jit.cache_moved_aside(name=f"JIT caches of {engine.name} aside (stale)", config=config, engine=engine,
+                              snapshot=snapshot)
 # One at a time, in `after` order: each `systemctl start` returns when its engine serves.
-for engine in start_order(config):
-    engines.engine_running(name=f"Engine {engine.name} serving", engine=engine,
-                           current=snapshot.engines.get(engine.unit),
-                           restart=any(f.engine == engine.name and f.path in changed for f in rendered))
+started: dict[str, bool] = {}  # engine -> whether its start rebuilds its caches
+for engine in order:
+    current = snapshot.engines.get(engine.unit)
+    restart = engine.name in drift.stale_engines or any(
+        f.engine == engine.name and f.path in changed for f in rendered)
+    if engines.starts(current, restart):
+        started[engine.name] = engine.name in drift.stale_engines or engine.name not in snapshot.cache_keys
+    engines.engine_running(name=f"Engine {engine.name} serving", engine=engine, current=current, restart=restart)
+    jit.cache_keyed(name=f"JIT caches of {engine.name} keyed", config=config, engine=engine,
+                    key=hostrecord.cache_key(live), snapshot=snapshot, rebuilt=engine.name in drift.stale_engines)
+if order:
+    engines.target_reached(name=f"{ENGINES_TARGET} reached", unit=ENGINES_TARGET,
+                           current=snapshot.engines.get(ENGINES_TARGET), engines_started=bool(started))
+checkpoints.old_revisions_removed(name="Remove old checkpoint revisions", config=config, snapshot=snapshot)
+record_ops.host_recorded(name="Host record", config=config, current=record, started=started,
+                         planned=record_ops.planned_record(config, live, record, snapshot))

@@ -11,27 +11,35 @@ from dataclasses import dataclass, field
 
 from pyinfra.api import FactBase
 
+from sparkform.hostrecord import CACHE_KEY_FILE, LIVE_VERSIONS_COMMAND, STALE_MARK
 from sparkform.parsers import EngineState, engine_states
-from sparkform.schema import CHECKPOINT_MANIFEST
+from sparkform.schema import CHECKPOINT_MANIFEST, COMPLETE_MARKER
 
-UNIT_PROPERTIES = "Id,LoadState,ActiveState,SubState,NRestarts,MainPID,ExecMainStatus,Result,UnitFileState"
+UNIT_PROPERTIES = ("Id,LoadState,ActiveState,SubState,NRestarts,MainPID,ExecMainStatus,Result,UnitFileState,"
+                   "After,ExecMainStartTimestamp,ExecMainStartTimestampMonotonic,ActiveEnterTimestampMonotonic")
 SECTION = "@@sparkform:"
-# Trusts a checkpoint's manifest by size and mtime, hashing nothing: prints "folder|ok" or
-# "folder|<files that differ>" for each folder that has a manifest.
-MANIFEST_CHECK = f"""
-import json, os, sys
-for folder in sys.argv[1:]:
+# Every checkpoint folder (name@commit) under the models folder, one line each:
+# "folder|mtime|marker|verdict", the verdict "ok", "-" (no manifest) or the files whose size or
+# mtime no longer match the manifest. Trusts size and mtime: hashes nothing.
+CHECKPOINT_SCAN = f"""
+import glob, json, os, sys
+def same(folder, entry):
+    try:
+        st = os.stat(os.path.join(folder, entry["path"]))
+    except OSError:
+        return False
+    return st.st_size == entry["size"] and abs(st.st_mtime - entry["mtime"]) < 1e-3
+for folder in glob.glob(os.path.join(sys.argv[1], "*@*")):
+    try:
+        marker = open(os.path.join(folder, "{COMPLETE_MARKER}")).read().strip()
+    except OSError:
+        marker = ""
     try:
         files = json.load(open(os.path.join(folder, "{CHECKPOINT_MANIFEST}")))["files"]
-    except (OSError, ValueError):
-        continue
-    def same(entry):
-        try:
-            st = os.stat(os.path.join(folder, entry["path"]))
-        except OSError:
-            return False
-        return st.st_size == entry["size"] and abs(st.st_mtime - entry["mtime"]) < 1e-3
-    print(folder + "|" + (",".join(e["path"] for e in files if not same(e)) or "ok"))
+        verdict = ",".join(e["path"] for e in files if not same(folder, e)) or "ok"
+    except (OSError, ValueError, KeyError):
+        verdict = "-"
+    print("|".join((folder, str(os.stat(folder).st_mtime), marker, verdict)))
 """
 
 
@@ -43,6 +51,13 @@ class RemoteFile:
     group: str
 
 
+@dataclass(frozen=True)
+class CheckpointFolder:
+    marker: str | None  # the completion marker's content (the commit), None when unfinished
+    drift: list[str] | None  # files whose size or mtime left the manifest; None: no manifest
+    mtime: float
+
+
 @dataclass
 class HostSnapshot:
     installed_packages: set[str] = field(default_factory=set)
@@ -50,8 +65,13 @@ class HostSnapshot:
     paths: dict[str, RemoteFile] = field(default_factory=dict)
     markers: dict[str, str] = field(default_factory=dict)  # completion marker path -> content
     rendered_units: set[str] = field(default_factory=set)  # unit files sparkform wrote, by path
-    # checkpoint folder -> files whose size or mtime no longer match its manifest ([] when intact)
-    checkpoint_drift: dict[str, list[str]] = field(default_factory=dict)
+    checkpoints: dict[str, CheckpointFolder] = field(default_factory=dict)  # by folder path
+    pins: dict[str, str] = field(default_factory=dict)  # pin name (repo@revision) -> commit
+    live_versions: list[str] = field(default_factory=list)  # LIVE_VERSIONS_COMMAND's output
+    record: str = ""  # the host record's text ("" before the first converge)
+    cache_keys: dict[str, str] = field(default_factory=dict)  # engine -> key its caches were built under
+    caches_aside: list[str] = field(default_factory=list)  # cache folders moved aside, not yet rebuilt
+    unit_files: dict[str, str] = field(default_factory=dict)  # engine unit file -> enabled, disabled, ...
     engines: dict[str, EngineState] = field(default_factory=dict)
 
 
@@ -66,17 +86,22 @@ class SparkformHost(FactBase):
     + packages: Debian packages to look up
     + users: system users to look up
     + paths: files and folders to stat (files are also hashed)
-    + markers: completion markers to read (venv, checkpoints)
+    + markers: completion markers to read (the venv's)
     + units: systemd units to show
     + unit_glob: unit files to look through for sparkform's header (finds units of engines that
       left the inventory)
-    + checkpoints: checkpoint folders whose manifest to check by size and mtime
+    + models_dir: folder of the checkpoint folders, each checked against its manifest by size
+      and mtime
+    + pins_dir: folder of the records of what each branch or tag resolved to
+    + cache_root: folder of the engines' JIT cache folders (their keys, and those moved aside)
+    + record_path: the host record
     """
 
     default = HostSnapshot
 
     def command(self, packages: list[str], users: list[str], paths: list[str],
-                markers: list[str], units: list[str], unit_glob: str, checkpoints: list[str]) -> str:
+                markers: list[str], units: list[str], unit_glob: str, models_dir: str,
+                pins_dir: str, cache_root: str, record_path: str) -> str:
         quoted_paths = " ".join(shlex.quote(p) for p in paths)
         sections = [
             _section("packages", "dpkg-query -W -f='${Package} ${db:Status-Status}\\n' "
@@ -87,11 +112,16 @@ class SparkformHost(FactBase):
             _section("markers", " ; ".join(
                 f"test -f {shlex.quote(m)} && printf '%s|%s\\n' {shlex.quote(m)} \"$(cat {shlex.quote(m)})\""
                 for m in markers) or "true"),
-            _section("units", f"systemctl show -p {UNIT_PROPERTIES} "
+            _section("units", f"systemctl show --timestamp=unix -p {UNIT_PROPERTIES} "
                      + " ".join(shlex.quote(u) for u in units)),
             _section("rendered_units", f"grep -l '^# Rendered by sparkform' {unit_glob}"),
-            _section("manifests", f"python3 -c {shlex.quote(MANIFEST_CHECK)} "
-                     + " ".join(shlex.quote(c) for c in checkpoints)),
+            _section("unit_files", f"systemctl list-unit-files --no-legend --no-pager {shlex.quote(unit_glob.rsplit('/', 1)[-1])}"),
+            _section("checkpoints", f"python3 -c {shlex.quote(CHECKPOINT_SCAN)} {shlex.quote(models_dir)}"),
+            _section("pins", f"grep -H . {shlex.quote(pins_dir)}/*"),
+            _section("versions", LIVE_VERSIONS_COMMAND),
+            _section("record", f"cat {shlex.quote(record_path)}"),
+            _section("cache_keys", f"grep -H . {shlex.quote(cache_root)}/*/{CACHE_KEY_FILE}"),
+            _section("caches_aside", f"ls -d {shlex.quote(cache_root)}/*{STALE_MARK}*"),
         ]
         return " ; ".join(sections)
 
@@ -122,7 +152,20 @@ class SparkformHost(FactBase):
             snapshot.markers[path] = content
         snapshot.engines = engine_states(sections.get("units", []))
         snapshot.rendered_units = set(sections.get("rendered_units", []))
-        for line in sections.get("manifests", []):
-            folder, _, verdict = line.rpartition("|")
-            snapshot.checkpoint_drift[folder] = [] if verdict == "ok" else verdict.split(",")
+        for line in sections.get("unit_files", []):
+            unit, *state = line.split()
+            snapshot.unit_files[unit] = state[0] if state else ""
+        for line in sections.get("checkpoints", []):
+            folder, mtime, marker, verdict = line.rsplit("|", 3)
+            drift = None if verdict == "-" else [] if verdict == "ok" else verdict.split(",")
+            snapshot.checkpoints[folder] = CheckpointFolder(marker or None, drift, float(mtime))
+        for line in sections.get("pins", []):
+            path, _, commit = line.partition(":")
+            snapshot.pins[path.rsplit("/", 1)[-1]] = commit
+        snapshot.live_versions = sections.get("versions", [])
+        snapshot.record = "\n".join(sections.get("record", []))
+        for line in sections.get("cache_keys", []):
+            path, _, key = line.partition(":")
+            snapshot.cache_keys[path.rsplit("/", 2)[-2]] = key
+        snapshot.caches_aside = sections.get("caches_aside", [])
         return snapshot

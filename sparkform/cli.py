@@ -1,6 +1,7 @@
 """`sparkform`: plan, render and verify an inventory's hosts, and run the local sandbox.
 
-`plan`, `render` and `fields` never connect; `verify` validates the inventory before it does.
+`plan` (unless --resolve), `render` and `fields` never connect; `verify` and `rebuild` validate
+the inventory before they do.
 Exit codes: 0 success; 2 the inventory is invalid (each problem printed with host, engine,
 field, value and fix); 1 any other error (e.g. the inventory file is missing).
 """
@@ -8,27 +9,54 @@ field, value and fix); 1 any other error (e.g. the inventory file is missing).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
-from sparkform import planner
-from sparkform.inventory import exit_invalid, load_inventory
+from sparkform import planner, ssh
+from sparkform.hostrecord import HostRecord, record_path
+from sparkform.hub import resolve_pins
+from sparkform.inventory import exit_invalid, load_inventory, raw_inventory
 from sparkform.render import render_host
 from sparkform.schema import Checkpoint, CompileCaps, Engine, HostConfig, Measured
-from sparkform.validate import InventoryError
+from sparkform.validate import Host, InventoryError
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     hosts = load_inventory(args.inventory)
+    if args.resolve:
+        hosts = [Host(h.name, h.config.pinned(resolve_pins(h.name, h.config, {})), h.model_configs)
+                 for h in hosts]
     plans = [planner.plan(host) for host in hosts]
     if args.json:
-        print(json.dumps([p.as_dict() for p in plans], indent=2))
+        print(json.dumps([{**p.as_dict(), "checkpoints": _checkpoints(h.config)}
+                          for p, h in zip(plans, hosts)], indent=2))
     else:
-        print("\n\n".join(planner.format_plan(p) for p in plans))
+        print("\n\n".join(planner.format_plan(p) + "".join(
+            f"\n  checkpoint of {name}: {line}" for name, line in _checkpoints(h.config).items())
+            for p, h in zip(plans, hosts)))
     return 0
+
+
+def _checkpoints(config: HostConfig) -> dict[str, str]:
+    """Engine name -> what its checkpoint pins: the commit, or why it is not known yet."""
+    lines = {}
+    for engine in config.engines:
+        checkpoint, commit = engine.checkpoint, config.commit(engine)
+        if commit == checkpoint.revision:
+            lines[engine.name] = f"{checkpoint.repo}@{commit}"
+        elif commit:
+            lines[engine.name] = (f"{checkpoint.repo} {checkpoint.revision} -> {commit} on the hub now "
+                                  "(a host keeps the commit it recorded until the revision changes)")
+        else:
+            lines[engine.name] = (f"{checkpoint.repo} {checkpoint.revision}: a branch or tag; the first deploy "
+                                  "pins the commit it names on the host (--resolve asks the hub now)")
+    return lines
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
@@ -58,7 +86,69 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return int(pytest.main(options))
 
 
-SANDBOX_INVENTORY = Path(__file__).resolve().parent.parent / "inventory" / "sandbox.py"
+ROOT = Path(__file__).resolve().parent.parent
+SANDBOX_INVENTORY = ROOT / "inventory" / "sandbox.py"
+WAIT_POLL_S = 5.0
+
+
+def _wait_for_ssh(config: Path, name: str, wait_s: float) -> bool:
+    """Poll until the host answers over SSH (it may still be rebooting)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            if ssh.run(config, name, "true", timeout=30).returncode == 0:
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(WAIT_POLL_S)
+
+
+def _read_record(config: Path, name: str, state_dir: str) -> HostRecord | None:
+    result = ssh.run(config, name, f"cat {record_path(state_dir)} 2>/dev/null || true")
+    return HostRecord.from_json(result.stdout)
+
+
+def start_table(before: HostRecord | None, after: HostRecord | None) -> str:
+    """Each engine's start as this rebuild found or made it, next to what was recorded before."""
+    rows = [("engine", "this start", "kind", "recorded cold start", "recorded last start")]
+    for name, now in (after.engines.items() if after else []):
+        old = before.engines.get(name) if before else None
+        new_start = now.started_at is not None and (old is None or now.started_at != old.started_at)
+        rows.append((name, f"{now.start_s:.1f} s" if new_start and now.start_s else "-",
+                     ("cold" if now.last_start_cold else "warm") if new_start else "kept running",
+                     _seconds(old.cold_start_s if old else None), _seconds(old.start_s if old else None)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+def _cmd_rebuild(args: argparse.Namespace) -> int:
+    """Right after a reboot: wait for each host, converge it (the deploy reports the drift, moves
+    stale JIT caches aside and warms the engines one at a time), then print each engine's start
+    next to the recorded one. Exit code: pyinfra's; 1 when a host never answered."""
+    hosts = load_inventory(args.inventory)
+    raw = raw_inventory(args.inventory)
+    with tempfile.TemporaryDirectory(prefix="sparkform-rebuild-") as folder:
+        configs = {h.name: ssh.write_config(h.name, raw[h.name], Path(folder)) for h in hosts}
+        before = {}
+        for h in hosts:
+            print(f"sparkform rebuild: waiting up to {args.wait:.0f} s for {h.name} to answer over SSH", flush=True)
+            if not _wait_for_ssh(configs[h.name], h.name, args.wait):
+                print(f"sparkform rebuild: {h.name} did not answer over SSH within {args.wait:.0f} s", file=sys.stderr)
+                return 1
+            before[h.name] = _read_record(configs[h.name], h.name, h.config.state_dir)
+        deploy = subprocess.run([str(Path(sys.executable).with_name("pyinfra")), "-y", str(args.inventory.resolve()),
+                                 "deploy.py"], cwd=ROOT)
+        for h in hosts:
+            print(f"\n{h.name}: engine starts")
+            print(start_table(before[h.name], _read_record(configs[h.name], h.name, h.config.state_dir)))
+    if deploy.returncode:
+        print(f"sparkform rebuild: the deploy failed (exit {deploy.returncode}); the record keeps the last "
+              "converge, stale caches stay aside for the next try", file=sys.stderr)
+    return deploy.returncode
 
 
 def _sandbox_howto(box) -> str:
@@ -130,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = sub.add_parser("plan", help="validate an inventory and print each host's memory plan")
     plan.add_argument("inventory", type=Path)
     plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.add_argument("--resolve", action="store_true",
+                      help="ask the hub which commit each branch or tag names now (connects to hf_endpoint)")
     plan.set_defaults(run=_cmd_plan)
     render = sub.add_parser("render", help="write every file a deploy would put on the hosts into a folder")
     render.add_argument("inventory", type=Path)
@@ -147,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     sandbox.add_argument("--name", default=os.environ.get("SPARKFORM_SANDBOX", "sandbox"),
                          help="sandbox name (default: $SPARKFORM_SANDBOX or 'sandbox')")
     sandbox.set_defaults(run=_cmd_sandbox)
+    rebuild = sub.add_parser("rebuild", help="after a reboot: wait for the hosts, converge, print engine start times")
+    rebuild.add_argument("inventory", type=Path)
+    rebuild.add_argument("--wait", type=float, default=900.0, help="seconds to wait for each host's SSH (default 900)")
+    rebuild.set_defaults(run=_cmd_rebuild)
     fields = sub.add_parser("fields", help="print the inventory field table (Markdown)")
     fields.set_defaults(run=_cmd_fields)
     args = parser.parse_args(argv)

@@ -257,6 +257,9 @@ class EngineState(_JsonFactValue):
     + result: ``success``, ``exit-code``, ``signal``, ``start-limit-hit``, ...
     + unit_file_state: ``enabled``, ``disabled``, ... (empty for a unit that does not exist)
     + load_state: ``loaded``, or ``not-found`` for a unit that does not exist
+    + after: the units its After= orders it behind
+    + started_at: unix time its main process last started (None: never)
+    + start_s: seconds from that start to active (readiness), None while not active since
     """
 
     unit: str
@@ -268,6 +271,9 @@ class EngineState(_JsonFactValue):
     result: str
     unit_file_state: str
     load_state: str = "loaded"
+    after: tuple[str, ...] = ()
+    started_at: float | None = None
+    start_s: float | None = None
 
     @property
     def exists(self) -> bool:
@@ -278,6 +284,17 @@ def _int_property(properties: dict[str, str], key: str) -> int:
     # Absent or unset numeric properties (e.g. "[not set]") read as 0, what systemd means by them.
     value = properties.get(key, "")
     return int(value) if value.lstrip("-").isdigit() else 0
+
+
+def _unix_time(value: str) -> float | None:
+    # `systemctl show --timestamp=unix` prints "@1764412345"; empty when it never happened.
+    return float(value[1:]) if value.startswith("@") and value[1:].isdigit() else None
+
+
+def _start_seconds(properties: dict[str, str]) -> float | None:
+    started = _int_property(properties, "ExecMainStartTimestampMonotonic")
+    active = _int_property(properties, "ActiveEnterTimestampMonotonic")
+    return round((active - started) / 1e6, 1) if active > started > 0 else None
 
 
 def engine_states(lines: list[str]) -> dict[str, EngineState]:
@@ -297,6 +314,9 @@ def engine_states(lines: list[str]) -> dict[str, EngineState]:
             result=properties.get("Result", ""),
             unit_file_state=properties.get("UnitFileState", ""),
             load_state=properties.get("LoadState", "loaded"),
+            after=tuple(properties.get("After", "").split()),
+            started_at=_unix_time(properties.get("ExecMainStartTimestamp", "")),
+            start_s=_start_seconds(properties),
         )
         for unit, properties in parse_systemctl_show(lines).items()
     }

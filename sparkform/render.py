@@ -13,7 +13,7 @@ from pathlib import Path
 import jinja2
 
 from sparkform.modelconfig import GIB
-from sparkform.schema import CHECKPOINT_MANIFEST, COMPLETE_MARKER, Engine, HostConfig
+from sparkform.schema import CHECKPOINT_MANIFEST, COMPLETE_MARKER, ENGINES_TARGET, Engine, HostConfig
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -44,7 +44,7 @@ class RenderedFile:
 
     @property
     def is_unit(self) -> bool:
-        return self.path.endswith(".service")
+        return self.path.endswith((".service", ".target"))
 
 
 def engine_environment(config: HostConfig, engine: Engine) -> dict[str, str]:
@@ -121,9 +121,14 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
         RenderedFile(f"{lib}/sparkform-checkpoint",
                      _render("sparkform-checkpoint.py.j2", complete_marker=COMPLETE_MARKER,
                              manifest=CHECKPOINT_MANIFEST), "644"),
+        # Run by the system's python3 at the end of a converge.
+        RenderedFile(f"{lib}/sparkform-record", _render("sparkform-record.py.j2"), "644"),
         RenderedFile("/etc/profile.d/sparkform-caps.sh",
                      _render("profile-caps.sh.j2", config=config, caps=config.compile_caps.as_env()), "644"),
     ]
+    if config.enabled_engines:
+        files.append(RenderedFile(f"/etc/systemd/system/{ENGINES_TARGET}",
+                                  _render("sparkform-engines.target.j2", config=config), "644"))
     for engine in config.engines:
         environment = engine_environment(config, engine)
         env_file, args_file = config.settings_files(engine.name)

@@ -11,15 +11,17 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
 UNIT_PREFIX = "vllm-"  # engine NAME runs as unit vllm-NAME.service (the seed's names)
+ENGINES_TARGET = "sparkform-engines.target"  # reached once every enabled engine serves
 # Written last into a venv or a checkpoint folder: without it the folder is unfinished, and the
 # launch script refuses the checkpoint.
 COMPLETE_MARKER = ".sparkform-complete"
 # Path, size, sha256 and mtime of every verified checkpoint file, beside the marker.
 CHECKPOINT_MANIFEST = ".sparkform-manifest.json"
+COMMIT_ID = re.compile(r"[0-9a-f]{40}")  # a revision that is already a commit
 
 # Quantization methods `vllm serve --quantization` accepts (0.27-0.33); an unknown string only
 # fails later, at engine start, with "Unknown quantization method".
@@ -63,7 +65,7 @@ class CompileCaps(Strict):
 
 class Checkpoint(Strict):
     repo: str = Field(..., description="Hugging Face repo id of the checkpoint (required).")
-    revision: str = Field(..., description="Pinned revision: a commit sha, or a tag/branch resolved to one (required).")
+    revision: str = Field(..., description="A commit id, or a branch/tag: resolved to a commit by the first deploy and recorded on the host; a moved branch changes nothing until this changes (required).")
     include: list[str] = Field(default_factory=list, description="`hf download --include` patterns; empty means every file.")
 
     @field_validator("repo")
@@ -74,9 +76,14 @@ class Checkpoint(Strict):
         return value
 
     @property
-    def folder_name(self) -> str:
-        """The folder a checkpoint is stored in on the host: one per repo@revision."""
-        return f"{self.repo.replace('/', '--')}@{self.revision}"
+    def folder_prefix(self) -> str:
+        """Folders of this repo on the host are named <prefix><commit>."""
+        return f"{self.repo.replace('/', '--')}@"
+
+    @property
+    def pin_name(self) -> str:
+        """The name of the host's record of the commit a named revision resolved to."""
+        return f"{self.folder_prefix}{self.revision.replace('/', '--')}"
 
 
 class Measured(Strict):
@@ -189,7 +196,8 @@ class HostConfig(Strict):
     python: str = Field("python3", description="Interpreter the venvs are made with.")
     venv_root: str = Field("/opt/sparkform/venvs", description="Venvs live in `<venv_root>/<package>-<version>`.")
     state_dir: str = Field("/var/lib/sparkform", description="Engine user's home, launch locks, the host record.")
-    models_dir: str = Field("/var/lib/sparkform/models", description="Checkpoints, one folder per repo@revision.")
+    models_dir: str = Field("/var/lib/sparkform/models", description="Checkpoints, one folder per repo@commit; `.pins/` records what each branch or tag resolved to.")
+    keep_revisions: int | None = Field(None, ge=0, description="Old revisions of a repo kept after its engine serves a new one (newest first); None keeps them all.")
     cache_root: str = Field("/var/cache/sparkform", description="Persistent per-engine JIT caches (vLLM, FlashInfer, Triton, CuTe DSL).")
     lib_dir: str = Field("/usr/local/lib/sparkform", description="Launch script and readiness helper.")
     config_dir: str = Field("/etc/sparkform", description="Per-engine argument and environment files; secrets below it at 0600.")
@@ -212,6 +220,8 @@ class HostConfig(Strict):
     api_key_file: str | None = Field(None, description="File on the control machine holding the API key every engine requires; 0600 on the host.")
     hf_endpoint: str | None = Field(None, description="HF_ENDPOINT for checkpoint downloads (a mirror, or the sandbox's fake hub).")
     engines: list[Engine] = Field(default_factory=list, description="The engines of this host, each a table of the fields below.")
+    # Engine name -> the commit its branch or tag resolved to (set by `pinned`; not inventory data).
+    _commits: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -263,8 +273,28 @@ class HostConfig(Strict):
                 pending += by_name[name].after
         return edges
 
+    def commit(self, engine: Engine) -> str | None:
+        """The commit `engine` serves: its revision when that is a commit id, else what the
+        revision resolved to (see `pinned`); None while unresolved (plan and render are offline)."""
+        revision = engine.checkpoint.revision
+        return revision if COMMIT_ID.fullmatch(revision) else self._commits.get(engine.name)
+
     def checkpoint_dir(self, engine: Engine) -> str:
-        return f"{self.models_dir}/{engine.checkpoint.folder_name}"
+        """One folder per repo@commit (repo@revision as written while unresolved)."""
+        return f"{self.models_dir}/{engine.checkpoint.folder_prefix}{self.commit(engine) or engine.checkpoint.revision}"
+
+    @property
+    def pins_dir(self) -> str:
+        return f"{self.models_dir}/.pins"
+
+    def pin_path(self, engine: Engine) -> str:
+        return f"{self.pins_dir}/{engine.checkpoint.pin_name}"
+
+    def pinned(self, commits: dict[str, str]) -> HostConfig:
+        """A copy whose engines' branches and tags serve these commits (engine name -> commit)."""
+        copy = self.model_copy(deep=True)
+        copy._commits = {**self._commits, **commits}
+        return copy
 
     def engine_cache_dir(self, engine: Engine) -> str:
         return f"{self.cache_root}/{engine.name}"

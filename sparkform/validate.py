@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from sparkform import modelconfig
-from sparkform.schema import Engine, HostConfig
+from sparkform.schema import UNIT_PREFIX, Engine, HostConfig
 
 
 @dataclass(frozen=True)
@@ -223,6 +223,20 @@ def start_order(config: HostConfig) -> list[Engine]:
         for engine in ready:
             ordered.append(remaining.pop(engine.name))
     return ordered
+
+
+def boot_chain_holes(after: dict[str, tuple[str, ...]], unit_files: dict[str, str]) -> list[tuple[str, str, str]]:
+    """Edges of the boot chain that order an enabled unit after an engine unit that is not
+    enabled (the 2026-08-18 hole: After= orders only units in the same boot transaction, so
+    such an edge orders nothing and both start at once).
+
+    + after: each enabled unit's After= list, by unit
+    + unit_files: the file state (enabled, disabled, ...) of every engine unit on the host
+    Returns (unit, the unit it waits for, that unit's state or "missing").
+    """
+    return [(unit, dep, unit_files.get(dep, "missing"))
+            for unit, deps in sorted(after.items()) for dep in deps
+            if dep.startswith(UNIT_PREFIX) and unit_files.get(dep) != "enabled"]
 
 
 def _mtp_and_vision(host: Host) -> list[Problem]:

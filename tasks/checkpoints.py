@@ -1,4 +1,5 @@
-"""Checkpoints: downloaded on the host with the real `hf download`, one folder per repo@revision."""
+"""Checkpoints: fetched and verified on the host, one folder per repo@commit; old revisions removed
+only after the new one serves."""
 
 from __future__ import annotations
 
@@ -11,30 +12,36 @@ from facts.host import HostSnapshot
 from sparkform.schema import COMPLETE_MARKER, Engine, HostConfig
 from tasks.venv import own_pattern
 
-def marker_path(config: HostConfig, engine: Engine) -> str:
-    return f"{config.checkpoint_dir(engine)}/{COMPLETE_MARKER}"
-
-
 @operation()
 def checkpoint(config: HostConfig, engine: Engine, snapshot: HostSnapshot):
     """
-    Fetch and verify an engine's checkpoint unless its completion marker is there and every
-    file still has the size and mtime its manifest recorded (a no-op run hashes nothing).
+    Fetch and verify an engine's checkpoint at its pinned commit unless its folder is complete
+    and every file still has the size and mtime its manifest recorded (a no-op run hashes
+    nothing); then record what a branch or tag resolved to, so later runs keep that commit.
 
     `sparkform-checkpoint` (rendered from templates/) checks the free space, downloads, compares
     every file with the hub's tree (sha256 for the weights), re-fetches a file that differs, and
     writes the manifest and the marker last. The token is read from its 0600 file by the remote
     shell, so it never appears in argv, in pyinfra's output or in a unit.
 
-    + config: the host's validated configuration
+    + config: the host's validated configuration, pinned (HostConfig.pinned)
     + engine: the engine whose checkpoint this is
     + snapshot: the host's state from the SparkformHost fact
     """
-    marker = marker_path(config, engine)
-    drift = snapshot.checkpoint_drift.get(config.checkpoint_dir(engine), [])
-    if marker in snapshot.markers and not drift:
-        host.noop(f"{engine.checkpoint.repo}@{engine.checkpoint.revision} is complete")
-        return
+    folder = config.checkpoint_dir(engine)
+    commit = config.commit(engine)
+    current = snapshot.checkpoints.get(folder)
+    complete = current is not None and current.marker == commit and not current.drift
+    if not complete:
+        yield from _fetch(config, engine, folder, drifted=current is not None and bool(current.drift))
+    if engine.checkpoint.revision != commit and snapshot.pins.get(engine.checkpoint.pin_name) != commit:
+        pin = shlex.quote(config.pin_path(engine))
+        yield f"mkdir -p {shlex.quote(config.pins_dir)} && echo {commit} > {pin}.new && mv -f {pin}.new {pin}"
+    elif complete:
+        host.noop(f"{engine.checkpoint.repo}@{commit} is complete")
+
+
+def _fetch(config: HostConfig, engine: Engine, folder: str, drifted: bool):
     env = ["HF_HUB_DISABLE_TELEMETRY=1"]
     if config.hf_endpoint:
         env.append(f"HF_ENDPOINT={shlex.quote(config.hf_endpoint)}")
@@ -42,11 +49,46 @@ def checkpoint(config: HostConfig, engine: Engine, snapshot: HostSnapshot):
         env.append(f'HF_TOKEN="$(cat {shlex.quote(config.hf_token_path)})"')
     includes = "".join(f" --include {shlex.quote(p)}" for p in engine.checkpoint.include)
     script = f"{config.lib_dir}/sparkform-checkpoint"
-    repo = shlex.quote(engine.checkpoint.repo)
-    if drift:
+    if drifted:
         # Files changed since they were verified: the engine must not start on them meanwhile.
-        yield f"rm -f {shlex.quote(marker)}"
+        yield f"rm -f {shlex.quote(f'{folder}/{COMPLETE_MARKER}')}"
     # A deploy cut off mid-download can leave its fetch running: stop it first.
     yield f"pkill -f -- {shlex.quote(own_pattern(f'{script} {engine.checkpoint.repo} '))} || true"
-    yield (f"env {' '.join(env)} {shlex.quote(config.venv)}/bin/python {shlex.quote(script)} {repo} "
-           f"{shlex.quote(engine.checkpoint.revision)} {shlex.quote(config.checkpoint_dir(engine))}{includes}")
+    yield (f"env {' '.join(env)} {shlex.quote(config.venv)}/bin/python {shlex.quote(script)} "
+           f"{shlex.quote(engine.checkpoint.repo)} {config.commit(engine)} {shlex.quote(folder)}{includes}")
+
+
+def stale_revisions(config: HostConfig, snapshot: HostSnapshot) -> list[str]:
+    """Folders of older revisions of the repos the engines serve, beyond `keep_revisions`
+    (newest kept first); never a folder any engine (disabled ones too) is pinned to."""
+    if config.keep_revisions is None:
+        return []
+    pinned = {config.checkpoint_dir(engine) for engine in config.engines}
+    stale = []
+    for prefix in sorted({f"{config.models_dir}/{e.checkpoint.folder_prefix}" for e in config.engines}):
+        older = sorted((path for path in snapshot.checkpoints if path.startswith(prefix) and path not in pinned),
+                       key=lambda path: snapshot.checkpoints[path].mtime, reverse=True)
+        stale += older[config.keep_revisions:]
+    return stale
+
+
+@operation()
+def old_revisions_removed(config: HostConfig, snapshot: HostSnapshot):
+    """
+    Remove checkpoint folders of old revisions the inventory no longer keeps
+    (`keep_revisions`), and the pins that name them. Runs after every engine serves its
+    pinned commit, so a bad new checkpoint never leaves the box without a model.
+
+    + config: the host's validated configuration, pinned (HostConfig.pinned)
+    + snapshot: the host's state from the SparkformHost fact
+    """
+    stale = stale_revisions(config, snapshot)
+    if not stale:
+        host.noop("no old revision to remove")
+        return
+    commits = {path.rsplit("@", 1)[1] for path in stale}
+    for name, commit in sorted(snapshot.pins.items()):
+        if commit in commits:
+            yield f"rm -f {shlex.quote(f'{config.pins_dir}/{name}')}"
+    for path in stale:
+        yield f"rm -rf -- {shlex.quote(path)}"

@@ -35,6 +35,11 @@ def daemon_reload(needed: bool):
     yield "systemctl daemon-reload"
 
 
+def starts(current: EngineState | None, restart: bool) -> bool:
+    """Whether engine_running (re)starts the engine."""
+    return restart or current is None or current.active_state != "active"
+
+
 @operation()
 def engine_running(engine: Engine, current: EngineState | None, restart: bool):
     """
@@ -49,7 +54,7 @@ def engine_running(engine: Engine, current: EngineState | None, restart: bool):
     if current is None or current.unit_file_state != "enabled":
         yield f"systemctl enable {engine.unit}"
         changed = True
-    if restart or current is None or current.active_state != "active":
+    if starts(current, restart):
         # reset-failed: a unit that hit its start limit would refuse the start otherwise. `start`
         # joins a start already under way (a boot) and cuts short an auto-restart wait.
         yield f"systemctl reset-failed {engine.unit} 2>/dev/null || true"
@@ -86,3 +91,24 @@ def engine_stopped(engine: Engine, current: EngineState | None):
         host.noop(f"{engine.unit} is stopped and disabled")
         return
     yield f"systemctl disable --now {engine.unit}"
+
+
+@operation()
+def target_reached(unit: str, current: EngineState | None, engines_started: bool):
+    """
+    Enable the engines target and reach it: it waits for nothing once every engine serves, and
+    stops with an engine this run stopped, so it is started again whenever an engine was.
+
+    + unit: the target (sparkform-engines.target)
+    + current: its state from the SparkformHost fact
+    + engines_started: this run (re)started an engine
+    """
+    changed = False
+    if current is None or current.unit_file_state != "enabled":
+        yield f"systemctl enable {unit}"
+        changed = True
+    if engines_started or current is None or current.active_state != "active":
+        yield f"systemctl start {unit}"
+        changed = True
+    if not changed:
+        host.noop(f"{unit} is enabled and active")

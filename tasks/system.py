@@ -9,6 +9,7 @@ from pyinfra import host
 from pyinfra.api import operation
 
 from facts.host import HostSnapshot
+from sparkform.hostrecord import record_dir
 from sparkform.schema import HostConfig
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ def folders(config: HostConfig) -> list[Folder]:
         Folder(f"{config.config_dir}/secrets", "750", "root", engine_user),
         Folder(config.state_dir, "755", engine_user, engine_user),
         Folder(f"{config.state_dir}/locks", "755", engine_user, engine_user),
+        # The host record is root's: the engine user owns the state folder around it.
+        Folder(record_dir(config.state_dir), "755"),
         Folder(config.venv_root, "755"),
         # Checkpoints belong to root: an engine can read its weights, never change them.
         Folder(config.models_dir, "755"),

@@ -1,8 +1,10 @@
 """The rehearsal stage: a sandbox host plus what it needs from the control machine.
 
 `up` boots the host with the offline wheelhouse bound read-only at WHEELHOUSE_IN_GUEST, starts
-the fake hub on the host side of its link, and writes throwaway secrets (an HF token and an API
-key) so the deploy exercises the secret paths for real. `down` undoes all of it.
+the fake hub on the host side of its link, writes throwaway secrets (an HF token and an API
+key) so the deploy exercises the secret paths for real, and installs a stand-in nvidia-smi
+(GB10's formats; `set_driver` changes the driver it reports, to rehearse a driver update).
+`down` undoes all of it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -24,6 +27,20 @@ from sparkform.sandbox.wheelhouse import build_wheelhouse
 WHEELHOUSE_IN_GUEST = "/srv/wheelhouse"
 HUB_PORT = 8088
 HUB_START_TIMEOUT_S = 60.0
+# The stand-in nvidia-smi ships beside this module; it reads its values from NVIDIA_ENV_IN_GUEST.
+# It is installed into each sandbox rather than baked into the rootfs, so changing it does not
+# invalidate the cached rootfs.
+NVIDIA_SMI_SOURCE = Path(__file__).with_name("nvidia-smi")
+NVIDIA_SMI_IN_GUEST = "/usr/local/bin/nvidia-smi"
+NVIDIA_ENV_IN_GUEST = "/etc/sparkform-sandbox/nvidia.env"
+# What a DGX Spark reported when the seed was written (tests/fixtures/captured/nvidia-smi-gb10.txt).
+DEFAULT_NVIDIA_ENV = {
+    "DRIVER_VERSION": "580.95.05",
+    "CUDA_VERSION": "13.0",
+    "GPU_NAME": "NVIDIA GB10",
+    "COMPUTE_CAP": "12.1",
+}
+GUEST_COMMAND_TIMEOUT_S = 60.0
 
 
 def hub_url(box: host.Sandbox) -> str:
@@ -70,8 +87,62 @@ def _stop_hub(runtime: Path) -> None:
         os.killpg(int(pid_file.read_text()), signal.SIGTERM)
 
 
+def _guest(box: host.Sandbox, step: str, command: str, stdin: str = "") -> str:
+    """Run a shell command in the guest over SSH (`stdin` fed to it); returns its stdout."""
+    try:
+        answer = subprocess.run([*box.ssh_args(), command], input=stdin, capture_output=True,
+                                text=True, check=False, timeout=GUEST_COMMAND_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise host.SandboxError(f"{step} in sandbox {box.name!r}: no answer within "
+                                f"{GUEST_COMMAND_TIMEOUT_S:.0f} s") from None
+    if answer.returncode != 0:
+        raise host.SandboxError(f"{step} in sandbox {box.name!r} failed: `{command}` exited "
+                                f"{answer.returncode}: {answer.stderr.strip()}")
+    return answer.stdout
+
+
+def _install_in_guest(box: host.Sandbox, path: str, content: str, mode: str) -> None:
+    """Write `content` to `path` in the guest (root-owned, `mode`, parent folders created)."""
+    _guest(box, f"install {path}", f"install -D -m {mode} /dev/stdin {shlex.quote(path)}", content)
+
+
+def nvidia_env_text(values: dict[str, str]) -> str:
+    """The stand-in's env file: one shell-quoted KEY=VALUE line per value (the script sources it)."""
+    return "".join(f"{key}={shlex.quote(value)}\n" for key, value in values.items())
+
+
+def parse_nvidia_env(text: str) -> dict[str, str]:
+    """Read back what `nvidia_env_text` wrote (blank lines and comments skipped)."""
+    values = {}
+    for line in text.splitlines():
+        words = shlex.split(line, comments=True)
+        if words and "=" in words[0]:
+            key, _, value = words[0].partition("=")
+            values[key] = value
+    return values
+
+
+def install_nvidia_stand_in(box: host.Sandbox) -> None:
+    """Install the stand-in nvidia-smi in a running sandbox, reporting DEFAULT_NVIDIA_ENV."""
+    _install_in_guest(box, NVIDIA_SMI_IN_GUEST, NVIDIA_SMI_SOURCE.read_text(), "0755")
+    _install_in_guest(box, NVIDIA_ENV_IN_GUEST, nvidia_env_text(DEFAULT_NVIDIA_ENV), "0644")
+
+
+def set_driver(box: host.Sandbox, driver_version: str, cuda_version: str | None = None) -> None:
+    """Make the stand-in report another driver (and CUDA version; None keeps the current one).
+
+    Takes effect at the next nvidia-smi call; reboot the sandbox afterwards to rehearse a driver
+    update the way it happens on a Spark.
+    """
+    values = parse_nvidia_env(_guest(box, "read the stand-in's env file", f"cat {NVIDIA_ENV_IN_GUEST}"))
+    values["DRIVER_VERSION"] = driver_version
+    if cuda_version is not None:
+        values["CUDA_VERSION"] = cuda_version
+    _install_in_guest(box, NVIDIA_ENV_IN_GUEST, nvidia_env_text(values), "0644")
+
+
 def up(name: str = "sandbox") -> host.Sandbox:
-    """Wheelhouse and rootfs (both cached), the host, its fake hub and its secrets."""
+    """Wheelhouse and rootfs (both cached), the host, its fake hub, its secrets and nvidia-smi."""
     wheelhouse = build_wheelhouse()
     # The guest reaches no registry: the deploy's prerequisites are baked into the rootfs.
     box = host.up(name, binds=[(str(wheelhouse), WHEELHOUSE_IN_GUEST)],
@@ -79,6 +150,7 @@ def up(name: str = "sandbox") -> host.Sandbox:
     try:
         _write_secrets(box.runtime_dir)
         _start_hub(box)
+        install_nvidia_stand_in(box)
     except BaseException:
         down(name)
         raise

@@ -54,6 +54,18 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 1.0):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def both_serving_after_boot(box: host.Sandbox, timeout: float = 600) -> None:
+    """Wait until both engines are active after a reboot; fail at once if one fails."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = ssh(box, f"systemctl is-active {' '.join(UNITS)} || true").stdout.split()
+        if states == ["active", "active"]:
+            return
+        assert "failed" not in states, ssh(box, "journalctl -b -u vllm-q38 -u vllm-nemotron -n 60 --no-pager").stdout
+        time.sleep(2)
+    raise AssertionError(f"engines not both active {timeout:.0f} s after the reboot: {states}")
+
+
 def serving(box: host.Sandbox, unit: str) -> bool:
     """Active means ExecStartPost (the readiness helper) reported it serving."""
     return ssh(box, f"systemctl is-active {unit}", check=False).stdout.strip() == "active"
@@ -83,8 +95,14 @@ def edited_inventory(folder: Path, engine_changes: dict[str, dict] | None = None
     return path
 
 
-def journal_times(box: host.Sandbox, pattern: str, units: tuple[str, ...] = UNITS) -> list[float]:
-    """Unix times of this boot's journal lines of `units` that match `pattern`."""
-    selectors = " ".join(f"-u {unit}" for unit in units)
+def checkpoint_dir(box: host.Sandbox, engine: str) -> str:
+    """The checkpoint folder the engine's rendered settings point it at (repo@commit)."""
+    return ssh(box, f"sed -n 's/^SPARKFORM_CHECKPOINT=//p' /etc/sparkform/engines/{engine}.env").stdout.strip()
+
+
+def journal_times(box: host.Sandbox, pattern: str, units: tuple[str, ...] = UNITS, since: str | None = None) -> list[float]:
+    """Unix times of this boot's journal lines of `units` that match `pattern` (from `since`, a
+    unix time, when given)."""
+    selectors = " ".join(f"-u {unit}" for unit in units) + (f" --since @{since}" if since else "")
     lines = ssh(box, f"journalctl -b {selectors} --no-pager -o short-unix").stdout.splitlines()
     return [float(line.split()[0]) for line in lines if re.search(pattern, line)]

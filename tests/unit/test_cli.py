@@ -246,7 +246,8 @@ def test_render_writes_every_file_with_its_mode(tmp_path):
     written = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     assert written == sorted([
         "usr/local/lib/sparkform/sparkform-launch", "usr/local/lib/sparkform/sparkform-wait-ready",
-        "usr/local/lib/sparkform/sparkform-checkpoint", "etc/profile.d/sparkform-caps.sh",
+        "usr/local/lib/sparkform/sparkform-checkpoint", "usr/local/lib/sparkform/sparkform-record",
+        "etc/profile.d/sparkform-caps.sh", "etc/systemd/system/sparkform-engines.target",
         "etc/systemd/system/vllm-nemotron.service", "etc/sparkform/engines/nemotron.env",
         "etc/sparkform/engines/nemotron.args",
         "etc/systemd/system/vllm-q38.service", "etc/sparkform/engines/q38.env", "etc/sparkform/engines/q38.args",

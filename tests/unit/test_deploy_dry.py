@@ -9,21 +9,41 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from sparkform.sandbox.fakehub import FakeHub
+
 ROOT = Path(__file__).resolve().parents[2]
 PYINFRA = Path(sys.executable).with_name("pyinfra")
+FAST_COMMIT = "f" * 40  # a commit id needs no hub
 
 
-def _inventory(tmp_path: Path, extra: str = "") -> Path:
+@pytest.fixture
+def hub(tmp_path):
+    """A local fake hub serving org/slow, whose `main` the test may move."""
+    with FakeHub(tmp_path / "hub") as running:
+        yield running
+
+
+def _publish(hub: FakeHub, tmp_path: Path, text: str) -> str:
+    files = tmp_path / f"files-{text}"
+    files.mkdir()
+    (files / "config.json").write_text(f'{{"comment": "{text}"}}')
+    return hub.add_repo("org/slow", files)
+
+
+def _inventory(tmp_path: Path, extra: str = "", endpoint: str = "http://127.0.0.1:9") -> Path:
     inventory = tmp_path / "local.py"
     inventory.write_text(f"""
 from sparkform.inventory import hosts
 local = hosts({{"@local": {{
     "lib_dir": "{tmp_path}/lib", "config_dir": "{tmp_path}/etc", "state_dir": "{tmp_path}/state",
     "venv_root": "{tmp_path}/venvs", "models_dir": "{tmp_path}/models", "cache_root": "{tmp_path}/cache",
+    "hf_endpoint": "{endpoint}",
     "engines": [
-        {{"name": "fast", "port": 18012, "checkpoint": {{"repo": "org/fast", "revision": "abc"}},
+        {{"name": "fast", "port": 18012, "checkpoint": {{"repo": "org/fast", "revision": "{FAST_COMMIT}"}},
           "gpu_memory_utilization": 0.25{extra}}},
-        {{"name": "slow", "port": 18011, "checkpoint": {{"repo": "org/slow", "revision": "def"}},
+        {{"name": "slow", "port": 18011, "checkpoint": {{"repo": "org/slow", "revision": "main"}},
           "gpu_memory_utilization": 0.45, "after": ["fast"]}},
     ],
 }}}}, __file__)
@@ -35,11 +55,14 @@ def _pyinfra(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(PYINFRA), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-def test_dry_run_plans_every_task_and_changes_nothing(tmp_path):
-    result = _pyinfra(str(_inventory(tmp_path)), "deploy.py", "--dry")
+def test_dry_run_plans_every_task_and_changes_nothing(tmp_path, hub):
+    commit = _publish(hub, tmp_path, "v1")
+    result = _pyinfra(str(_inventory(tmp_path, endpoint=hub.url)), "deploy.py", "--dry")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout + result.stderr
-    for operation in ("Folder " + str(tmp_path / "lib"), "vLLM venv vllm==0.27.1", "Checkpoint of fast",
+    for operation in ("Folder " + str(tmp_path / "lib"), "vLLM venv vllm==0.27.1",
+                      f"Checkpoint of fast: org/fast {FAST_COMMIT} -> {FAST_COMMIT}",
+                      f"Checkpoint of slow: org/slow main -> {commit}",
                       "File " + str(tmp_path / "lib/sparkform-launch"),
                       "File /etc/systemd/system/vllm-slow.service", "Reload systemd units",
                       "Engine fast serving", "Engine slow serving"):
@@ -47,6 +70,31 @@ def test_dry_run_plans_every_task_and_changes_nothing(tmp_path):
     # Started in `after` order, whatever the inventory's order.
     assert out.index("Engine fast serving") < out.index("Engine slow serving")
     assert not (tmp_path / "lib").exists(), "--dry changed the host"
+
+
+def test_a_moved_branch_changes_nothing_while_the_host_records_its_pin(tmp_path, hub):
+    first = _publish(hub, tmp_path, "v1")
+    pins = tmp_path / "models" / ".pins"
+    pins.mkdir(parents=True)
+    (pins / "org--slow@main").write_text(first + "\n")  # what the first converge recorded
+    moved = _publish(hub, tmp_path, "v2")
+    result = _pyinfra(str(_inventory(tmp_path, endpoint=hub.url)), "deploy.py", "--dry")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout + result.stderr
+    assert f"Checkpoint of slow: org/slow main -> {first}" in out
+    assert moved not in out
+    assert not any(r["path"].startswith("/api/models/org/slow") for r in hub.requests), \
+        "a recorded pin must not need the hub"
+
+
+def test_unresolvable_branch_stops_naming_engine_revision_and_fix(tmp_path):
+    result = _pyinfra(str(_inventory(tmp_path)), "deploy.py", "--dry")  # nothing listens on :9
+    assert result.returncode == 2
+    assert ("@local: engine slow: checkpoint.revision = 'main': cannot resolve org/slow@main"
+            in result.stderr), result.stderr
+    assert "pin a 40-hex commit id" in result.stderr
+    assert "engine fast" not in result.stderr  # a commit id needs no hub
+    assert not (tmp_path / "lib").exists()
 
 
 def test_broken_inventory_stops_before_connecting(tmp_path):
@@ -67,7 +115,7 @@ local = hosts({{"@local": {{
     "lib_dir": "{tmp_path}/lib", "config_dir": "{tmp_path}/etc", "state_dir": "{tmp_path}/state",
     "venv_root": "{tmp_path}/venvs", "models_dir": "{tmp_path}/models", "cache_root": "{tmp_path}/cache",
     "wheelhouse": "{tmp_path}/wh", "wheelhouse_source": "{source}",
-    "engines": [{{"name": "x", "port": 18000, "checkpoint": {{"repo": "o/x", "revision": "r"}}}}],
+    "engines": [{{"name": "x", "port": 18000, "checkpoint": {{"repo": "o/x", "revision": "{FAST_COMMIT}"}}}}],
 }}}}, __file__)
 """)
     result = _pyinfra(str(inventory), "deploy.py", "--dry")

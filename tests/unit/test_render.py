@@ -150,7 +150,9 @@ def test_rendered_file_list_and_modes(seed_files):
         "/usr/local/lib/sparkform/sparkform-launch": ("755", None),
         "/usr/local/lib/sparkform/sparkform-wait-ready": ("755", None),
         "/usr/local/lib/sparkform/sparkform-checkpoint": ("644", None),
+        "/usr/local/lib/sparkform/sparkform-record": ("644", None),
         "/etc/profile.d/sparkform-caps.sh": ("644", None),
+        "/etc/systemd/system/sparkform-engines.target": ("644", None),
         "/etc/systemd/system/vllm-nemotron.service": ("644", "nemotron"),
         "/etc/sparkform/engines/nemotron.env": ("644", "nemotron"),
         "/etc/sparkform/engines/nemotron.args": ("644", "nemotron"),
@@ -158,7 +160,7 @@ def test_rendered_file_list_and_modes(seed_files):
         "/etc/sparkform/engines/q38.env": ("644", "q38"),
         "/etc/sparkform/engines/q38.args": ("644", "q38"),
     }
-    assert [f.is_unit for f in seed_files.values()].count(True) == 2
+    assert [f.is_unit for f in seed_files.values()].count(True) == 3
 
 
 # --- systemd-analyze verify ------------------------------------------------------------------------
@@ -222,7 +224,15 @@ def test_units_pass_systemd_analyze_verify_with_nothing_on_stderr(which, monkeyp
     result = verify(tmp_path / "root", system_units, files)
     assert result.returncode == 0, result.stderr
     assert result.stderr == "", result.stderr
-    assert len([f for f in files if f.is_unit]) == len(config.engines)
+    assert len([f for f in files if f.is_unit]) == len(config.engines) + 1  # and the engines target
+
+
+def test_engines_target_requires_and_follows_every_enabled_engine_only():
+    config = variant_config()
+    target = next(f for f in render_host(config) if f.path.endswith("sparkform-engines.target"))
+    enabled = " ".join(e.unit for e in config.enabled_engines)
+    assert len(config.enabled_engines) < len(config.engines)  # the variant has a disabled engine
+    assert f"\nRequires={enabled}\n" in target.content and f"\nAfter={enabled}\n" in target.content
 
 
 def test_systemd_analyze_check_catches_a_bad_unit(tmp_path, system_units, monkeypatch):
@@ -469,7 +479,7 @@ def test_no_secret_in_any_rendered_file(seed_data, tmp_path):
         os.chmod(tmp_path / name, 0o600)
     seed_data.update(hf_token_file=str(tmp_path / "hf"), api_key_file=str(tmp_path / "key"))
     files = render_host(load_host("spark", seed_data).config)
-    assert len(files) == 10
+    assert len(files) == 12
     for file in files:
         assert token not in file.content and key not in file.content, file.path
         assert "SECRET" not in file.content, file.path

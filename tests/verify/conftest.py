@@ -3,8 +3,7 @@
     sparkform verify inventory/spark.py      (runs: pytest tests/verify --inventory ...)
 
 The same suite checks the sandbox and a real Spark. testinfra has no pyinfra backend, so an SSH
-config is written from each host's pyinfra data (ssh_hostname, ssh_user, ssh_port, ssh_key,
-ssh_known_hosts_file, ssh_strict_host_key_checking).
+config is written from each host's pyinfra data (sparkform.ssh).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import testinfra
 
+from sparkform import ssh
 from sparkform.inventory import load_inventory, raw_inventory
 from sparkform.schema import HostConfig
 
@@ -32,24 +32,6 @@ class Target:
 
     def __str__(self) -> str:
         return self.name
-
-
-def _ssh_config(target_name: str, data: dict, folder: Path) -> Path:
-    lines = [f"Host {target_name}", f"  HostName {data.get('ssh_hostname', target_name)}",
-             f"  User {data.get('ssh_user', 'root')}", "  BatchMode yes",
-             "  ControlMaster auto", f"  ControlPath {folder}/cm-%C", "  ControlPersist 60"]
-    if data.get("ssh_port"):
-        lines.append(f"  Port {data['ssh_port']}")
-    if data.get("ssh_key"):
-        lines.append(f"  IdentityFile {data['ssh_key']}")
-    if data.get("ssh_known_hosts_file"):
-        lines.append(f"  UserKnownHostsFile {data['ssh_known_hosts_file']}")
-    strict = data.get("ssh_strict_host_key_checking")
-    if strict is not None:
-        lines.append(f"  StrictHostKeyChecking {strict}")
-    path = folder / f"{target_name}.ssh_config"
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def _targets(config) -> list[Target]:
@@ -80,12 +62,17 @@ _hosts: dict[str, testinfra.host.Host] = {}
 def remote(target, ssh_folder):
     """The testinfra host of the test's target, one SSH master per host for the session."""
     if target.name not in _hosts:
-        alias = target.name.replace("@", "").replace("/", "_")
-        ssh_config = _ssh_config(alias, target.ssh_data, ssh_folder)
-        _hosts[target.name] = testinfra.get_host(f"ssh://{alias}", ssh_config=str(ssh_config))
+        ssh_config = ssh.write_config(target.name, target.ssh_data, ssh_folder)
+        _hosts[target.name] = testinfra.get_host(f"ssh://{ssh.alias(target.name)}", ssh_config=str(ssh_config))
     return _hosts[target.name]
 
 
 @pytest.fixture
-def config(target) -> HostConfig:
-    return target.config
+def config(target, remote) -> HostConfig:
+    """The target's config with each branch or tag pinned to the commit the host recorded."""
+    recorded = {}
+    for engine in target.config.engines:
+        pin = remote.file(target.config.pin_path(engine))
+        if target.config.commit(engine) is None and pin.exists:
+            recorded[engine.name] = pin.content_string.strip()
+    return target.config.pinned(recorded)

