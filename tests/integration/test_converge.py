@@ -149,7 +149,7 @@ def test_moved_branch_changes_nothing_and_a_new_pin_replaces_the_old_revision_on
     # keep_revisions 0: the old folder (and the pin naming it) went, after q38 served the new one.
     assert ssh(box, f"test -e {first_dir}", check=False).returncode == 1
     assert ssh(box, "grep -rl " + first + " /var/lib/sparkform/models/.pins", check=False).stdout == ""
-    out = result.stdout
+    out = result.stdout + result.stderr
     assert out.index("Remove old checkpoint revisions") > out.index("Engine q38 serving")
     verified = verify(inventory=new_pin)
     assert verified.returncode == 0, verified.stdout[-4000:]
