@@ -80,11 +80,22 @@ def test_new_driver_rebuilds_caches_one_engine_at_a_time_and_a_failed_warm_start
     # q38's warm start will fail: its engine user can no longer read its config.
     q38_config = ssh(box, "sed -n 's/^SPARKFORM_CHECKPOINT=//p' /etc/sparkform/engines/q38.env").stdout.strip()
     ssh(box, f"chmod 600 {q38_config}/config.json")
+    # --dry reports the drift with the cold starts measured here, and changes nothing.
+    cold = " and ".join(f"{old['engines'][name]['cold_start_s']:.0f} s" for name in ("nemotron", "q38"))
+    report = (f"driver {old['versions']['driver']} -> {NEW_DRIVER}: JIT caches of nemotron, q38 will be rebuilt "
+              f"(cold start, about {cold})")
+    before = main_pids(box)
+    dry = pyinfra(SANDBOX_INVENTORY, "--dry")
+    assert dry.returncode == 0 and report in dry.stdout + dry.stderr, dry.stderr[-3000:]
+    assert main_pids(box) == before
+    assert ssh(box, f"ls {CACHES}").stdout.split() == ["nemotron", "q38"]
     since = now(box)
     failed = rebuild("--wait", "120")
     assert failed.returncode != 0
     out = failed.stdout + failed.stderr
-    assert f"driver {old['versions']['driver']} -> {NEW_DRIVER}: JIT caches of nemotron, q38 will be rebuilt" in out
+    assert report in out
+    # An engine that failed its start keeps the engines target from being reached.
+    assert ssh(box, "systemctl is-active sparkform-engines.target || true").stdout.strip() != "active"
     # Strictly one at a time: q38 started only after nemotron served.
     (nemotron_ready,) = journal_times(box, r"sparkform-wait-ready: port 8012 serves", since=since)
     q38_starts = journal_times(box, r"sparkform-launch: starting q38", since=since)

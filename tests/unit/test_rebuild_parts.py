@@ -3,7 +3,6 @@ systemctl), the record the deploy plans, the boot chain check and rebuild's star
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -94,4 +93,5 @@ def test_start_table_tells_new_starts_from_engines_that_kept_running():
     assert cells[0] == ["engine", "this start", "kind", "recorded cold start", "recorded last start"]
     assert cells[1] == ["a", "210.4 s", "cold", "200.0 s", "30.0 s"]
     assert cells[2] == ["b", "-", "kept running", "335.0 s", "20.0 s"]
-    assert json.dumps(start_table(None, None)).count("\\n") == 0  # no record: the header only
+    (header_only,) = start_table(None, None).splitlines()  # no record: the header only
+    assert [cell.strip() for cell in header_only.split("  ") if cell.strip()] == cells[0]

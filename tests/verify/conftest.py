@@ -67,12 +67,18 @@ def remote(target, ssh_folder):
     return _hosts[target.name]
 
 
+_pinned: dict[str, HostConfig] = {}
+
+
 @pytest.fixture
 def config(target, remote) -> HostConfig:
-    """The target's config with each branch or tag pinned to the commit the host recorded."""
-    recorded = {}
-    for engine in target.config.engines:
-        pin = remote.file(target.config.pin_path(engine))
-        if target.config.commit(engine) is None and pin.exists:
-            recorded[engine.name] = pin.content_string.strip()
-    return target.config.pinned(recorded)
+    """The target's config with each branch or tag pinned to the commit the host recorded
+    (read once per host for the session)."""
+    if target.name not in _pinned:
+        recorded = {}
+        for engine in target.config.engines:
+            pin = remote.file(target.config.pin_path(engine))
+            if target.config.commit(engine) is None and pin.exists:
+                recorded[engine.name] = pin.content_string.strip()
+        _pinned[target.name] = target.config.pinned(recorded)
+    return _pinned[target.name]
