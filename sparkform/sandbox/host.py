@@ -61,6 +61,9 @@ KEYGEN = ("ssh-keygen", "-q", "-t", "ed25519", "-N", "")
 MAX_INDEX = 250
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,29}")
 BOOT_TIMEOUT_S = 60.0
+# A reboot ends when every enabled unit started: on a converged sandbox that includes both
+# engines, one after the other, each to readiness (minutes on two cores).
+REBOOT_TIMEOUT_S = 600.0
 POWEROFF_TIMEOUT_S = 15.0
 KILL_TIMEOUT_S = 10.0
 # Units that are useless in a container or slow its boot; masked in the rootfs.
@@ -620,6 +623,7 @@ def _wait_running(name: str, rt: Path, deadline: float) -> str:
                 check=False, capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()),
             )
         except subprocess.TimeoutExpired:
+            last = f"systemd still starting units; {_pending_jobs(sandbox)}"
             break
         state = answer.stdout.strip()
         if state in ("running", "degraded"):
@@ -630,6 +634,18 @@ def _wait_running(name: str, rt: Path, deadline: float) -> str:
         f"sandbox {name!r} did not reach running/degraded in time (last: {last}); {_log_tail(rt)}\n"
         f"{_guest_journal(rt)}"
     )
+
+
+def _pending_jobs(sandbox: Sandbox) -> str:
+    """The guest's queued start jobs: what a boot that does not finish is waiting for."""
+    try:
+        jobs = subprocess.run(
+            [*sandbox.ssh_args(), "systemctl", "list-jobs", "--no-pager", "--no-legend"],
+            check=False, capture_output=True, text=True, timeout=10,
+        )
+    except subprocess.TimeoutExpired:
+        return "`systemctl list-jobs` did not answer either"
+    return f"jobs: {'; '.join(jobs.stdout.strip().splitlines()) or jobs.stderr.strip() or 'none'}"
 
 
 def _guest_journal(rt: Path) -> str:
@@ -650,11 +666,12 @@ def _guest_journal(rt: Path) -> str:
 # reboot, memory controller, status
 
 
-def reboot(name: str, timeout: float = BOOT_TIMEOUT_S) -> float:
-    """Reboot the guest and wait until the same sandbox runs again; returns the seconds it took.
+def reboot(name: str, timeout: float = REBOOT_TIMEOUT_S) -> float:
+    """Reboot the guest and wait until the same sandbox finished booting; returns the seconds it took.
 
-    The supervisor boots the same overlay again (same files, keys and address). A memory
-    controller made writable before is made writable again.
+    The supervisor boots the same overlay again (same files, keys and address). The boot ends when
+    every enabled unit started, engines included. A memory controller made writable before is
+    made writable again.
     """
     sandbox = get(name)
     rt = sandbox.runtime_dir

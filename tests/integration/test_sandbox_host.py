@@ -194,6 +194,24 @@ def test_reboot_brings_the_same_sandbox_back(make_sandbox: Callable[..., Sandbox
     assert ssh(sandbox, "systemctl is-system-running").stdout.strip() in ("running", "degraded")
 
 
+def test_reboot_waits_for_the_boot_s_start_jobs_and_names_the_one_it_outlasts(
+    make_sandbox: Callable[..., Sandbox],
+) -> None:
+    # An enabled unit whose start takes 30 s, as an engine's does until readiness: the boot
+    # (and so the reboot) is over only when it started.
+    sandbox = make_sandbox()
+    ssh(sandbox, "printf '%s\\n' '[Service]' 'Type=oneshot' 'ExecStart=/bin/sleep 30' '[Install]' "
+                 "'WantedBy=multi-user.target' > /etc/systemd/system/slow-start.service "
+                 "&& systemctl enable slow-start.service")
+    with pytest.raises(SandboxError, match=r"systemd still starting units; jobs: .*slow-start\.service") as err:
+        host.reboot(sandbox.name, timeout=10)
+    print(err.value)
+    seconds = host.reboot(sandbox.name)
+    assert seconds >= 30, f"reboot returned after {seconds:.1f} s, before slow-start.service finished"
+    finished = ssh(sandbox, "systemctl show -P ExecMainExitTimestampMonotonic slow-start.service").stdout.strip()
+    assert int(finished) > 0, "slow-start.service had not finished when reboot() returned"
+
+
 def test_memory_max_is_enforced_once_the_controller_is_writable(make_sandbox: Callable[..., Sandbox]) -> None:
     sandbox = make_sandbox()
     host.memory_controller_writable(sandbox.name)
