@@ -9,13 +9,13 @@ SPARKFORM := $(VENV)/bin/sparkform
 
 # shellcheck and systemd-analyze check rendered files; debootstrap, systemd-nspawn, iproute2 and
 # ssh boot and reach the sandbox.
-SYSTEM_TOOLS := shellcheck systemd-analyze debootstrap systemd-nspawn ip ssh ssh-keygen nsenter
+SYSTEM_TOOLS := shellcheck systemd-analyze debootstrap systemd-nspawn ip ssh ssh-keygen nsenter strace
 system-deps:
 	@missing=$$(for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null || echo $$tool; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "== installing Debian packages for: $$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    shellcheck systemd debootstrap systemd-container iproute2 openssh-client util-linux; \
+	    shellcheck systemd debootstrap systemd-container iproute2 openssh-client util-linux strace; \
 	fi
 
 $(VENV)/.installed: pyproject.toml

@@ -54,7 +54,8 @@ def _fetch(config: HostConfig, engine: Engine, folder: str, drifted: bool):
         yield f"rm -f {shlex.quote(f'{folder}/{COMPLETE_MARKER}')}"
     # A deploy cut off mid-download can leave its fetch running: stop it first.
     yield f"pkill -f -- {shlex.quote(own_pattern(f'{script} {engine.checkpoint.repo} '))} || true"
-    yield (f"env {' '.join(env)} {shlex.quote(config.venv)}/bin/python {shlex.quote(script)} "
+    # Shell assignments, not `env NAME=value`: env's own argv would show the token in `ps`.
+    yield (f"{' '.join(env)} {shlex.quote(config.venv)}/bin/python {shlex.quote(script)} "
            f"{shlex.quote(engine.checkpoint.repo)} {config.commit(engine)} {shlex.quote(folder)}{includes}")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ from sparkform.render import render_host
 from sparkform.sandbox.fakehub import FakeHub
 from sparkform.sandbox.models import TINY_MODELS, cached_checkpoint
 from sparkform.schema import COMPLETE_MARKER, HostConfig
+from sparkform.validate import load_host
+from tasks.checkpoints import _fetch
 
 QWEN = "sparkform-test/tiny-qwen3"  # two weight shards
 SHARD = "model-00001-of-00002.safetensors"
@@ -96,3 +99,38 @@ def test_a_full_disk_is_refused_with_the_numbers_before_any_byte(script, hub, tm
         assert not any(p.suffix == ".safetensors" for p in (small / "ckpt").rglob("*"))
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def test_the_deploy_s_fetch_command_keeps_the_token_out_of_every_argv(script, hub, tmp_path):
+    """Run the fetch commands the checkpoint operation yields, as the remote shell would, under
+    strace: the token reaches the hub (every request authorized) but no process's argv."""
+    token = "hf_secret_4a7c1e"
+    config = load_host("box", {
+        "lib_dir": str(tmp_path / "lib"), "config_dir": str(tmp_path / "etc"),
+        "venv_root": str(tmp_path / "venvs"), "models_dir": str(tmp_path / "models"), "hf_endpoint": hub.url,
+        "engines": [{"name": "q", "port": 8000, "checkpoint": {"repo": QWEN, "revision": "main"}}],
+    }).config.pinned({"q": hub.resolve(QWEN, "main")})
+    (engine,) = config.engines
+    config = config.model_copy(update={"hf_token_file": "token-on-the-laptop"})
+    Path(config.lib_dir).mkdir()
+    shutil.copy(script, f"{config.lib_dir}/sparkform-checkpoint")
+    Path(config.hf_token_path).parent.mkdir(parents=True)
+    Path(config.hf_token_path).write_text(f"{token}\n")
+    python = Path(config.venv) / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    folder = config.checkpoint_dir(engine)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("HF_")}
+    env["HF_HOME"] = str(tmp_path / "hf-home")
+    trace = tmp_path / "execve.log"
+    for command in _fetch(config, engine, folder, drifted=False):
+        result = subprocess.run(["strace", "-f", "-qq", "-e", "trace=execve", "-s", "65535", "-o", str(trace),
+                                 "sh", "-c", command], env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, (command, result.stderr[-2000:])
+        execs = trace.read_text()
+        assert "execve(" in execs
+        assert token not in execs, f"the token is in an argv: {command}"
+    assert Path(folder, COMPLETE_MARKER).is_file()
+    fetched = [entry for entry in hub.requests if entry["method"] == "GET" and "/resolve/" in entry["path"]]
+    assert fetched and all(entry["authorization"] for entry in fetched)
