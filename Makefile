@@ -8,7 +8,7 @@ SPARKFORM := $(VENV)/bin/sparkform
 .PHONY: sandbox sandbox-down test system-deps venv
 
 # shellcheck and systemd-analyze check rendered files; debootstrap, systemd-nspawn, iproute2 and
-# ssh boot and reach the sandbox.
+# ssh boot and reach the sandbox; strace shows which argv a secret-handling command exposes.
 SYSTEM_TOOLS := shellcheck systemd-analyze debootstrap systemd-nspawn ip ssh ssh-keygen nsenter strace
 system-deps:
 	@missing=$$(for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null || echo $$tool; done); \
