@@ -1,6 +1,6 @@
 """The host record: what a converged host was converged against, and what changed since.
 
-After every successful converge the host keeps a record (``<state_dir>/host-record.json``,
+After every successful converge the host keeps a record (``<state_dir>/record/host-record.json``,
 root-owned) of the versions that decide whether vLLM's JIT caches (FlashInfer, Triton,
 torch.compile, CUTLASS) are still valid, and, per engine, the cache key its caches were built
 under and how long it last took to start. The next deploy compares the record with the live

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-from deploy_helpers import (BIN, SANDBOX_INVENTORY, UNITS, both_serving_after_boot, journal_times, main_pids,
-                            pyinfra, ssh)
+from deploy_helpers import (BIN, SANDBOX_INVENTORY, UNITS, both_serving_after_boot, checkpoint_dir, journal_times,
+                            main_pids, pyinfra, ssh)
 
 from sparkform.sandbox import host, stage
 
@@ -78,7 +78,7 @@ def test_new_driver_rebuilds_caches_one_engine_at_a_time_and_a_failed_warm_start
     host.reboot(box.name)
     both_serving_after_boot(box)
     # q38's warm start will fail: its engine user can no longer read its config.
-    q38_config = ssh(box, "sed -n 's/^SPARKFORM_CHECKPOINT=//p' /etc/sparkform/engines/q38.env").stdout.strip()
+    q38_config = checkpoint_dir(box, "q38")
     ssh(box, f"chmod 600 {q38_config}/config.json")
     # --dry reports the drift with the cold starts measured here, and changes nothing.
     cold = " and ".join(f"{old['engines'][name]['cold_start_s']:.0f} s" for name in ("nemotron", "q38"))

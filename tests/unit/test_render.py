@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -33,11 +34,12 @@ import pytest
 
 from sparkform.inventory import load_inventory
 from sparkform.render import RenderedFile, engine_args, engine_environment, min_available_kib, render_host
-from sparkform.schema import HostConfig
+from sparkform.schema import ENGINES_TARGET, HostConfig
 from sparkform.validate import load_host
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "fixtures" / "golden" / "spark.local"
+README = REPO / "README.md"
 UPDATE_GOLDEN = os.environ.get("SPARKFORM_UPDATE_GOLDEN") == "1"
 SYSTEM_UNITS = Path("/lib/systemd/system")
 CACHE_VARS = ("VLLM_CACHE_ROOT", "FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "CUTE_DSL_CACHE_DIR")
@@ -209,10 +211,12 @@ def system_units(tmp_path_factory) -> Path:
     return copy
 
 
-def verify(root: Path, system_units: Path, files: list[RenderedFile]) -> subprocess.CompletedProcess:
+def verify(root: Path, system_units: Path, files: list[RenderedFile],
+           also: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """systemd-analyze verify of the unit files among `files` and of the units named in `also`."""
     shutil.copytree(system_units, root / "usr/lib/systemd/system", symlinks=True)
     write_tree(root, files)
-    units = [Path(f.path).name for f in files if f.is_unit]
+    units = [Path(f.path).name for f in files if f.is_unit] + list(also)
     return subprocess.run(["systemd-analyze", "verify", f"--root={root}", *units],
                           capture_output=True, text=True, timeout=120)
 
@@ -233,6 +237,28 @@ def test_engines_target_requires_and_follows_every_enabled_engine_only():
     enabled = " ".join(e.unit for e in config.enabled_engines)
     assert len(config.enabled_engines) < len(config.engines)  # the variant has a disabled engine
     assert f"\nRequires={enabled}\n" in target.content and f"\nAfter={enabled}\n" in target.content
+
+
+def readme_timer_example(readme: str) -> list[RenderedFile]:
+    """The example service and timer of the README's engines-target section, as files."""
+    block = re.search(r"An example timer.*?```ini\n(.*?)```", readme, re.S).group(1)
+    parts = re.split(r"^# (/etc/systemd/system/\S+)\n", block, flags=re.M)[1:]
+    return [RenderedFile(path, body.strip() + "\n", "644") for path, body in zip(parts[::2], parts[1::2])]
+
+
+@pytest.mark.parametrize("target", [ENGINES_TARGET, "sparkform-engine.target"])
+def test_readme_example_timer_passes_systemd_analyze_verify(target, monkeypatch, tmp_path, system_units):
+    # The second case misspells the target in the example: the check must catch that.
+    examples = [RenderedFile(f.path, f.content.replace(ENGINES_TARGET, target), f.mode)
+                for f in readme_timer_example(README.read_text())]
+    assert sorted(Path(f.path).name for f in examples) == ["nightly-report.service", "nightly-report.timer"]
+    report = RenderedFile("/usr/local/bin/nightly-report", "#!/bin/sh\n", "755")
+    result = verify(tmp_path / "root", system_units, render_host(seed_config(monkeypatch)) + examples + [report],
+                    also=("nightly-report.timer",))
+    if target == ENGINES_TARGET:
+        assert result.returncode == 0 and result.stderr == "", result.stderr
+    else:
+        assert target in result.stderr
 
 
 def test_systemd_analyze_check_catches_a_bad_unit(tmp_path, system_units, monkeypatch):
