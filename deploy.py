@@ -15,10 +15,10 @@ from facts.host import SparkformHost
 from sparkform import hostrecord
 from sparkform.hub import resolve_pins
 from sparkform.inventory import exit_invalid, host_from_data
-from sparkform.render import prerequisite_packages, render_host
+from sparkform.render import FRONT_CONFIG, FRONT_DROP_IN, FRONT_UNIT, prerequisite_packages, render_host
 from sparkform.schema import ENGINES_TARGET, UNIT_PREFIX
 from sparkform.validate import InventoryError, boot_chain_holes, start_order
-from tasks import checkpoints, engines, files, jit, system, venv
+from tasks import checkpoints, engines, files, front, jit, system, venv
 from tasks import record as record_ops
 
 UNIT_GLOB = f"/etc/systemd/system/{UNIT_PREFIX}*.service"
@@ -29,15 +29,17 @@ except InventoryError as err:
     exit_invalid(err, f"data of host {host.name}")
 
 secrets = files.secrets(config)
+unwanted = files.unwanted(config)
 folders = system.folders(config)
 packages = prerequisite_packages(config.device)
 snapshot = host.get_fact(
     SparkformHost,
     packages=packages,
     users=[config.engine_user],
-    paths=[f.path for f in folders] + [f.path for f in render_host(config)] + [s.path for s in secrets],
+    paths=([f.path for f in folders] + [f.path for f in render_host(config)] + [s.path for s in secrets]
+           + unwanted),
     markers=[venv.marker_path(config)],
-    units=[engine.unit for engine in config.engines] + [ENGINES_TARGET],
+    units=[engine.unit for engine in config.engines] + [ENGINES_TARGET, FRONT_UNIT],
     unit_glob=UNIT_GLOB,
     models_dir=config.models_dir,
     pins_dir=config.pins_dir,
@@ -78,6 +80,8 @@ for secret in secrets:
     files.managed_file(name=f"Secret {secret.path}", path=secret.path, content=secret.content,
                        mode=secret.mode, group=secret.group, current=snapshot.paths.get(secret.path),
                        secret=True)
+for path in unwanted:
+    files.removed(name=f"No {path}", path=path, current=snapshot.paths.get(path))
 
 def put_files(selected: list) -> None:
     for file in selected:
@@ -126,6 +130,13 @@ for engine in order:
     engines.engine_running(name=f"Engine {engine.name} serving", engine=engine, current=current, restart=restart)
     jit.cache_keyed(name=f"JIT caches of {engine.name} keyed", config=config, engine=engine,
                     key=hostrecord.cache_key(live), snapshot=snapshot, rebuilt=engine.name in drift.stale_engines)
+# The front last: an engine that moved behind it has freed the port nginx takes over.
+front.front_serving(name="Front (nginx) serving", address=config.listen_address,
+                    ports=[engine.port for engine in order], current=snapshot.engines.get(FRONT_UNIT),
+                    config_changed=FRONT_CONFIG in changed or any(
+                        s.path == config.front_key_path and files.differs(s.content, snapshot.paths.get(s.path))
+                        for s in secrets),
+                    unit_changed=FRONT_DROP_IN in changed)
 if order:
     engines.target_reached(name=f"{ENGINES_TARGET} reached", unit=ENGINES_TARGET,
                            current=snapshot.engines.get(ENGINES_TARGET), engines_started=bool(started))

@@ -35,6 +35,8 @@ connection = {} if box is None else {
     "hf_endpoint": stage.hub_url(box),
     "hf_token_file": str(stage.secret_file(box.runtime_dir, "hf_token")),
     "api_key_file": str(stage.secret_file(box.runtime_dir, "api_key")),
+    # The host's own LAN address, as on a Spark that serves its LAN: the front listens there.
+    "listen_address": box.address,
 }
 
 CPU_ENGINE = {

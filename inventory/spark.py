@@ -5,7 +5,12 @@
     sparkform plan inventory/spark.py                   # memory plan, no connection
 
 SPARK_HOST and SPARK_USER pick the box and the SSH user; every other value is the served pair
-of the seed's appendix ("The served pair, as configured").
+of the seed's appendix ("The served pair, as configured"). The pair serves the LAN, so the
+front requires an API key: write one before the first run (README, "Security"):
+
+    mkdir -p ~/.config/sparkform && (umask 077; openssl rand -hex 32 > ~/.config/sparkform/spark-api-key)
+
+SPARK_API_KEY_FILE points elsewhere; SPARK_LISTEN_ADDRESS=127.0.0.1 keeps the models on the box.
 """
 
 import os
@@ -21,6 +26,8 @@ spark = hosts(
             "_sudo": os.environ.get("SPARK_USER", "root") != "root",
             "vllm_version": "0.27.1",
             "hf_token_file": os.environ.get("SPARK_HF_TOKEN_FILE"),
+            "listen_address": os.environ.get("SPARK_LISTEN_ADDRESS", "0.0.0.0"),
+            "api_key_file": os.environ.get("SPARK_API_KEY_FILE", "~/.config/sparkform/spark-api-key"),
             "engines": [
                 {
                     # The fast "hands": a Mamba hybrid, ~305K KV tokens per GiB.

@@ -6,6 +6,7 @@ shellcheck), so what is tested is byte for byte what a Spark receives.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +31,24 @@ _env.globals["gib"] = lambda value: f"{int(value * 1024)}M"
 
 def prerequisite_packages(device: str) -> list[str]:
     """Debian packages a host needs: python3-venv builds the vLLM venv, curl and util-linux
-    (flock) serve the launch script and the readiness helper; vLLM's CPU build loads libnuma."""
-    packages = ["python3", "python3-venv", "curl", "util-linux", "gawk"]
+    (flock) serve the launch script and the readiness helper, iproute2 (ss) checks the front's
+    ports, nginx is the front that checks the API key. g++ and python3-dev (Python.h) are what
+    vLLM's JIT paths compile with (torch inductor's C++ kernels, Triton's launcher, FlashInfer's
+    nvcc host compiler): without them one request to such a path kills the engine. vLLM's CPU
+    build loads libnuma."""
+    packages = ["python3", "python3-venv", "python3-dev", "curl", "util-linux", "gawk", "iproute2",
+                "nginx", "g++"]
     return packages + ["libnuma1"] if device == "cpu" else packages
+
+
+# The front's allow-list: the OpenAI routes a chat or completion client uses. Every other path
+# (vLLM's /invocations, /tokenize, /generative_scoring, /scale_elastic_ep, /docs, ...) gets 404.
+FRONT_ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions")
+FRONT_CONFIG = "/etc/nginx/conf.d/sparkform.conf"
+FRONT_DROP_IN = "/etc/systemd/system/nginx.service.d/sparkform-hardening.conf"
+# Debian's welcome page on port 80 of every address: nothing a Spark should serve to the LAN.
+NGINX_DEFAULT_SITE = "/etc/nginx/sites-enabled/default"
+FRONT_UNIT = "nginx.service"
 
 
 @dataclass(frozen=True)
@@ -44,7 +60,8 @@ class RenderedFile:
 
     @property
     def is_unit(self) -> bool:
-        return self.path.endswith((".service", ".target"))
+        """systemd reads it: a unit file or a drop-in."""
+        return self.path.startswith("/etc/systemd/system/")
 
 
 def engine_environment(config: HostConfig, engine: Engine) -> dict[str, str]:
@@ -70,8 +87,11 @@ def engine_args(config: HostConfig, engine: Engine) -> list[str]:
     args = [
         "--model", config.checkpoint_dir(engine),
         "--served-model-name", *engine.names,
-        "--host", config.listen_address,
-        "--port", str(engine.port),
+        # Behind the front: only nginx (and the readiness helper) reach the engine itself.
+        "--host", "127.0.0.1",
+        "--port", str(config.internal_port(engine)),
+        # /docs and /openapi.json describe every route, guarded or not.
+        "--disable-fastapi-docs",
         "--max-model-len", str(engine.max_model_len),
         "--max-num-seqs", str(engine.max_num_seqs),
         "--generation-config", engine.generation_config,
@@ -106,6 +126,14 @@ def min_available_kib(config: HostConfig, engine: Engine) -> int:
     return int((share + config.memory_available_margin_gib * GIB) // 1024)
 
 
+def front_listen(config: HostConfig) -> tuple[str, str]:
+    """nginx's listen address (IPv6 in brackets) and options for `listen_address`."""
+    address = ipaddress.ip_address(config.listen_address)
+    if address.version == 4:
+        return config.listen_address, ""
+    return f"[{config.listen_address}]", " ipv6only=off" if address.is_unspecified else ""
+
+
 def _render(template: str, **context) -> str:
     return _env.get_template(template).render(**context)
 
@@ -129,6 +157,13 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
     if config.enabled_engines:
         files.append(RenderedFile(f"/etc/systemd/system/{ENGINES_TARGET}",
                                   _render("sparkform-engines.target.j2", config=config), "644"))
+    listen, listen_options = front_listen(config)
+    files += [
+        RenderedFile(FRONT_CONFIG, _render("nginx-front.conf.j2", config=config, routes=FRONT_ROUTES,
+                                           key=config.api_key_file is not None, listen=listen,
+                                           listen_options=listen_options), "644"),
+        RenderedFile(FRONT_DROP_IN, _render("nginx-hardening.conf.j2"), "644"),
+    ]
     for engine in config.engines:
         environment = engine_environment(config, engine)
         env_file, args_file = config.settings_files(engine.name)

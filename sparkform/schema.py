@@ -8,6 +8,7 @@ inventory must never be silently ignored.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Any, Literal
 
@@ -22,6 +23,13 @@ COMPLETE_MARKER = ".sparkform-complete"
 # Path, size, sha256 and mtime of every verified checkpoint file, beside the marker.
 CHECKPOINT_MANIFEST = ".sparkform-manifest.json"
 COMMIT_ID = re.compile(r"[0-9a-f]{40}")  # a revision that is already a commit
+# What a bearer token may hold (RFC 6750's b64token): the front compares it inside a quoted
+# nginx string, where these characters need no escaping.
+API_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/-]+=*")
+API_KEY_MIN_LENGTH = 16
+# Request body room per token of the window (JSON-escaped text), and for images on top.
+REQUEST_BYTES_PER_TOKEN = 16
+IMAGE_REQUEST_MIB = 64
 
 # Quantization methods `vllm serve --quantization` accepts (0.27-0.33); an unknown string only
 # fails later, at engine start, with "Unknown quantization method".
@@ -121,7 +129,8 @@ class Engine(Strict):
     generation_config: str = Field("auto", description="`--generation-config`: auto, vllm (ignore the checkpoint's sampling defaults) or a folder.")
     speculative_config: dict[str, Any] | None = Field(None, description="`--speculative-config`, e.g. {method: mtp, num_speculative_tokens: 3}.")
     language_model_only: bool = Field(False, description="`--language-model-only`: drops the vision tower (MTP needs it).")
-    extra_args: list[str] = Field(default_factory=list, description="Further `vllm serve` arguments, one token per item.")
+    extra_args: list[str] = Field(default_factory=list, description="Further `vllm serve` arguments, one token per item (not `--host`, `--port`, `--api-key`: sparkform sets those).")
+    max_request_mib: int | None = Field(None, ge=1, description="Largest request body the front accepts, MiB; None derives it from max_model_len (16 bytes a token, plus 64 MiB of images when multimodal).")
     memory_high_gib: float | None = Field(None, gt=0, description="MemoryHigh= of this engine's unit; None takes the host's.")
     memory_max_gib: float | None = Field(None, gt=0, description="MemoryMax= of this engine's unit; None takes the host's.")
     model_config_path: str | None = Field(None, description="config.json of the checkpoint (path relative to the inventory) for the planner.")
@@ -173,6 +182,9 @@ class Engine(Strict):
             # argparse also takes unambiguous abbreviations (--api-k).
             if len(flag) > len("--api-") and "--api-key".startswith(flag):
                 raise ValueError("--api-key would put the key in argv (visible in ps): set api_key_file instead")
+            if flag in ("--host", "--port"):
+                raise ValueError(f"{flag} is sparkform's: the engine binds 127.0.0.1 on its internal port "
+                                 "behind the front; set listen_address and port instead")
         return args
 
     @property
@@ -182,6 +194,14 @@ class Engine(Strict):
     @property
     def names(self) -> list[str]:
         return self.served_names or [self.name]
+
+    @property
+    def request_limit_mib(self) -> int:
+        """The front's client_max_body_size for this engine."""
+        if self.max_request_mib:
+            return self.max_request_mib
+        window = -(-self.max_model_len * REQUEST_BYTES_PER_TOKEN // 2**20) + 1
+        return window + (IMAGE_REQUEST_MIB if self.multimodal else 0)
 
 
 class HostConfig(Strict):
@@ -201,7 +221,11 @@ class HostConfig(Strict):
     cache_root: str = Field("/var/cache/sparkform", description="Persistent per-engine JIT caches (vLLM, FlashInfer, Triton, CuTe DSL).")
     lib_dir: str = Field("/usr/local/lib/sparkform", description="Launch script and readiness helper.")
     config_dir: str = Field("/etc/sparkform", description="Per-engine argument and environment files; secrets below it at 0600.")
-    listen_address: str = Field("0.0.0.0", description="`--host` the engines listen on (0.0.0.0 serves the LAN; 127.0.0.1 keeps them local).")
+    listen_address: str = Field("127.0.0.1", description="Address the front (nginx) listens on, at each engine's port: 127.0.0.1 keeps the models on the host; a LAN address or 0.0.0.0 serves the LAN and needs api_key_file.")
+    open_lan_api_without_key: bool = Field(False, description="True lets a non-loopback listen_address serve without an API key: anyone on the LAN runs the models. Only on purpose.")
+    internal_port_offset: int = Field(10000, ge=1, le=64511, description="Each engine binds 127.0.0.1 on port + this offset; only the front and the readiness helper use it.")
+    metrics_allow: list[str] = Field(default_factory=list, description="Addresses or networks (CIDR) that may read each engine's /metrics through the front; empty: 404 for everyone.")
+    front_read_timeout_s: int = Field(3600, ge=10, description="How long the front waits for an engine's next bytes; a long non-streamed generation must finish within it.")
     engine_user: str = Field("vllm", pattern=r"^[a-z_][a-z0-9_-]{0,31}$", description="System user the engines run as.")
     cuda_home: str = Field("/usr/local/cuda", description="CUDA_HOME; `<cuda_home>/bin` goes first on PATH (FlashInfer needs nvcc at init).")
     compile_caps: CompileCaps = Field(default_factory=CompileCaps, description="Compile parallelism caps, exported by the unit, the launch script and login shells.")
@@ -222,6 +246,25 @@ class HostConfig(Strict):
     engines: list[Engine] = Field(default_factory=list, description="The engines of this host, each a table of the fields below.")
     # Engine name -> the commit its branch or tag resolved to (set by `pinned`; not inventory data).
     _commits: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @field_validator("listen_address")
+    @classmethod
+    def _an_address(cls, value: str) -> str:
+        try:
+            return str(ipaddress.ip_address(value))
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IP address (e.g. 127.0.0.1, 192.168.1.20 or 0.0.0.0)") from None
+
+    @field_validator("metrics_allow")
+    @classmethod
+    def _networks(cls, values: list[str]) -> list[str]:
+        networks = []
+        for value in values:
+            try:
+                networks.append(str(ipaddress.ip_network(value, strict=False)))
+            except ValueError:
+                raise ValueError(f"{value!r} is not an address or a network (e.g. 192.168.1.5 or 192.168.1.0/24)") from None
+        return networks
 
     @model_validator(mode="before")
     @classmethod
@@ -244,6 +287,27 @@ class HostConfig(Strict):
     @property
     def hf_token_path(self) -> str:
         return f"{self.config_dir}/secrets/hf_token"
+
+    @property
+    def serves_lan(self) -> bool:
+        return not ipaddress.ip_address(self.listen_address).is_loopback
+
+    @property
+    def front_local_address(self) -> str:
+        """Where a process on the host reaches the front (a wildcard listens on loopback too)."""
+        address = ipaddress.ip_address(self.listen_address)
+        if address.is_unspecified:
+            return "::1" if address.version == 6 else "127.0.0.1"
+        return self.listen_address
+
+    def internal_port(self, engine: Engine) -> int:
+        """The port the engine itself binds on 127.0.0.1, behind the front."""
+        return engine.port + self.internal_port_offset
+
+    @property
+    def front_key_path(self) -> str:
+        """The API key as an nginx snippet, read by nginx's master process (root) only."""
+        return f"{self.config_dir}/secrets/front-api-key.conf"
 
     def memory_limits(self, engine: Engine) -> tuple[float, float]:
         """(MemoryHigh, MemoryMax) of the engine's unit, GiB: its own, else the host's."""

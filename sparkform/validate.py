@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from sparkform import modelconfig
-from sparkform.schema import UNIT_PREFIX, Engine, HostConfig
+from sparkform.schema import API_KEY_MIN_LENGTH, API_KEY_PATTERN, UNIT_PREFIX, Engine, HostConfig
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def host_problems(host: Host) -> list[Problem]:
     from sparkform.planner import state_block_problems  # the planner builds on this module
 
     problems: list[Problem] = []
-    for rule in (_memory_pool, _unique, _boot_chain, _mtp_and_vision, _timeouts, _cgroup_caps,
+    for rule in (_memory_pool, _unique, _front, _boot_chain, _mtp_and_vision, _timeouts, _cgroup_caps,
                  _compile_storm, _cpu_pool, _native_window, _secret_files, _wheelhouse,
                  state_block_problems):
         problems += rule(host)
@@ -352,6 +352,42 @@ def _secret_files(host: Host) -> list[Problem]:
             problems.append(Problem(host.name, field_name, path,
                                     "the secret file is readable by other users",
                                     f"chmod 600 {path}"))
+        elif field_name == "api_key_file":
+            problems += _api_key_shape(host.name, path, file.read_text().strip())
+    return problems
+
+
+def _api_key_shape(host: str, path: str, key: str) -> list[Problem]:
+    """The key goes into the front's config as a bearer token: its characters and length are
+    checked here (the message never shows the key)."""
+    if API_KEY_PATTERN.fullmatch(key) and len(key) >= API_KEY_MIN_LENGTH:
+        return []
+    return [Problem(host, "api_key_file", path,
+                    f"the key must be a bearer token of at least {API_KEY_MIN_LENGTH} characters from "
+                    "A-Z a-z 0-9 . _ ~ + / - (and = at the end), on one line",
+                    f"write a new key: openssl rand -hex 32 > {path}")]
+
+
+def _front(host: Host) -> list[Problem]:
+    """The front listens on each engine's port; the engine binds port + offset on loopback."""
+    cfg = host.config
+    problems = []
+    if cfg.serves_lan and cfg.api_key_file is None and not cfg.open_lan_api_without_key:
+        problems.append(Problem(
+            host.name, "listen_address", cfg.listen_address,
+            "serves every engine to the LAN without an API key: anyone who reaches the box "
+            "runs the models", "set api_key_file to a file holding the key, or listen_address: "
+            "127.0.0.1 to keep the models on the host; to serve the LAN without a key on "
+            "purpose, set open_lan_api_without_key: true"))
+    public = {engine.port: engine.name for engine in cfg.engines}
+    for engine in cfg.engines:
+        internal = cfg.internal_port(engine)
+        if internal > 65535 or internal in public:
+            problems.append(Problem(
+                host.name, "internal_port_offset", cfg.internal_port_offset,
+                f"the engine's internal port {engine.port} + {cfg.internal_port_offset} = {internal} "
+                + ("is past 65535" if internal > 65535 else f"is engine {public[internal]}'s port"),
+                "pick an offset that lands every engine on a free port below 65536", engine.name))
     return problems
 
 

@@ -14,6 +14,7 @@ from pyinfra.operations.util.files import generate_color_diff
 from pyinfra.facts.files import FileContents
 
 from facts.host import RemoteFile
+from sparkform.render import NGINX_DEFAULT_SITE
 from sparkform.schema import HostConfig
 
 
@@ -80,14 +81,35 @@ class Secret:
 
 
 def secrets(config: HostConfig) -> list[Secret]:
-    """Secrets read from files on the control machine: the HF token (root only) and the API
-    key (readable by the engine user, whose scripts source it)."""
+    """Secrets read from files on the control machine, root's only on the host: the HF token,
+    and the API key as the snippet the front includes (validation checked its characters, so
+    it needs no escaping inside nginx's quotes). The engines never hold the key."""
     result = []
     if config.hf_token_file:
         token = Path(config.hf_token_file).expanduser().read_text().strip()
         result.append(Secret(config.hf_token_path, f"{token}\n", "600", "root"))
     if config.api_key_file:
         key = Path(config.api_key_file).expanduser().read_text().strip()
-        result.append(Secret(f"{config.config_dir}/secrets/engine.env", f"VLLM_API_KEY={key}\n",
-                             "640", config.engine_user))
+        result.append(Secret(config.front_key_path, f'set $sparkform_api_key "{key}";\n', "600", "root"))
     return result
+
+
+def unwanted(config: HostConfig) -> list[str]:
+    """Files that must not be on the host: the engines' old copy of the API key (before the
+    front), Debian's default nginx site, and the front's key once no key is configured."""
+    paths = [f"{config.config_dir}/secrets/engine.env", NGINX_DEFAULT_SITE]
+    return paths + ([] if config.api_key_file else [config.front_key_path])
+
+
+@operation()
+def removed(path: str, current: RemoteFile | None):
+    """
+    Remove a file (or a symlink, not what it points at).
+
+    + path: file on the host
+    + current: the host's copy from the SparkformHost fact, None when absent
+    """
+    if current is None:
+        host.noop(f"{path} is absent")
+        return
+    yield f"rm -f {shlex.quote(path)}"

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 
 from pyinfra import host
 from pyinfra.api import operation
 
 from facts.host import HostSnapshot
 from sparkform.hostrecord import record_dir
+from sparkform.render import FRONT_DROP_IN
 from sparkform.schema import HostConfig
 
 @dataclass(frozen=True)
@@ -27,8 +29,8 @@ def folders(config: HostConfig) -> list[Folder]:
         Folder(config.lib_dir, "755"),
         Folder(config.config_dir, "755"),
         Folder(f"{config.config_dir}/engines", "755"),
-        # Secrets: the engine user may read the API key file, no one else.
-        Folder(f"{config.config_dir}/secrets", "750", "root", engine_user),
+        # Secrets are root's: the front (nginx's master) reads the key, the deploy the HF token.
+        Folder(f"{config.config_dir}/secrets", "700"),
         Folder(config.state_dir, "755", engine_user, engine_user),
         Folder(f"{config.state_dir}/locks", "755", engine_user, engine_user),
         # The host record is root's: the engine user owns the state folder around it.
@@ -37,6 +39,7 @@ def folders(config: HostConfig) -> list[Folder]:
         # Checkpoints belong to root: an engine can read its weights, never change them.
         Folder(config.models_dir, "755"),
         Folder(config.cache_root, "755"),
+        Folder(str(PurePosixPath(FRONT_DROP_IN).parent), "755"),
     ]
     result += [Folder(config.engine_cache_dir(engine), "750", engine_user, engine_user)
                for engine in config.engines]

@@ -8,7 +8,10 @@ against tests/fixtures/model_configs); `problems_of` returns every Problem of in
 from __future__ import annotations
 
 import copy
+import os
+import secrets
 import socket
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,6 +54,17 @@ SEED_PAIR: dict[str, Any] = {
         },
     ],
 }
+
+
+def pytest_configure(config):
+    """inventory/spark.py serves the LAN and so names an API key file: give it one (0600) for
+    the session, unless the caller set one."""
+    if "SPARK_API_KEY_FILE" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="sparkform-test-key-")
+        path = Path(folder) / "spark-api-key"
+        path.write_text(f"{secrets.token_hex(32)}\n")
+        path.chmod(0o600)
+        os.environ["SPARK_API_KEY_FILE"] = str(path)
 
 
 @pytest.fixture

@@ -7,15 +7,22 @@ Everything is read from systemd, the journal and the endpoints, not from the too
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import socket
 import time
+import urllib.error
+import urllib.request
 
 from deploy_helpers import (SANDBOX_INVENTORY, both_serving_after_boot, changed_operations, checkpoint_dir,
-                            edited_inventory, journal_times, main_pids, pyinfra, ssh, verify)
+                            edited_inventory, journal_times, main_pids, pyinfra, ssh, unit_properties, verify)
 
-from sparkform.sandbox import host
+from sparkform.sandbox import host, stage
 from sparkform.sandbox.fakehub import FakeHub
+
+PORTS = {"nemotron": 8012, "q38": 8011}  # the front's, on the sandbox's LAN address
+INTERNAL_OFFSET = 10000
 
 
 
@@ -74,10 +81,130 @@ def test_broken_inventory_fails_before_connecting(box, tmp_path):
     assert "Connecting" not in result.stdout + result.stderr
 
 
+# --- the front: nothing runs the models without the key (from outside the host) ----------------
+
+# vLLM answers these without its own key check (REFERENCE §8); the front must not pass them.
+UNGUARDED = ("/invocations", "/generative_scoring", "/tokenize", "/detokenize", "/metrics", "/docs",
+             "/openapi.json", "/scale_elastic_ep", "/version", "/load", "/ping", "/v1/responses")
+OPENAI = ("/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+def api_key(box: host.Sandbox) -> str:
+    return stage.secret_file(box.runtime_dir, "api_key").read_text().strip()
+
+
+def call(box: host.Sandbox, engine: str, path: str, key: str | None = None, body: dict | None = None,
+         timeout: float = 60) -> tuple[int, bytes]:
+    """(status, body) of a request from this machine, outside the host, to the engine's port."""
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(f"http://{box.address}:{PORTS[engine]}{path}", headers=headers,
+                                     data=json.dumps(body).encode() if body is not None else None)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def chat(engine: str, **extra) -> dict:
+    return {"model": engine, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, **extra}
+
+
+def test_outside_the_host_nothing_answers_without_the_key(box):
+    key = api_key(box)
+    for engine in PORTS:
+        for path in UNGUARDED:
+            for body in (None, {"model": engine, "prompt": "hi", "query": "a", "items": ["b"], "label_token_ids": [1]}):
+                status, _ = call(box, engine, path, body=body)
+                assert status in (401, 404), (engine, path, body is not None, status)
+            assert call(box, engine, path, key=key)[0] == 404, (engine, path)  # the key opens no other route
+        for path in OPENAI:
+            body = chat(engine) if path.endswith("completions") else None
+            assert call(box, engine, path, body=body)[0] == 401, (engine, path)
+            assert call(box, engine, path, key=key + "x", body=body)[0] == 401, (engine, path)
+            assert call(box, engine, path, key=key.swapcase(), body=body)[0] == 401, (engine, path)
+        assert call(box, engine, "/v1/anything")[0] == 401
+        assert call(box, engine, "/health")[0] == 200
+        # The engine itself listens on loopback only.
+        with socket.socket() as sock:
+            sock.settimeout(5)
+            assert sock.connect_ex((box.address, PORTS[engine] + INTERNAL_OFFSET)) != 0
+        listeners = ssh(box, f"ss -Hltn 'sport = :{PORTS[engine] + INTERNAL_OFFSET}'").stdout.split()
+        assert f"127.0.0.1:{PORTS[engine] + INTERNAL_OFFSET}" in listeners and \
+            not [w for w in listeners if w.endswith(f":{PORTS[engine] + INTERNAL_OFFSET}") and
+                 not w.startswith("127.0.0.1:")], listeners
+
+
+def test_with_the_key_a_chat_and_a_streamed_chat_pass(box):
+    key = api_key(box)
+    for engine in PORTS:
+        status, body = call(box, engine, "/v1/chat/completions", key=key, body=chat(engine))
+        assert status == 200, body
+        assert json.loads(body)["choices"][0]["message"]["role"] == "assistant"
+    # Streamed: events come through the front as the engine makes them, not at the end.
+    request = urllib.request.Request(
+        f"http://{box.address}:{PORTS['nemotron']}/v1/chat/completions",
+        data=json.dumps(chat("nemotron", max_tokens=400, stream=True, ignore_eos=True)).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    arrivals = []
+    started = time.monotonic()
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for line in response:
+            if line.startswith(b"data: "):
+                arrivals.append((time.monotonic() - started, line.strip()))
+    assert arrivals[-1][1] == b"data: [DONE]"
+    assert len(arrivals) > 100, len(arrivals)
+    first, last = arrivals[0][0], arrivals[-1][0]
+    print(f"\nstreamed {len(arrivals)} events through the front: first after {first:.2f} s, last after {last:.2f} s")
+    assert first < last / 2, f"the first event came {first:.2f} s in, the last {last:.2f} s: buffered"
+
+
+def test_a_jit_path_through_the_internal_port_does_not_kill_the_engine(box):
+    """One /generative_scoring request compiles C++ with torch inductor (g++ and Python.h): it
+    killed the engine when the host had no compiler."""
+    before = unit_properties(box, "vllm-nemotron.service", "MainPID", "NRestarts")
+    body = json.dumps({"model": "nemotron", "query": "hello", "items": ["a", "b"], "label_token_ids": [1, 2]})
+    status = ssh(box, f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 300 -H 'Content-Type: application/json' "
+                      f"-d '{body}' http://127.0.0.1:{PORTS['nemotron'] + INTERNAL_OFFSET}/generative_scoring").stdout
+    assert status == "200", ssh(box, "journalctl -u vllm-nemotron -n 40 --no-pager -o cat").stdout
+    time.sleep(3)
+    assert unit_properties(box, "vllm-nemotron.service", "MainPID", "NRestarts") == before
+    assert call(box, "nemotron", "/v1/chat/completions", key=api_key(box), body=chat("nemotron"))[0] == 200
+
+
+def test_rotating_the_key_reloads_the_front_and_restarts_no_engine(box):
+    old = api_key(box)
+    new = f"sf-rotated-{time.monotonic_ns()}"
+    stage.secret_file(box.runtime_dir, "api_key").write_text(f"{new}\n")
+    engines_before = main_pids(box)
+    nginx_before = unit_properties(box, "nginx.service", "MainPID")
+    assert changed_operations(SANDBOX_INVENTORY) == ["Secret /etc/sparkform/secrets/front-api-key.conf",
+                                                    "Front (nginx) serving"]
+    result = pyinfra(SANDBOX_INVENTORY, "-y")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert main_pids(box) == engines_before
+    assert unit_properties(box, "nginx.service", "MainPID") == nginx_before  # a reload, not a restart
+    for engine in PORTS:
+        assert call(box, engine, "/v1/models", key=old)[0] == 401
+        assert call(box, engine, "/v1/models", key=new)[0] == 200
+    assert changed_operations(SANDBOX_INVENTORY) == []
+
+
+def test_metrics_answer_only_the_allowed_addresses(box, tmp_path):
+    before = main_pids(box)
+    allowed = edited_inventory(tmp_path, host_changes={"metrics_allow": [box.host_address]})
+    assert pyinfra(allowed, "-y").returncode == 0
+    status, body = call(box, "q38", "/metrics")
+    assert status == 200 and b"vllm:" in body
+    assert pyinfra(SANDBOX_INVENTORY, "-y").returncode == 0
+    assert call(box, "q38", "/metrics")[0] == 404
+    assert main_pids(box) == before
+
+
 def test_reboot_brings_both_back_second_after_first_is_ready(box):
     host.reboot(box.name)
     both_serving_after_boot(box)
-    (nemotron_ready,) = journal_times(box, r"sparkform-wait-ready: port 8012 serves")
+    (nemotron_ready,) = journal_times(box, r"sparkform-wait-ready: port 18012 serves")
     (q38_start,) = journal_times(box, r"sparkform-launch: starting q38")
     assert q38_start > nemotron_ready, "q38 started before nemotron was ready"
     print(f"\nafter the reboot q38 started {q38_start - nemotron_ready:.1f} s after nemotron was ready")

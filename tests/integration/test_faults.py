@@ -98,12 +98,12 @@ def test_hand_runs_while_q38_is_stopped(box):
     ssh(box, "systemctl stop vllm-q38")
     try:
         # Something else holds the port.
-        ssh(box, "setsid -f sudo -u nobody python3 -m http.server 8011 --bind 127.0.0.1 >/dev/null 2>&1")
-        wait_for(lambda: ssh(box, "curl -s -o /dev/null http://127.0.0.1:8011/", check=False).returncode == 0,
-                 30, "the squatter on port 8011", 0.2)
+        ssh(box, "setsid -f sudo -u nobody python3 -m http.server 18011 --bind 127.0.0.1 >/dev/null 2>&1")
+        wait_for(lambda: ssh(box, "curl -s -o /dev/null http://127.0.0.1:18011/", check=False).returncode == 0,
+                 30, "the squatter on port 18011", 0.2)
         result = hand_run(box, "q38")
-        assert result.returncode == 4 and "port 8011 already answers" in result.stderr, result.stderr
-        ssh(box, "pkill -f '[h]ttp.server 8011'")
+        assert result.returncode == 4 and "port 18011 already answers" in result.stderr, result.stderr
+        ssh(box, "pkill -f '[h]ttp.server 18011'")
 
         # An incomplete checkpoint.
         q38_checkpoint = checkpoint_dir(box, "q38")
@@ -128,7 +128,7 @@ def test_hand_runs_while_q38_is_stopped(box):
         # Alone, from a shell that says MAX_JOBS=20: the engine runs with the caps anyway.
         ssh(box, f"cd / && setsid -f sudo -u vllm env -i PATH=/usr/bin:/bin MAX_JOBS=20 {LAUNCH} q38 "
                  ">/tmp/q38-hand.log 2>&1")
-        wait_for(lambda: ssh(box, "curl -fs -o /dev/null http://127.0.0.1:8011/health", check=False).returncode == 0,
+        wait_for(lambda: ssh(box, "curl -fs -o /dev/null http://127.0.0.1:18011/health", check=False).returncode == 0,
                  ENGINE_START_S, "the hand-run q38 serving")
         pid = ssh(box, "cat /var/lib/sparkform/locks/q38.lock").stdout.strip()
         environ = ssh(box, f"tr '\\0' '\\n' < /proc/{pid}/environ").stdout.splitlines()
@@ -137,7 +137,7 @@ def test_hand_runs_while_q38_is_stopped(box):
         assert next(v for v in environ if v.startswith("PATH=")).startswith("PATH=/usr/local/cuda/bin:")
         ssh(box, f"kill {pid}; while kill -0 {pid} 2>/dev/null; do sleep 0.2; done")
     finally:
-        ssh(box, "pkill -f '[h]ttp.server 8011'; systemctl start vllm-q38", check=False)
+        ssh(box, "pkill -f '[h]ttp.server 18011'; systemctl start vllm-q38", check=False)
     assert serving(box, "vllm-q38.service")
     assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
 
@@ -162,11 +162,11 @@ def test_helper_gives_up_at_the_budget_on_a_stalled_engine(box):
     pid = main_pids(box)["vllm-nemotron.service"]
     ssh(box, f"kill -STOP {pid}")
     try:
-        rc, elapsed = timed_helper(box, "8012 5 nemotron", str(pid))
+        rc, elapsed = timed_helper(box, "18012 5 nemotron", str(pid))
     finally:
         ssh(box, f"kill -CONT {pid}")
     assert rc == 1 and 5 <= elapsed <= 7, (rc, elapsed)
-    wait_for(lambda: ssh(box, "curl -fs -o /dev/null http://127.0.0.1:8012/health", check=False).returncode == 0,
+    wait_for(lambda: ssh(box, "curl -fs -o /dev/null http://127.0.0.1:18012/health", check=False).returncode == 0,
              30, "nemotron answering again")
 
 
@@ -220,7 +220,7 @@ def test_engine_that_dies_at_every_start_stops_at_the_start_limit_and_the_deploy
         box, f"journalctl -u vllm-q38 --since @{since} --no-pager -o cat").stdout, 600, "q38 at its start limit")
     assert unit_properties(box, "vllm-q38.service", "ActiveState")["ActiveState"] == "failed"
     journal = ssh(box, f"journalctl -u vllm-q38 --since @{since} --no-pager -o short-unix").stdout
-    assert "port 8011 serves" not in journal
+    assert "port 18011 serves" not in journal
     deaths = [float(line.split()[0]) for line in journal.splitlines() if "Main process exited" in line]
     reports = [float(line.split()[0]) for line in journal.splitlines() if "engine main process" in line]
     assert len(deaths) == 3 and len(reports) == 3  # StartLimitBurst=3 starts, then no more
@@ -237,7 +237,7 @@ def test_unusable_checkpoint_fails_the_start_and_is_never_reported_active(box):
         assert ssh(box, "systemctl restart vllm-q38", check=False).returncode != 0
         assert unit_properties(box, "vllm-q38.service", "ActiveState")["ActiveState"] != "active"
         journal = ssh(box, f"journalctl -u vllm-q38 --since @{since} --no-pager -o cat").stdout
-        assert "port 8011 serves" not in journal
+        assert "port 18011 serves" not in journal
         assert re.search(r"engine main process \d+ died", journal), journal[-3000:]
     finally:
         ssh(box, f"cp /root/q38-config.json {q38_checkpoint}/config.json")
@@ -251,7 +251,7 @@ def test_nvcc_missing_from_the_units_path_is_refused_at_launch(box):
     since = ssh(box, "date +%s.%N").stdout.strip()
     assert ssh(box, "systemctl restart vllm-q38", check=False).returncode != 0
     journal = ssh(box, f"journalctl -u vllm-q38 --since @{since} --no-pager -o cat").stdout
-    assert "nvcc is not on PATH" in journal and "port 8011 serves" not in journal
+    assert "nvcc is not on PATH" in journal and "port 18011 serves" not in journal
     assert unit_properties(box, "vllm-q38.service", "ExecMainStatus")["ExecMainStatus"] == "6"
     converge_back(box)  # the deploy puts the rendered file back and restarts q38
 

@@ -97,7 +97,7 @@ def test_new_driver_rebuilds_caches_one_engine_at_a_time_and_a_failed_warm_start
     # An engine that failed its start keeps the engines target from being reached.
     assert ssh(box, "systemctl is-active sparkform-engines.target || true").stdout.strip() != "active"
     # Strictly one at a time: q38 started only after nemotron served.
-    (nemotron_ready,) = journal_times(box, r"sparkform-wait-ready: port 8012 serves", since=since)
+    (nemotron_ready,) = journal_times(box, r"sparkform-wait-ready: port 18012 serves", since=since)
     q38_starts = journal_times(box, r"sparkform-launch: starting q38", since=since)
     assert q38_starts and min(q38_starts) > nemotron_ready
     # nemotron made it: its caches are keyed anew and its old ones are gone; q38's stay aside.

@@ -53,6 +53,12 @@ EXPECTED = {
     "wrong_type_port": ("spark-test: engine fast: port = 'eighty'", "valid integer"),
     "wrong_type_utilization": ("spark-test: engine slow: gpu_memory_utilization = 'half'", "valid number"),
     "unknown_quantization": ("spark-test: engine slow: quantization = 'nvfp4-magic'", "Unknown quantization method"),
+    "open_lan_without_key": ("spark-test: listen_address = '0.0.0.0'", "open_lan_api_without_key: true"),
+    "listen_address_not_an_address": ("spark-test: listen_address = '0.0.0.0;\\n    return 200'", "not an IP address"),
+    "host_in_extra_args": ("spark-test: engine fast: extra_args = ['--host', '0.0.0.0']", "behind the front"),
+    "internal_port_on_a_public_port": ("spark-test: engine slow: internal_port_offset = 1", "is engine fast's port"),
+    "metrics_allow_not_a_network": ("spark-test: metrics_allow = ['monitoring.lan']", "not an address or a network"),
+    "api_key_breaks_the_front": ("spark-test: api_key_file = '/tmp/", "bearer token"),
     "api_key_in_extra_args": ("spark-test: engine slow: extra_args = ['--api-key', '***']", "api_key_file"),
     "missing_revision": ("spark-test: engine fast: checkpoint.revision = ", "required field is missing"),
     "max_num_seqs_over_mamba_blocks": ("spark-test: engine slow: max_num_seqs = 2048",
@@ -63,7 +69,7 @@ BROKEN_FILES = sorted(BROKEN.glob("*.py"))
 
 
 def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARK_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARK_") or k == "SPARK_API_KEY_FILE"}
     env.pop("PYTHONPATH", None)
     return env
 
@@ -251,6 +257,7 @@ def test_render_writes_every_file_with_its_mode(tmp_path):
         "etc/systemd/system/vllm-nemotron.service", "etc/sparkform/engines/nemotron.env",
         "etc/sparkform/engines/nemotron.args",
         "etc/systemd/system/vllm-q38.service", "etc/sparkform/engines/q38.env", "etc/sparkform/engines/q38.args",
+        "etc/nginx/conf.d/sparkform.conf", "etc/systemd/system/nginx.service.d/sparkform-hardening.conf",
     ])
     assert result.stdout.splitlines() == [str(root / "usr/local/lib/sparkform/sparkform-launch"),
                                           *result.stdout.splitlines()[1:]]

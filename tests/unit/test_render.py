@@ -161,8 +161,10 @@ def test_rendered_file_list_and_modes(seed_files):
         "/etc/systemd/system/vllm-q38.service": ("644", "q38"),
         "/etc/sparkform/engines/q38.env": ("644", "q38"),
         "/etc/sparkform/engines/q38.args": ("644", "q38"),
+        "/etc/nginx/conf.d/sparkform.conf": ("644", None),
+        "/etc/systemd/system/nginx.service.d/sparkform-hardening.conf": ("644", None),
     }
-    assert [f.is_unit for f in seed_files.values()].count(True) == 3
+    assert [f.is_unit for f in seed_files.values()].count(True) == 4  # with the nginx drop-in
 
 
 # --- systemd-analyze verify ------------------------------------------------------------------------
@@ -216,7 +218,7 @@ def verify(root: Path, system_units: Path, files: list[RenderedFile],
     """systemd-analyze verify of the unit files among `files` and of the units named in `also`."""
     shutil.copytree(system_units, root / "usr/lib/systemd/system", symlinks=True)
     write_tree(root, files)
-    units = [Path(f.path).name for f in files if f.is_unit] + list(also)
+    units = [Path(f.path).name for f in files if f.is_unit and f.path.endswith((".service", ".target"))] + list(also)
     return subprocess.run(["systemd-analyze", "verify", f"--root={root}", *units],
                           capture_output=True, text=True, timeout=120)
 
@@ -228,7 +230,8 @@ def test_units_pass_systemd_analyze_verify_with_nothing_on_stderr(which, monkeyp
     result = verify(tmp_path / "root", system_units, files)
     assert result.returncode == 0, result.stderr
     assert result.stderr == "", result.stderr
-    assert len([f for f in files if f.is_unit]) == len(config.engines) + 1  # and the engines target
+    # The engines, their target and nginx's drop-in.
+    assert len([f for f in files if f.is_unit]) == len(config.engines) + 2
 
 
 def test_engines_target_requires_and_follows_every_enabled_engine_only():
@@ -324,7 +327,7 @@ def test_unit_restart_start_limits_and_timeouts(seed_files, name):
     assert unit_value(unit, "Unit", "StartLimitIntervalSec") == "3600"
     assert unit_value(unit, "Service", "TimeoutStartSec") == "1200"
     post = unit_value(unit, "Service", "ExecStartPost").split()
-    port = {"nemotron": "8012", "q38": "8011"}[name]
+    port = {"nemotron": "18012", "q38": "18011"}[name]  # the engine itself, behind the front
     names = {"nemotron": ["nemotron"], "q38": ["q38", "vision"]}[name]
     assert post == ["/usr/local/lib/sparkform/sparkform-wait-ready", port, "1080", *names]
     assert int(unit_value(unit, "Service", "TimeoutStartSec")) > int(post[2])
@@ -377,7 +380,7 @@ def test_variant_unit_values(tmp_path):
     assert unit_value(embed, "Service", "User") == "sparkvllm"
     eyes = parse_unit(files["/etc/systemd/system/vllm-eyes.service"].content)
     assert unit_value(eyes, "Service", "ExecStartPost") == \
-        "/srv/sparkform/lib/sparkform-wait-ready 9011 600 eyes vision eyes-alias"
+        "/srv/sparkform/lib/sparkform-wait-ready 19011 600 eyes vision eyes-alias"
     assert unit_value(eyes, "Service", "TimeoutStartSec") == "700"
     # The disabled engine still gets its files (the deploy stops and disables its unit).
     assert "/etc/systemd/system/vllm-retired.service" in files
@@ -406,8 +409,10 @@ def test_q38_args(seed_files):
     assert flag(args, "--tool-call-parser") == ["qwen3_xml"]
     assert "--enable-auto-tool-choice" in args
     assert "--reasoning-parser" not in args
-    assert flag(args, "--port") == ["8011"]
-    assert flag(args, "--host") == ["0.0.0.0"]
+    # The engine binds loopback on its internal port; the front serves 8011 to the LAN.
+    assert flag(args, "--port") == ["18011"]
+    assert flag(args, "--host") == ["127.0.0.1"]
+    assert "--disable-fastapi-docs" in args
     assert flag(args, "--max-model-len") == ["262144"]
     assert flag(args, "--max-num-seqs") == ["128"]
     assert flag(args, "--gpu-memory-utilization") == ["0.45"]
@@ -463,14 +468,16 @@ def test_env_file_matches_the_unit_and_sources_cleanly(seed_files, name, tmp_pat
     engine = next(e for e in config.engines if e.name == name)
     assert env["SPARKFORM_ENGINE"] == name
     assert env["SPARKFORM_UNIT"] == f"vllm-{name}.service"
-    assert env["SPARKFORM_PORT"] == str(engine.port)
+    assert env["SPARKFORM_PORT"] == str(engine.port + 10000)
+    assert env["SPARKFORM_FRONT_PORT"] == str(engine.port)
     assert env["SPARKFORM_DEVICE"] == "cuda"
     assert env["SPARKFORM_PYTHON"] == "/opt/sparkform/venvs/vllm-0.27.1/bin/python"
     assert env["SPARKFORM_CHECKPOINT"] == config.checkpoint_dir(engine)
     # util x 121 GiB + the 2 GiB margin, in KiB.
     expected_kib = int((engine.gpu_memory_utilization * 121 + 2) * 2**20)
     assert int(env["SPARKFORM_MIN_AVAILABLE_KIB"]) == min_available_kib(config, engine) == expected_kib
-    assert set(env) == set(unit_env) | {"SPARKFORM_ENGINE", "SPARKFORM_UNIT", "SPARKFORM_PORT", "SPARKFORM_DEVICE",
+    assert set(env) == set(unit_env) | {"SPARKFORM_ENGINE", "SPARKFORM_UNIT", "SPARKFORM_PORT", "SPARKFORM_FRONT_PORT",
+                                        "SPARKFORM_DEVICE",
                                         "SPARKFORM_PYTHON", "SPARKFORM_CHECKPOINT", "SPARKFORM_MIN_AVAILABLE_KIB"}
 
 
@@ -505,7 +512,7 @@ def test_no_secret_in_any_rendered_file(seed_data, tmp_path):
         os.chmod(tmp_path / name, 0o600)
     seed_data.update(hf_token_file=str(tmp_path / "hf"), api_key_file=str(tmp_path / "key"))
     files = render_host(load_host("spark", seed_data).config)
-    assert len(files) == 12
+    assert len(files) == 14
     for file in files:
         assert token not in file.content and key not in file.content, file.path
         assert "SECRET" not in file.content, file.path
@@ -557,6 +564,10 @@ class Box:
     def engine(self, name: str):
         return next(e for e in self.config.engines if e.name == name)
 
+    def internal_port(self, name: str) -> int:
+        """Where the engine itself listens (and the launch script and the helper look)."""
+        return self.config.internal_port(self.engine(name))
+
     def checkpoint(self, name: str) -> Path:
         return Path(self.config.checkpoint_dir(self.engine(name)))
 
@@ -586,11 +597,16 @@ class Box:
         return result, time.monotonic() - start
 
 
+INTERNAL_OFFSET = 10000  # free ports are ephemeral ones (above 32767), so the front's stay above 1023
+
+
 @pytest.fixture
 def make_box(tmp_path, free_port):
     def _make(device: str = "cpu", cuda_home: str | None = None, kv_bytes: int = 256 * 2**20,
               ports: tuple[int, int] | None = None) -> Box:
         root = tmp_path
+        # Free ports for the engines themselves (their internal ports, where the launch script
+        # and the helper look); the front's ports lie INTERNAL_OFFSET below.
         port_a, port_b = ports or (free_port(), free_port())
         while port_b == port_a:
             port_b = free_port()
@@ -602,11 +618,12 @@ def make_box(tmp_path, free_port):
             "models_dir": str(root / "models"), "cache_root": str(root / "cache"),
             "venv_root": str(root / "venvs"), "cuda_home": cuda_home or str(root / "no-cuda"),
             "listen_address": "127.0.0.1",
+            "internal_port_offset": INTERNAL_OFFSET,
             "memory_available_margin_gib": 0.0,
             "engines": [
-                {"name": "a", "port": port_a, "checkpoint": {"repo": "org/model-a", "revision": "aaaa"},
+                {"name": "a", "port": port_a - INTERNAL_OFFSET, "checkpoint": {"repo": "org/model-a", "revision": "aaaa"},
                  "served_names": ["a", "a-alias"], "kv_cache_memory_bytes": kv_bytes, "max_model_len": 2048},
-                {"name": "b", "port": port_b, "checkpoint": {"repo": "org/model-b", "revision": "bbbb"},
+                {"name": "b", "port": port_b - INTERNAL_OFFSET, "checkpoint": {"repo": "org/model-b", "revision": "bbbb"},
                  "after": ["a"], "kv_cache_memory_bytes": 256 * 2**20, "max_model_len": 2048},
             ],
         }
@@ -846,16 +863,15 @@ def test_wait_ready_usage(make_box, args):
     assert elapsed < 2
 
 
-def test_wait_ready_sends_the_api_key_from_the_secrets_file(make_box, servers):
+def test_wait_ready_asks_the_engine_itself_without_a_key(make_box, servers):
+    # The helper polls the engine's internal port on loopback, where no key is asked for: the
+    # engines never hold the key (the front checks it), so the helper has none to send.
     box = make_box()
-    secrets = Path(box.config.config_dir) / "secrets" / "engine.env"
-    secrets.parent.mkdir()
-    secrets.write_text("VLLM_API_KEY=sk-test-key-42\n")
     engine = servers(names=("a",))
     result, _ = box.run_wait_ready(str(engine.port), "10", "a")
     assert result.returncode == 0, result.stderr
-    v1 = [r for r in engine.requests if r["path"].startswith("/v1/")]
-    assert v1 and all(r["headers"].get("Authorization") == "Bearer sk-test-key-42" for r in v1)
+    assert [r for r in engine.requests if r["path"] == "/v1/completions"]
+    assert not any("Authorization" in r["headers"] for r in engine.requests)
 
 
 # launch ----------------------------------------------------------------------------------------------------
@@ -865,7 +881,9 @@ def test_launch_execs_the_engine_with_the_caps_whatever_the_callers_env(make_box
     box.complete("a")
     result = box.run_launch("a")
     assert result.returncode == 0, result.stderr
-    assert "sparkform-launch: starting a on port" in result.stderr and "(MAX_JOBS=4)" in result.stderr
+    engine = box.engine("a")
+    assert (f"sparkform-launch: starting a on 127.0.0.1:{engine.port + INTERNAL_OFFSET}, behind the front's "
+            f"port {engine.port}") in result.stderr and "(MAX_JOBS=4)" in result.stderr
     env, args = box.recorded("a")
     for key, value in CAPS.items():
         assert env[key] == value, key  # the caller had MAX_JOBS=20 etc.
@@ -884,18 +902,6 @@ def test_launch_passes_the_engines_exit_code_through(make_box):
     box = make_box()
     box.complete("a")
     assert box.run_launch("a", STUB_EXIT="17").returncode == 17
-
-
-def test_launch_hands_the_api_key_through_the_environment_not_argv(make_box):
-    box = make_box()
-    box.complete("a")
-    secrets = Path(box.config.config_dir) / "secrets" / "engine.env"
-    secrets.parent.mkdir()
-    secrets.write_text("VLLM_API_KEY=sk-test-key-42\n")
-    assert box.run_launch("a").returncode == 0
-    env, args = box.recorded("a")
-    assert env["VLLM_API_KEY"] == "sk-test-key-42"
-    assert not any("sk-test-key-42" in arg for arg in args)
 
 
 @pytest.mark.parametrize("args", [[], ["nosuch"], ["../a"]])
@@ -967,11 +973,11 @@ def test_launch_refuses_a_port_that_already_answers(make_box):
     box = make_box()
     box.complete("a")
     with socket.socket() as listener:
-        listener.bind(("127.0.0.1", box.engine("a").port))
+        listener.bind(("127.0.0.1", box.internal_port("a")))
         listener.listen(1)
         result = box.run_launch("a")
     assert result.returncode == 4
-    assert f"port {box.engine('a').port} already answers" in result.stderr
+    assert f"port {box.internal_port('a')} already answers" in result.stderr
     assert not (box.record / "a.done").exists()
 
 
@@ -992,7 +998,7 @@ def test_launch_refuses_while_another_engine_starts(make_box):
 def test_launch_goes_ahead_when_the_other_engine_serves(make_box, servers):
     box = make_box()
     box.complete("a")
-    servers(port=box.engine("b").port, names=("b",))
+    servers(port=box.internal_port("b"), names=("b",))
     with hold_lock(box.lock_dir / "b.lock"):
         result = box.run_launch("a")
     assert result.returncode == 0, result.stderr

@@ -168,6 +168,16 @@ INVALID = [
      ["api_key_file"]),
     ("newline-in-extra-args", at("q38", extra_args=["--max-num-batched-tokens 8192\n--x"]), "extra_args", "q38",
      ["newline"]),
+    # The front: the LAN without a key, addresses, ports sparkform owns.
+    ("lan-without-a-key", host(listen_address="192.168.1.20"), "listen_address", None,
+     ["without an API key", "anyone who reaches the box"]),
+    ("wildcard-without-a-key", host(listen_address="::"), "listen_address", None, ["without an API key"]),
+    ("listen-address-a-name", host(listen_address="spark.local"), "listen_address", None, ["not an IP address"]),
+    ("port-in-extra-args", at("q38", extra_args=["--port", "9000"]), "extra_args", "q38", ["listen_address and port"]),
+    ("host-equals-in-extra-args", at("q38", extra_args=["--host=0.0.0.0"]), "extra_args", "q38", ["behind the front"]),
+    ("internal-port-past-65535", host(internal_port_offset=60000), "internal_port_offset", "q38",
+     ["8011 + 60000 = 68011 is past 65535"]),
+    ("metrics-allow-a-name", host(metrics_allow=["prometheus.lan"]), "metrics_allow", None, ["not an address"]),
 ]
 
 
@@ -221,6 +231,11 @@ VALID = [
     ("every-known-quantization", at("q38", quantization=sorted(KNOWN_QUANTIZATIONS)[0])),
     ("fp8-kv-cache", at("q38", kv_cache_dtype="fp8")),
     ("other-extra-args", at("q38", extra_args=["--max-num-batched-tokens", "8192", "--api-server-count=1"])),
+    ("loopback-without-a-key", host(listen_address="127.0.0.1")),
+    ("ipv6-loopback-without-a-key", host(listen_address="::1")),
+    ("open-lan-on-purpose", host(listen_address="0.0.0.0", open_lan_api_without_key=True)),
+    ("metrics-to-a-host-and-a-network", host(metrics_allow=["192.168.1.5", "10.0.0.0/8", "fd00::/8"])),
+    ("hostname-flag-is-not-host", at("q38", extra_args=["--hostname-override", "x"])),
     ("pyinfra-connector-keys", host(ssh_user="root", ssh_port=22, ssh_key="~/.ssh/id_ed25519",
                                     ssh_hostname="spark.local", ssh_strict_host_key_checking="accept-new",
                                     _sudo=True, _sudo_user="vllm", sudo=True, _sparkform_base_dir="/x",
@@ -471,3 +486,29 @@ def test_refused_api_key_is_not_echoed(seed_data, problems_of, args):
     assert "SECRET" not in str(problem)
     assert "--port-offset" in str(problem)  # the rest of the value still shows
     assert problem.value in (["--port-offset", "1", "--api-key", "***"], ["--api-key=***", "--port-offset", "1"])
+
+
+def test_the_lan_with_a_key_is_accepted_and_the_key_must_be_a_bearer_token(seed_data, make_host, problems_of,
+                                                                            tmp_path):
+    key = tmp_path / "api-key"
+    key.write_text("0123456789abcdef0123456789abcdef\n")
+    key.chmod(0o600)
+    seed_data.update(listen_address="192.168.1.20",
+                     api_key_file=str(key))
+    config = make_host(seed_data).config
+    assert config.serves_lan and config.front_local_address == "192.168.1.20"
+    for bad in ('a" ; allow all; #0123456789', "short", "two words here 0123456789", "k$ey{0123456789abcdef}"):
+        key.write_text(bad + "\n")
+        (problem,) = problems_for("api_key_file", problems_of(seed_data, name="spark-test"))
+        assert "bearer token" in problem.message and bad not in str(problem)
+
+
+def test_the_front_is_reached_on_loopback_when_it_listens_everywhere(seed_data, make_host):
+    seed_data.update(listen_address="0.0.0.0", open_lan_api_without_key=True)
+    config = make_host(seed_data).config
+    assert config.front_local_address == "127.0.0.1" and config.serves_lan
+    assert [config.internal_port(e) for e in config.engines] == [18012, 18011]
+    seed_data.update(listen_address="::")
+    assert make_host(seed_data).config.front_local_address == "::1"
+    seed_data.update(listen_address="127.0.0.1", open_lan_api_without_key=False)
+    assert not make_host(seed_data).config.serves_lan

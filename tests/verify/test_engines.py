@@ -24,13 +24,21 @@ def _seconds(systemd_timespan: str) -> float:
     return total
 
 
-def _curl(remote, config, path: str, data: dict | None = None) -> str:
-    """Ask the engine from the host itself; the API key (if any) is read from its file there."""
-    key = f"{config.config_dir}/secrets/engine.env"
+# The key as the front's snippet holds it: set $sparkform_api_key "KEY";
+KEY_FROM_SNIPPET = r's/^set [$]sparkform_api_key "\(.*\)";$/\1/p'
+
+
+def _curl(remote, config, engine, path: str, data: dict | None = None, key: bool = True,
+          status_only: bool = False) -> str:
+    """Ask the engine through the front, from the host itself, as a client would; the API key
+    (if any) is read from the front's snippet there and handed to curl on a pipe, never in argv."""
     body = f"-H 'Content-Type: application/json' -d '{json.dumps(data)}'" if data else ""
-    script = (f"[ -r {key} ] && . {key}; curl -fsS --max-time 30 "
-              f"--config <(printf 'header = \"Authorization: Bearer %s\"\\n' \"${{VLLM_API_KEY:-}}\") "
-              f"{body} http://127.0.0.1:{path}")
+    header = (f"--config <(printf 'header = \"Authorization: Bearer %s\"\\n' "
+              f"\"$(sed -n '{KEY_FROM_SNIPPET}' {config.front_key_path} 2>/dev/null)\")" if key else "")
+    address = config.front_local_address
+    url = f"http://{'[' + address + ']' if ':' in address else address}:{engine.port}{path}"
+    output = "-s -o /dev/null -w '%{http_code}'" if status_only else "-fsS"
+    script = f"curl {output} --max-time 30 {header} {body} {url}"
     return remote.check_output("bash -c %s", script)
 
 
@@ -57,7 +65,7 @@ def test_memory_ceilings(remote, engine, config):
 def test_start_timeout_above_readiness_budget(remote, engine, config):
     props = remote.service(engine.unit).systemd_properties
     assert _seconds(props["TimeoutStartUSec"]) > config.readiness_budget_s
-    assert f"sparkform-wait-ready {engine.port} {config.readiness_budget_s}" in props["ExecStartPost"]
+    assert f"sparkform-wait-ready {config.internal_port(engine)} {config.readiness_budget_s}" in props["ExecStartPost"]
 
 
 def test_caps_path_and_cuda_in_unit_environment(remote, engine, config):
@@ -112,18 +120,18 @@ def test_scripts_installed_with_mode_and_owner(remote, config):
 
 
 def test_models_lists_every_served_name(remote, engine, config):
-    models = json.loads(_curl(remote, config, f"{engine.port}/v1/models"))
+    models = json.loads(_curl(remote, config, engine, "/v1/models"))
     assert {entry["id"] for entry in models["data"]} >= set(engine.names)
 
 
 def test_one_token_completion(remote, engine, config):
-    answer = json.loads(_curl(remote, config, f"{engine.port}/v1/completions",
+    answer = json.loads(_curl(remote, config, engine, "/v1/completions",
                               {"model": engine.names[0], "prompt": "hello", "max_tokens": 1}))
     assert answer["usage"]["completion_tokens"] == 1
 
 
 def test_chat_completion(remote, engine, config):
-    answer = json.loads(_curl(remote, config, f"{engine.port}/v1/chat/completions",
+    answer = json.loads(_curl(remote, config, engine, "/v1/chat/completions",
                               {"model": engine.names[-1], "max_tokens": 4,
                                "messages": [{"role": "user", "content": "hello"}]}))
     assert answer["choices"][0]["message"]["role"] == "assistant"
@@ -131,11 +139,40 @@ def test_chat_completion(remote, engine, config):
 
 
 def test_api_key_guards_the_api(remote, engine, config):
-    """With an API key configured, /v1 refuses a request without it (401)."""
-    if not remote.file(f"{config.config_dir}/secrets/engine.env").exists:
+    """With an API key configured, the front refuses /v1 without it (401)."""
+    if config.api_key_file is None:
         pytest.skip("no api_key_file in the inventory")
-    status = remote.check_output(f"curl -s -o /dev/null -w '%{{http_code}}' http://127.0.0.1:{engine.port}/v1/models")
-    assert status == "401"
+    assert _curl(remote, config, engine, "/v1/models", key=False, status_only=True) == "401"
+
+
+# Routes vLLM serves that the front must not pass (REFERENCE: vLLM's key check guards /v1 only).
+NOT_PASSED = ("/invocations", "/generative_scoring", "/tokenize", "/detokenize", "/metrics", "/docs",
+              "/openapi.json", "/scale_elastic_ep", "/version", "/load", "/ping")
+
+
+def test_front_passes_only_the_openai_routes(remote, engine, config):
+    for path in NOT_PASSED:
+        if path == "/metrics" and config.metrics_allow:
+            continue  # answered to the allowed addresses
+        assert _curl(remote, config, engine, path, status_only=True) == "404", path
+    assert _curl(remote, config, engine, "/health", key=False, status_only=True) == "200"
+
+
+def test_engine_listens_on_loopback_only(remote, engine, config):
+    listeners = remote.check_output(f"ss -Hltn 'sport = :{config.internal_port(engine)}'").split()
+    local = [word for word in listeners if word.endswith(f":{config.internal_port(engine)}")]
+    assert local == [f"127.0.0.1:{config.internal_port(engine)}"], listeners
+    assert "--disable-fastapi-docs" in remote.file(config.settings_files(engine.name)[1]).content_string
+
+
+def test_front_enabled_active_and_its_key_root_only(remote, config):
+    nginx = remote.service("nginx.service")
+    assert nginx.is_enabled and nginx.is_running
+    assert remote.run("nginx -t -q").rc == 0
+    if config.api_key_file:
+        snippet = remote.file(config.front_key_path)
+        assert (snippet.user, snippet.group, snippet.mode) == ("root", "root", 0o600)
+    assert not remote.file(f"{config.config_dir}/secrets/engine.env").exists  # the engines hold no key
 
 
 def test_kv_pool_read_back(remote, engine):
@@ -181,7 +218,7 @@ def test_checkpoint_files_hash_as_verified(remote, engine, config, request):
 
 
 def test_no_secret_in_a_world_readable_file(remote, config):
-    secret_files = [f"{config.config_dir}/secrets/{name}" for name in ("hf_token", "engine.env")]
+    secret_files = [config.hf_token_path, config.front_key_path]
     for path in secret_files:
         file = remote.file(path)
         if file.exists:
@@ -189,7 +226,7 @@ def test_no_secret_in_a_world_readable_file(remote, config):
             # Search with the secret as a pattern file, so it never appears in an argv.
             pattern = "/tmp/sparkform-verify-pattern"
             leaks = remote.run(
-                f"umask 077; sed -n 's/^VLLM_API_KEY=//p; /=/!p' {path} > {pattern}; "
+                f"umask 077; sed -n '{KEY_FROM_SNIPPET}; /^set /!p' {path} > {pattern}; "
                 f"grep -rlF -f {pattern} /etc /usr/local/lib /var/lib/sparkform /opt/sparkform "
                 f"/run/systemd 2>/dev/null | while read -r f; do "
                 f"[ $(( 0$(stat -c %a \"$f\") & 4 )) -ne 0 ] && echo \"$f\"; done; "

@@ -1,0 +1,52 @@
+"""The front: Debian's nginx in front of the engines, started, or reloaded when its config changed."""
+
+from __future__ import annotations
+
+import shlex
+
+from pyinfra import host
+from pyinfra.api import operation
+
+from sparkform.parsers import EngineState
+
+# A reload that cannot bind a port keeps the old configuration and still exits 0 (nginx only
+# logs it), so every run that touches the front checks the ports afterwards, for 5 s at most.
+LISTEN_CHECKS = 50
+LISTEN_CHECK_PAUSE_S = 0.1
+
+
+def _listening(ports: list[int]) -> str:
+    """A shell test that something listens on every port."""
+    return " && ".join(f"ss -Hltn {shlex.quote(f'sport = :{port}')} | grep -q ." for port in ports)
+
+
+@operation()
+def front_serving(address: str, ports: list[int], current: EngineState | None, config_changed: bool,
+                  unit_changed: bool):
+    """
+    Enable and start nginx, restart it when its unit drop-in changed, or reload it when its
+    configuration (or the API key it includes) changed; `nginx -t` first, every time, so a bad
+    configuration never replaces a working one. Then every port must listen.
+
+    + address: the listen address of the front (the inventory's listen_address)
+    + ports: the engines' ports the front listens on
+    + current: nginx.service's state from the SparkformHost fact (None before nginx is installed)
+    + config_changed: the front's configuration or key changes in this run
+    + unit_changed: the hardening drop-in changes in this run (daemon-reload ran before)
+    """
+    if current is None or current.unit_file_state != "enabled":
+        yield "systemctl enable nginx.service"
+    if current is None or current.active_state != "active" or unit_changed:
+        verb = "restart"
+    elif config_changed:
+        verb = "reload"
+    else:
+        if current.unit_file_state == "enabled":
+            host.noop("nginx is enabled, active and up to date")
+        return
+    yield f"nginx -t -q && systemctl {verb} nginx.service"
+    if ports:
+        check = _listening(ports)
+        yield (f"for _ in $(seq {LISTEN_CHECKS}); do {{ {check} ; }} && exit 0; sleep {LISTEN_CHECK_PAUSE_S}; done; "
+               f"echo 'sparkform: nginx does not listen on every engine port ({address}: "
+               f"{' '.join(map(str, ports))}); see: journalctl -u nginx.service, /var/log/nginx/error.log' >&2; exit 1")

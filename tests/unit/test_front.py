@@ -1,0 +1,304 @@
+"""The front, rendered and run for real: Debian's nginx with the rendered config, in front of stub
+engines on loopback. What passes, what the key guards, what the engine sees, streaming, limits.
+(The sandbox tests the same front in front of real vLLM engines: tests/integration/test_converge.py.)
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from sparkform.render import FRONT_CONFIG, FRONT_DROP_IN, FRONT_ROUTES, render_host
+from sparkform.schema import HostConfig
+from sparkform.validate import load_host
+from tasks.files import secrets
+
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+OFFSET = 10000  # stub engines take ephemeral ports (above 32767): the front's stay above 1023
+KEY = "sf-test-key-0123456789abcdef"
+STREAM_PAUSE_S = 1.0
+
+
+class StubEngine:
+    """Answers every path with what it received; /v1/chat/completions with `"stream": true`
+    sends one event, pauses, then the rest (so buffering shows)."""
+
+    def __init__(self):
+        self.requests: list[dict] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _handle(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+                outer.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+                if self.path == "/v1/chat/completions" and body and json.loads(body).get("stream"):
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    for index, event in enumerate((b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n")):
+                        if index == 1:
+                            time.sleep(STREAM_PAUSE_S)
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                        self.wfile.flush()
+                    self.wfile.write(b"0\r\n\r\n")
+                    return
+                data = json.dumps({"path": self.path}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def paths(self) -> list[str]:
+        return [request["path"] for request in self.requests]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def front_config(tmp_path: Path, engines: list[StubEngine], **host: object) -> HostConfig:
+    key_file = tmp_path / "api-key"
+    key_file.write_text(f"{KEY}\n")
+    key_file.chmod(0o600)
+    data = {
+        "device": "cpu", "config_dir": str(tmp_path / "etc"), "listen_address": "127.0.0.1",
+        "internal_port_offset": OFFSET, "api_key_file": str(key_file),
+        "engines": [{"name": name, "port": stub.port - OFFSET, "kv_cache_memory_bytes": 2**28,
+                     "max_model_len": 4096, "checkpoint": {"repo": f"org/{name}", "revision": "main"}}
+                    for name, stub in zip(("hands", "eyes"), engines)],
+    } | host
+    return load_host("front-test", data, tmp_path).config
+
+
+class Front:
+    """nginx run as Debian runs it (master as root), with the rendered front as its only site."""
+
+    def __init__(self, root: Path, config: HostConfig):
+        self.root = root
+        front = next(f for f in render_host(config) if f.path == FRONT_CONFIG)
+        (root / "sparkform.conf").write_text(front.content)
+        for secret in secrets(config):
+            Path(secret.path).parent.mkdir(parents=True, exist_ok=True)
+            Path(secret.path).write_text(secret.content)
+        # Workers as this user: they buffer request bodies under `root`.
+        (root / "nginx.conf").write_text(
+            f"user {getpass.getuser()};\npid {root}/nginx.pid;\nerror_log {root}/error.log;\nevents {{}}\n"
+            f"http {{\n    access_log off;\n    client_body_temp_path {root}/body;\n"
+            f"    proxy_temp_path {root}/proxy;\n    include {root}/sparkform.conf;\n}}\n")
+        self.process: subprocess.Popen | None = None
+
+    def nginx(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([NGINX, "-p", str(self.root), "-c", str(self.root / "nginx.conf"), *args],
+                              capture_output=True, text=True, timeout=30)
+
+    def start(self, ports: list[int]) -> None:
+        self.process = subprocess.Popen([NGINX, "-p", str(self.root), "-c", str(self.root / "nginx.conf"),
+                                         "-g", "daemon off;"], stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if all(self.status(port, "/health")[0] != 0 for port in ports):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"nginx did not listen: {(self.root / 'error.log').read_text()}")
+
+    def status(self, port: int, path: str, key: str | None = None, body: bytes | None = None) -> tuple[int, bytes, dict]:
+        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, response.read(), dict(response.headers)
+        except urllib.error.HTTPError as err:
+            return err.code, err.read(), dict(err.headers)
+        except (ConnectionError, urllib.error.URLError):
+            return 0, b"", {}
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+
+
+@pytest.fixture
+def stubs():
+    started = [StubEngine(), StubEngine()]
+    yield started
+    for stub in started:
+        stub.close()
+
+
+@pytest.fixture
+def front(tmp_path):
+    if not os.path.exists(NGINX):
+        pytest.skip("nginx is not installed (make test installs it)")
+    running: list[Front] = []
+
+    def _front(config: HostConfig) -> Front:
+        root = tmp_path / f"nginx-{len(running)}"
+        root.mkdir()
+        running.append(Front(root, config))
+        return running[-1]
+
+    yield _front
+    for item in running:
+        item.stop()
+
+
+@pytest.mark.parametrize("host", [{}, {"api_key_file": None}, {"metrics_allow": ["10.0.0.0/8", "::1"]},
+                                  {"listen_address": "::1"}, {"listen_address": "::", "api_key_file": None,
+                                                              "open_lan_api_without_key": True}],
+                         ids=["key", "no-key", "metrics", "ipv6", "open-lan"])
+def test_rendered_front_passes_nginx_t(host, tmp_path, stubs, front):
+    result = front(front_config(tmp_path, stubs, **host)).nginx("-t")
+    assert result.returncode == 0, result.stderr
+
+
+def test_nginx_t_catches_a_broken_front(tmp_path, stubs, front):
+    # The check itself must be able to fail: a location whose brace was lost.
+    server = front(front_config(tmp_path, stubs))
+    conf = server.root / "sparkform.conf"
+    conf.write_text(conf.read_text().replace("location = /health {", "location = /health", 1))
+    assert server.nginx("-t").returncode != 0
+
+
+def test_only_the_openai_routes_pass_and_only_with_the_key(tmp_path, stubs, front):
+    hands, eyes = stubs
+    config = front_config(tmp_path, stubs)
+    server = front(config)
+    server.start([e.port for e in config.engines])
+    port = config.engines[0].port
+    for path in ("/invocations", "/generative_scoring", "/tokenize", "/metrics", "/docs", "/openapi.json",
+                 "/scale_elastic_ep", "/version", "/v1/../tokenize", "/health/../tokenize"):
+        assert server.status(port, path, key=KEY, body=b"{}")[0] == 404, path
+    for path in FRONT_ROUTES:
+        status, body, headers = server.status(port, path, body=b"{}")
+        assert status == 401 and headers.get("WWW-Authenticate") == "Bearer", path
+        assert "API key" in json.loads(body)["error"]["message"]
+        assert server.status(port, path, key=KEY.upper(), body=b"{}")[0] == 401
+        assert server.status(port, path, key=KEY[:-1], body=b"{}")[0] == 401
+    assert server.status(port, "/v1/embeddings", body=b"{}")[0] == 401  # any /v1 path: the key first
+    assert server.status(port, "/v1/embeddings", key=KEY, body=b"{}")[0] == 404
+    assert hands.paths() == ["/health"]  # nothing else reached the engine
+    for path in FRONT_ROUTES:
+        status, body, _ = server.status(port, path, key=KEY, body=b"{}")
+        assert status == 200 and json.loads(body)["path"] == path
+    assert all("Authorization" not in r["headers"] for r in hands.requests)  # the engine never sees the key
+    # Each port fronts its own engine.
+    assert server.status(config.engines[1].port, "/v1/models", key=KEY)[0] == 200
+    assert eyes.paths()[-1] == "/v1/models" and hands.paths().count("/v1/models") == 1
+
+
+def test_streamed_events_pass_as_they_come(tmp_path, stubs, front):
+    config = front_config(tmp_path, stubs)
+    server = front(config)
+    server.start([e.port for e in config.engines])
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{config.engines[0].port}/v1/chat/completions",
+        data=b'{"stream": true}', headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    started = time.monotonic()
+    arrivals = []
+    with urllib.request.urlopen(request, timeout=10) as response:
+        for line in response:
+            if line.startswith(b"data: "):
+                arrivals.append(time.monotonic() - started)
+    assert len(arrivals) == 3
+    assert arrivals[0] < STREAM_PAUSE_S / 2 and arrivals[1] >= STREAM_PAUSE_S, arrivals
+
+
+def test_bodies_over_the_window_refused_and_a_stopped_engine_is_503(tmp_path, stubs, front):
+    config = front_config(tmp_path, stubs)
+    hands, eyes = config.engines
+    stubs[0].close()  # hands' engine is down (starting, restarting or stopped)
+    server = front(config)
+    server.start([e.port for e in config.engines])
+    limit = eyes.request_limit_mib * 2**20
+    assert server.status(eyes.port, "/v1/completions", key=KEY, body=b" " * (limit + 1))[0] == 413
+    assert server.status(eyes.port, "/v1/completions", key=KEY, body=b" " * (limit - 1024))[0] == 200
+    status, body, headers = server.status(hands.port, "/v1/completions", key=KEY, body=b"{}")
+    assert status == 503 and "engine hands is not serving" in json.loads(body)["error"]["message"]
+    assert headers.get("Retry-After") == "10"
+    assert server.status(hands.port, "/health")[0] == 503
+
+
+@pytest.mark.parametrize("allowed, expected", [(["127.0.0.1"], 200), (["10.0.0.0/8"], 404), ([], 404)])
+def test_metrics_only_to_the_allowed_addresses(allowed, expected, tmp_path, stubs, front):
+    config = front_config(tmp_path, stubs, metrics_allow=allowed)
+    server = front(config)
+    server.start([e.port for e in config.engines])
+    assert server.status(config.engines[0].port, "/metrics")[0] == expected
+
+
+def test_request_limit_follows_the_window_and_images():
+    config = load_host("limits", {"device": "cpu", "engines": [
+        {"name": "text", "port": 8011, "kv_cache_memory_bytes": 2**28, "max_model_len": 262_144,
+         "checkpoint": {"repo": "o/t", "revision": "main"}},
+        {"name": "vision", "port": 8012, "kv_cache_memory_bytes": 2**28, "max_model_len": 262_144,
+         "multimodal": True, "checkpoint": {"repo": "o/v", "revision": "main"}},
+        {"name": "fixed", "port": 8013, "kv_cache_memory_bytes": 2**28, "max_request_mib": 3,
+         "checkpoint": {"repo": "o/f", "revision": "main"}}]}).config
+    text, vision, fixed = config.engines
+    assert text.request_limit_mib == 262_144 * 16 // 2**20 + 1 == 5
+    assert vision.request_limit_mib == 5 + 64
+    assert fixed.request_limit_mib == 3
+
+
+# --- nginx's unit with the hardening drop-in ------------------------------------------------------
+
+DEBIAN_NGINX_UNIT = Path(__file__).resolve().parents[1] / "fixtures" / "captured" / "nginx.service-debian-bookworm"
+SYSTEM_UNITS = Path("/lib/systemd/system")
+
+
+def unit_root(tmp_path: Path, with_drop_in: bool) -> Path:
+    """A root with this machine's units, Debian's nginx.service and (maybe) the rendered drop-in."""
+    if not shutil.which("systemd-analyze") or not SYSTEM_UNITS.is_dir():
+        pytest.skip("systemd-analyze or the system's units are missing")
+    root = tmp_path / "root"
+    shutil.copytree(SYSTEM_UNITS, root / "usr/lib/systemd/system", symlinks=True)
+    shutil.copy(DEBIAN_NGINX_UNIT, root / "usr/lib/systemd/system/nginx.service")
+    for binary in ("usr/sbin/nginx", "sbin/start-stop-daemon"):  # ExecStart= must point at a file
+        (root / binary).parent.mkdir(parents=True, exist_ok=True)
+        (root / binary).write_text("#!/bin/sh\n")
+        (root / binary).chmod(0o755)
+    if with_drop_in:
+        drop_in = next(f for f in render_host(load_host("x", {}).config) if f.path == FRONT_DROP_IN)
+        (root / drop_in.path.lstrip("/")).parent.mkdir(parents=True)
+        (root / drop_in.path.lstrip("/")).write_text(drop_in.content)
+    return root
+
+
+def exposure(root: Path) -> float:
+    result = subprocess.run(["systemd-analyze", "security", "--offline=yes", f"--root={root}", "nginx.service"],
+                            capture_output=True, text=True, timeout=60)
+    return float(result.stdout.split("Overall exposure level for nginx.service: ")[1].split()[0])
+
+
+def test_nginx_drop_in_passes_systemd_analyze_verify_and_hardens_the_unit(tmp_path):
+    root = unit_root(tmp_path, with_drop_in=True)
+    result = subprocess.run(["systemd-analyze", "verify", f"--root={root}", "nginx.service"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert exposure(root) <= 3.0  # 2.4 live on the sandbox
+    assert exposure(unit_root(tmp_path / "bare", with_drop_in=False)) > 9.0  # Debian's unit as shipped
