@@ -15,10 +15,11 @@ from facts.host import SparkformHost
 from sparkform import hostrecord
 from sparkform.hub import resolve_pins
 from sparkform.inventory import exit_invalid, host_from_data
-from sparkform.render import FRONT_CONFIG, FRONT_DROP_IN, FRONT_UNIT, prerequisite_packages, render_host
+from sparkform.render import (FRONT_CONFIG, FRONT_DROP_IN, FRONT_UNIT, GUARD_UNIT, guard_files, prerequisite_packages,
+                              render_host)
 from sparkform.schema import ENGINES_TARGET, UNIT_PREFIX
 from sparkform.validate import InventoryError, boot_chain_holes, start_order
-from tasks import checkpoints, engines, files, front, jit, system, venv
+from tasks import checkpoints, engines, files, front, guard, jit, system, venv
 from tasks import record as record_ops
 
 UNIT_GLOB = f"/etc/systemd/system/{UNIT_PREFIX}*.service"
@@ -38,8 +39,8 @@ snapshot = host.get_fact(
     users=[config.engine_user],
     paths=([f.path for f in folders] + [f.path for f in render_host(config)] + [s.path for s in secrets]
            + unwanted),
-    markers=[venv.marker_path(config)],
-    units=[engine.unit for engine in config.engines] + [ENGINES_TARGET, FRONT_UNIT],
+    markers=[venv.marker_path(config), files.applied_stamp(config, "nginx"), files.applied_stamp(config, "guard")],
+    units=[engine.unit for engine in config.engines] + [ENGINES_TARGET, FRONT_UNIT, GUARD_UNIT],
     unit_glob=UNIT_GLOB,
     models_dir=config.models_dir,
     pins_dir=config.pins_dir,
@@ -61,7 +62,8 @@ record = hostrecord.HostRecord.from_json(snapshot.record)
 drift = hostrecord.drift(record, live, {e.name: snapshot.cache_keys.get(e.name) for e in order},
                          {e.name for e in order if jit.caches_aside(config, e, snapshot)})
 last_cold = hostrecord.last_cold_starts(record, {e.name: e.measured.cold_start_s for e in order})
-for line in hostrecord.drift_report(drift, last_cold):
+drift_lines = hostrecord.drift_report(drift, last_cold)
+for line in drift_lines:
     logger.warning(f"[{host.name}] since the last converge: {line}")
 # The boot chain: an edge to a unit that is not enabled orders nothing (2026-08-18).
 for unit, dep, state in boot_chain_holes({u: s.after for u, s in snapshot.engines.items()
@@ -93,6 +95,10 @@ def put_files(selected: list) -> None:
 # only once its venv and checkpoint are complete: a failed fetch leaves the engine pointed at
 # the revision it serves, and the next run still sees its settings as changed.
 put_files([f for f in rendered if f.engine is None])
+# A human hears of the drift even if a start below fails.
+if drift_lines:
+    guard.alerted(name="Alert: drift since the last converge", lib_dir=config.lib_dir, event="drift",
+                  message="; ".join(drift_lines))
 venv.wheelhouse_synced(name="Wheelhouse on the host", config=config, snapshot=snapshot)
 venv.vllm_venv(name=f"vLLM venv {venv.pin(config)}", config=config, snapshot=snapshot)
 for engine in config.enabled_engines:
@@ -130,13 +136,19 @@ for engine in order:
     engines.engine_running(name=f"Engine {engine.name} serving", engine=engine, current=current, restart=restart)
     jit.cache_keyed(name=f"JIT caches of {engine.name} keyed", config=config, engine=engine,
                     key=hostrecord.cache_key(live), snapshot=snapshot, rebuilt=engine.name in drift.stale_engines)
-# The front last: an engine that moved behind it has freed the port nginx takes over.
+# The front last: an engine that moved behind it has freed the port nginx takes over. nginx and
+# the guard restart (or reload) when the files they run with differ from what they last loaded.
+contents = {f.path: f.content for f in rendered} | {s.path: s.content for s in secrets}
+front_key = contents.get(config.front_key_path, "")
+front_stamp = files.applied_stamp(config, "nginx")
 front.front_serving(name="Front (nginx) serving", address=config.listen_address,
                     ports=[engine.port for engine in order], current=snapshot.engines.get(FRONT_UNIT),
-                    config_changed=FRONT_CONFIG in changed or any(
-                        s.path == config.front_key_path and files.differs(s.content, snapshot.paths.get(s.path))
-                        for s in secrets),
-                    unit_changed=FRONT_DROP_IN in changed)
+                    applied=snapshot.markers.get(front_stamp), stamp=front_stamp,
+                    wanted=f"{files.digest(contents[FRONT_DROP_IN])} {files.digest(contents[FRONT_CONFIG], front_key)}")
+guard_stamp = files.applied_stamp(config, "guard")
+guard.guard_running(name="Guard (watchdog, memory guard, alerts) running", unit=GUARD_UNIT,
+                    current=snapshot.engines.get(GUARD_UNIT), applied=snapshot.markers.get(guard_stamp),
+                    wanted=files.digest(*(contents[path] for path in guard_files(config))), stamp=guard_stamp)
 if order:
     engines.target_reached(name=f"{ENGINES_TARGET} reached", unit=ENGINES_TARGET,
                            current=snapshot.engines.get(ENGINES_TARGET), engines_started=bool(started))

@@ -63,12 +63,13 @@ class HostSnapshot:
     installed_packages: set[str] = field(default_factory=set)
     users: set[str] = field(default_factory=set)
     paths: dict[str, RemoteFile] = field(default_factory=dict)
-    markers: dict[str, str] = field(default_factory=dict)  # completion marker path -> content
+    markers: dict[str, str] = field(default_factory=dict)  # marker or stamp path -> its one line
     rendered_units: set[str] = field(default_factory=set)  # unit files sparkform wrote, by path
     checkpoints: dict[str, CheckpointFolder] = field(default_factory=dict)  # by folder path
     pins: dict[str, str] = field(default_factory=dict)  # pin name (repo@revision) -> commit
     live_versions: list[str] = field(default_factory=list)  # LIVE_VERSIONS_COMMAND's output
     record: str = ""  # the host record's text ("" before the first converge)
+    booted_at: float | None = None  # unix time systemd (PID 1) started: this boot, also in a container
     cache_keys: dict[str, str] = field(default_factory=dict)  # engine -> key its caches were built under
     caches_aside: list[str] = field(default_factory=list)  # cache folders moved aside, not yet rebuilt
     unit_files: dict[str, str] = field(default_factory=dict)  # engine unit file -> enabled, disabled, ...
@@ -86,7 +87,8 @@ class SparkformHost(FactBase):
     + packages: Debian packages to look up
     + users: system users to look up
     + paths: files and folders to stat (files are also hashed)
-    + markers: completion markers to read (the venv's)
+    + markers: one-line files to read: the venv's completion marker, the stamps of what nginx and
+      the guard last (re)started with
     + units: systemd units to show
     + unit_glob: unit files to look through for sparkform's header (finds units of engines that
       left the inventory)
@@ -120,6 +122,7 @@ class SparkformHost(FactBase):
             _section("pins", f"grep -H . {shlex.quote(pins_dir)}/*"),
             _section("versions", LIVE_VERSIONS_COMMAND),
             _section("record", f"cat {shlex.quote(record_path)}"),
+            _section("boot", "systemctl show --timestamp=unix -p UserspaceTimestamp --value"),
             _section("cache_keys", f"grep -H . {shlex.quote(cache_root)}/*/{CACHE_KEY_FILE}"),
             _section("caches_aside", f"ls -d {shlex.quote(cache_root)}/*{STALE_MARK}*"),
         ]
@@ -164,6 +167,8 @@ class SparkformHost(FactBase):
             snapshot.pins[path.rsplit("/", 1)[-1]] = commit
         snapshot.live_versions = sections.get("versions", [])
         snapshot.record = "\n".join(sections.get("record", []))
+        boot = sections.get("boot", [""])[0] if sections.get("boot") else ""
+        snapshot.booted_at = float(boot[1:]) if boot.startswith("@") and boot[1:].isdigit() else None
         for line in sections.get("cache_keys", []):
             path, _, key = line.partition(":")
             snapshot.cache_keys[path.rsplit("/", 2)[-2]] = key

@@ -37,6 +37,8 @@ connection = {} if box is None else {
     "api_key_file": str(stage.secret_file(box.runtime_dir, "api_key")),
     # The host's own LAN address, as on a Spark that serves its LAN: the front listens there.
     "listen_address": box.address,
+    # The alert receiver on this machine (stage.alerts_file has what it got).
+    "alert_webhook_file": str(stage.secret_file(box.runtime_dir, "alert_webhook")),
 }
 
 CPU_ENGINE = {
@@ -63,6 +65,11 @@ sandbox = hosts(
             "memory_max_gib": 8.0,
             # vLLM's CPU build boots in 30-50 s here; the Spark's budgets hold as they are.
             "restart_s": 5,
+            "recover_cooldown_s": 30,
+            # This machine's memory is the sandbox's: floors it stays well above while tests run.
+            "memory_warn_gib": 2.0,
+            "memory_critical_gib": 1.0,
+            "memory_margin_gib": 0.5,
             "engines": [
                 {
                     **CPU_ENGINE,
@@ -71,6 +78,7 @@ sandbox = hosts(
                     "checkpoint": {"repo": "sparkform-test/tiny-qwen3", "revision": "main"},
                     "served_names": ["nemotron"],
                     "reasoning_parser": "nemotron_v3",
+                    "priority": 1,  # the memory guard stops q38 first
                 },
                 {
                     **CPU_ENGINE,

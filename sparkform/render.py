@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jinja2
 
+from sparkform.hostrecord import record_dir
 from sparkform.modelconfig import GIB
 from sparkform.schema import CHECKPOINT_MANIFEST, COMPLETE_MARKER, ENGINES_TARGET, Engine, HostConfig
 
@@ -49,6 +50,9 @@ FRONT_DROP_IN = "/etc/systemd/system/nginx.service.d/sparkform-hardening.conf"
 # Debian's welcome page on port 80 of every address: nothing a Spark should serve to the LAN.
 NGINX_DEFAULT_SITE = "/etc/nginx/sites-enabled/default"
 FRONT_UNIT = "nginx.service"
+GUARD_UNIT = "sparkform-guard.service"
+# journalctl MESSAGE_ID=... lists every alert the guard sent.
+ALERT_MESSAGE_ID = "7d3f5c2a9e8b4f61a0c4d2e6b8f1a3c5"
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,30 @@ def min_available_kib(config: HostConfig, engine: Engine) -> int:
     return int((share + config.memory_available_margin_gib * GIB) // 1024)
 
 
+def guard_files(config: HostConfig) -> tuple[str, str, str, str]:
+    """The guard's settings, script, unit and the engines' OnFailure= unit: a change to any of
+    them restarts the guard."""
+    return (f"{config.config_dir}/guard.json", f"{config.lib_dir}/sparkform-guard",
+            f"/etc/systemd/system/{GUARD_UNIT}", "/etc/systemd/system/sparkform-recover@.service")
+
+
+def guard_settings(config: HostConfig) -> dict:
+    """What sparkform-guard knows about the host (no secret: the webhook URL stays in its file)."""
+    return {
+        # need_gib: the MemAvailable the launch script wants before it starts the engine.
+        "engines": [{"name": e.name, "unit": e.unit, "port": config.internal_port(e), "names": e.names,
+                     "priority": e.priority, "need_gib": round(min_available_kib(config, e) / 2**20, 2)}
+                    for e in config.enabled_engines],
+        "state_dir": record_dir(config.state_dir),
+        "webhook_file": config.alert_webhook_path if config.alert_webhook_file else None,
+        "alert_command": config.alert_command,
+        **{key: getattr(config, key) for key in (
+            "recover_cooldown_s", "recover_backoff_max_s", "watchdog_interval_s", "watchdog_deadline_s",
+            "watchdog_failures", "memory_warn_gib", "memory_critical_gib", "memory_margin_gib")},
+        "memory_poll_s": 2, "memory_settle_s": 10,
+    }
+
+
 def front_listen(config: HostConfig) -> tuple[str, str]:
     """nginx's listen address (IPv6 in brackets) and options for `listen_address`."""
     address = ipaddress.ip_address(config.listen_address)
@@ -157,6 +185,15 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
     if config.enabled_engines:
         files.append(RenderedFile(f"/etc/systemd/system/{ENGINES_TARGET}",
                                   _render("sparkform-engines.target.j2", config=config), "644"))
+    guard_config, guard_script, guard_unit, recover_unit = guard_files(config)
+    files += [
+        RenderedFile(guard_script, _render("sparkform-guard.py.j2", guard_config=guard_config,
+                                                       message_id=ALERT_MESSAGE_ID), "644"),
+        RenderedFile(guard_config, json.dumps(guard_settings(config), indent=2) + "\n", "644"),
+        RenderedFile(guard_unit, _render("sparkform-guard.service.j2", config=config, guard_config=guard_config,
+                             state_folder=record_dir(config.state_dir)), "644"),
+        RenderedFile(recover_unit, _render("sparkform-recover@.service.j2", config=config, guard_config=guard_config), "644"),
+    ]
     listen, listen_options = front_listen(config)
     files += [
         RenderedFile(FRONT_CONFIG, _render("nginx-front.conf.j2", config=config, routes=FRONT_ROUTES,

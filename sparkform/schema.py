@@ -131,6 +131,7 @@ class Engine(Strict):
     language_model_only: bool = Field(False, description="`--language-model-only`: drops the vision tower (MTP needs it).")
     extra_args: list[str] = Field(default_factory=list, description="Further `vllm serve` arguments, one token per item (not `--host`, `--port`, `--api-key`: sparkform sets those).")
     max_request_mib: int | None = Field(None, ge=1, description="Largest request body the front accepts, MiB; None derives it from max_model_len (16 bytes a token, plus 64 MiB of images when multimodal).")
+    priority: int = Field(0, description="Which engine the memory guard stops first when memory runs out: the lowest; the highest is never stopped.")
     memory_high_gib: float | None = Field(None, gt=0, description="MemoryHigh= of this engine's unit; None takes the host's.")
     memory_max_gib: float | None = Field(None, gt=0, description="MemoryMax= of this engine's unit; None takes the host's.")
     model_config_path: str | None = Field(None, description="config.json of the checkpoint (path relative to the inventory) for the planner.")
@@ -240,6 +241,16 @@ class HostConfig(Strict):
     start_limit_interval_s: int = Field(3600, ge=1, description="StartLimitIntervalSec= of each engine unit.")
     start_limit_burst: int = Field(3, ge=1, description="StartLimitBurst=: starts allowed per interval before the unit stays failed.")
     restart_s: int = Field(10, ge=0, description="RestartSec=: pause before systemd restarts a dead engine.")
+    recover_cooldown_s: int = Field(600, ge=10, description="After an engine spent its start limit (starts that never served): pause before it is reset and started again; doubled each time it fails again.")
+    recover_backoff_max_s: int = Field(21600, ge=10, description="The longest pause between those retries.")
+    watchdog_interval_s: int = Field(15, ge=1, description="Seconds between two one-token probes of each serving engine.")
+    watchdog_deadline_s: int = Field(10, ge=1, description="A probe (and the /metrics read that judges progress) that takes longer failed.")
+    watchdog_failures: int = Field(3, ge=1, description="Failed probes in a row, with no progress in the engine's token counters, that make an engine hung: its cgroup is killed and systemd starts it again.")
+    memory_warn_gib: float = Field(8.0, ge=0, description="MemAvailable below this: an alert.")
+    memory_critical_gib: float = Field(4.0, ge=0, description="MemAvailable below this: the lowest-priority engine is stopped before the kernel's OOM killer acts (cgroups do not see CUDA allocations on GB10).")
+    memory_margin_gib: float = Field(2.0, ge=0, description="Stopped engines start again once MemAvailable is back above memory_warn_gib plus this.")
+    alert_webhook_file: str | None = Field(None, description="File on the control machine holding a webhook URL (ntfy, a chat hook) that gets every alert as a JSON POST; 0600 root on the host.")
+    alert_command: str | None = Field(None, pattern=r"^/[A-Za-z0-9._/-]+$", description="Program on the host run with every alert as JSON on stdin.")
     hf_token_file: str | None = Field(None, description="File on the control machine holding the HF token; lands on the host at 0600.")
     api_key_file: str | None = Field(None, description="File on the control machine holding the API key every engine requires; 0600 on the host.")
     hf_endpoint: str | None = Field(None, description="HF_ENDPOINT for checkpoint downloads (a mirror, or the sandbox's fake hub).")
@@ -303,6 +314,10 @@ class HostConfig(Strict):
     def internal_port(self, engine: Engine) -> int:
         """The port the engine itself binds on 127.0.0.1, behind the front."""
         return engine.port + self.internal_port_offset
+
+    @property
+    def alert_webhook_path(self) -> str:
+        return f"{self.config_dir}/secrets/alert-webhook"
 
     @property
     def front_key_path(self) -> str:

@@ -7,6 +7,7 @@ pool, uniqueness, the boot chain, the compile storm, the MTP/vision trade-off.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,8 +110,8 @@ def _model_configs(host: str, config: HostConfig, base_dir: Path) -> tuple[dict,
 
 
 # Files on the control machine; relative paths resolve against the inventory's folder.
-LOCAL_PATH_FIELDS = ("hf_token_file", "api_key_file", "wheelhouse_source")
-SECRET_FILE_FIELDS = ("hf_token_file", "api_key_file")
+LOCAL_PATH_FIELDS = ("hf_token_file", "api_key_file", "alert_webhook_file", "wheelhouse_source")
+SECRET_FILE_FIELDS = ("hf_token_file", "api_key_file", "alert_webhook_file")
 
 
 def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Host:
@@ -137,7 +138,7 @@ def host_problems(host: Host) -> list[Problem]:
     from sparkform.planner import state_block_problems  # the planner builds on this module
 
     problems: list[Problem] = []
-    for rule in (_memory_pool, _unique, _front, _boot_chain, _mtp_and_vision, _timeouts, _cgroup_caps,
+    for rule in (_memory_pool, _unique, _front, _memory_floors, _boot_chain, _mtp_and_vision, _timeouts, _cgroup_caps,
                  _compile_storm, _cpu_pool, _native_window, _secret_files, _wheelhouse,
                  state_block_problems):
         problems += rule(host)
@@ -354,7 +355,23 @@ def _secret_files(host: Host) -> list[Problem]:
                                     f"chmod 600 {path}"))
         elif field_name == "api_key_file":
             problems += _api_key_shape(host.name, path, file.read_text().strip())
+        elif field_name == "alert_webhook_file" and not WEBHOOK_URL.fullmatch(file.read_text().strip()):
+            problems.append(Problem(host.name, field_name, path, "the file does not hold one http(s) URL",
+                                    f"write the webhook's URL alone into {path}, e.g. https://ntfy.sh/TOPIC"))
     return problems
+
+
+WEBHOOK_URL = re.compile(r"https?://[^\s\x00-\x1f]+")
+
+
+def _memory_floors(host: Host) -> list[Problem]:
+    cfg = host.config
+    if cfg.memory_critical_gib < cfg.memory_warn_gib:
+        return []
+    return [Problem(host.name, "memory_critical_gib", cfg.memory_critical_gib,
+                    f"the critical floor must lie below the warning floor ({cfg.memory_warn_gib} GiB): "
+                    "the alert comes first, stopping an engine last",
+                    f"set memory_critical_gib below {cfg.memory_warn_gib}")]
 
 
 def _api_key_shape(host: str, path: str, key: str) -> list[Problem]:

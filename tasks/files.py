@@ -14,12 +14,23 @@ from pyinfra.operations.util.files import generate_color_diff
 from pyinfra.facts.files import FileContents
 
 from facts.host import RemoteFile
+from sparkform.hostrecord import record_dir
 from sparkform.render import NGINX_DEFAULT_SITE
 from sparkform.schema import HostConfig
 
 
 def sha256(content: str) -> str:
     return hashlib.sha256(content.encode()).hexdigest()
+
+
+def applied_stamp(config: HostConfig, service: str) -> str:
+    """Root's record of the inputs `service` last (re)started or reloaded with: a run cut off
+    between writing a file and the reload leaves it stale, so the next run still reloads."""
+    return f"{record_dir(config.state_dir)}/applied-{service}"
+
+
+def digest(*contents: str) -> str:
+    return sha256("\0".join(contents))[:32]
 
 
 def differs(content: str, current: RemoteFile | None) -> bool:
@@ -91,14 +102,19 @@ def secrets(config: HostConfig) -> list[Secret]:
     if config.api_key_file:
         key = Path(config.api_key_file).expanduser().read_text().strip()
         result.append(Secret(config.front_key_path, f'set $sparkform_api_key "{key}";\n', "600", "root"))
+    if config.alert_webhook_file:
+        url = Path(config.alert_webhook_file).expanduser().read_text().strip()
+        result.append(Secret(config.alert_webhook_path, f"{url}\n", "600", "root"))
     return result
 
 
 def unwanted(config: HostConfig) -> list[str]:
     """Files that must not be on the host: the engines' old copy of the API key (before the
-    front), Debian's default nginx site, and the front's key once no key is configured."""
+    front), Debian's default nginx site, and the front's key and the alert webhook once the
+    inventory names none."""
     paths = [f"{config.config_dir}/secrets/engine.env", NGINX_DEFAULT_SITE]
-    return paths + ([] if config.api_key_file else [config.front_key_path])
+    return (paths + ([] if config.api_key_file else [config.front_key_path])
+            + ([] if config.alert_webhook_file else [config.alert_webhook_path]))
 
 
 @operation()

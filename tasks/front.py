@@ -21,32 +21,39 @@ def _listening(ports: list[int]) -> str:
 
 
 @operation()
-def front_serving(address: str, ports: list[int], current: EngineState | None, config_changed: bool,
-                  unit_changed: bool):
+def front_serving(address: str, ports: list[int], current: EngineState | None, applied: str | None,
+                  wanted: str, stamp: str):
     """
     Enable and start nginx, restart it when its unit drop-in changed, or reload it when its
-    configuration (or the API key it includes) changed; `nginx -t` first, every time, so a bad
-    configuration never replaces a working one. Then every port must listen.
+    configuration (or the API key it includes) changed since it last loaded them; `nginx -t`
+    first, every time, so a bad configuration never replaces a working one. Then every port
+    must listen, and the stamp records what nginx runs with.
 
     + address: the listen address of the front (the inventory's listen_address)
     + ports: the engines' ports the front listens on
     + current: nginx.service's state from the SparkformHost fact (None before nginx is installed)
-    + config_changed: the front's configuration or key changes in this run
-    + unit_changed: the hardening drop-in changes in this run (daemon-reload ran before)
+    + applied: the stamp on the host, "<drop-in digest> <config digest>" (None: none)
+    + wanted: the stamp this run's files make
+    + stamp: where the stamp lives (root's)
     """
     if current is None or current.unit_file_state != "enabled":
         yield "systemctl enable nginx.service"
-    if current is None or current.active_state != "active" or unit_changed:
+    applied_unit, _, applied_config = (applied or "").partition(" ")
+    wanted_unit, _, wanted_config = wanted.partition(" ")
+    if current is None or current.active_state != "active" or applied_unit != wanted_unit:
         verb = "restart"
-    elif config_changed:
+    elif applied_config != wanted_config:
         verb = "reload"
     else:
         if current.unit_file_state == "enabled":
-            host.noop("nginx is enabled, active and up to date")
+            host.noop("nginx is enabled, active and runs this configuration")
         return
+    if applied_unit != wanted_unit:
+        yield "systemctl daemon-reload"  # the drop-in may have been written by a run cut short
     yield f"nginx -t -q && systemctl {verb} nginx.service"
     if ports:
         check = _listening(ports)
         yield (f"for _ in $(seq {LISTEN_CHECKS}); do {{ {check} ; }} && exit 0; sleep {LISTEN_CHECK_PAUSE_S}; done; "
                f"echo 'sparkform: nginx does not listen on every engine port ({address}: "
                f"{' '.join(map(str, ports))}); see: journalctl -u nginx.service, /var/log/nginx/error.log' >&2; exit 1")
+    yield f"echo {shlex.quote(wanted)} > {shlex.quote(stamp)}.new && mv {shlex.quote(stamp)}.new {shlex.quote(stamp)}"

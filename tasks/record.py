@@ -15,14 +15,19 @@ from sparkform.schema import HostConfig
 
 def planned_record(config: HostConfig, live: HostVersions, record: HostRecord | None,
                    snapshot: HostSnapshot) -> HostRecord:
-    """The record as this run will leave it, with the starts systemd already measured (a boot's
-    included); starts this run makes are measured on the host when it writes the record."""
+    """The record as this run will leave it, with the boot's starts that systemd measured; starts
+    this run makes are measured on the host when it writes the record. A restart systemd made on
+    its own later in the same boot is not a change to converge (a dry-run after a crash shows
+    none): the record keeps the boot's start."""
     engines = {}
     for engine in config.enabled_engines:
         old = record.engines.get(engine.name) if record else None
         entry = EngineRecord(cache_key(live)) if old is None else replace(old, cache_key=cache_key(live))
         state = snapshot.engines.get(engine.unit)
-        if state and state.started_at and state.start_s and state.started_at != entry.started_at:
+        recorded_this_boot = (entry.started_at is not None and snapshot.booted_at is not None
+                              and entry.started_at >= snapshot.booted_at)
+        if (state and state.started_at and state.start_s and state.started_at != entry.started_at
+                and not recorded_this_boot):
             entry = replace(entry, started_at=state.started_at, start_s=state.start_s, last_start_cold=False)
         engines[engine.name] = entry
     return HostRecord(live, engines)

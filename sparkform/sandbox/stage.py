@@ -1,7 +1,7 @@
 """The rehearsal stage: a sandbox host plus what it needs from the control machine.
 
 `up` boots the host with the offline wheelhouse bound read-only at WHEELHOUSE_IN_GUEST, starts
-the fake hub on the host side of its link, writes throwaway secrets (an HF token and an API
+the fake hub and an alert receiver (the webhook the inventory names) on the host side of its link, writes throwaway secrets (an HF token and an API
 key) so the deploy exercises the secret paths for real, and installs a stand-in nvidia-smi
 (GB10's formats; `set_driver` changes the driver it reports, to rehearse a driver update).
 `down` undoes all of it.
@@ -26,7 +26,8 @@ from sparkform.sandbox.wheelhouse import build_wheelhouse
 
 WHEELHOUSE_IN_GUEST = "/srv/wheelhouse"
 HUB_PORT = 8088
-HUB_START_TIMEOUT_S = 60.0
+ALERTS_PORT = 8089  # the alert receiver, the webhook the sandbox inventory names
+SERVICE_START_TIMEOUT_S = 60.0
 # The stand-in nvidia-smi ships beside this module; it reads its values from NVIDIA_ENV_IN_GUEST.
 # It is installed into each sandbox rather than baked into the rootfs, so changing it does not
 # invalidate the cached rootfs.
@@ -51,6 +52,11 @@ def secret_file(box_runtime: Path, name: str) -> Path:
     return box_runtime / "secrets" / name
 
 
+def alerts_file(box_runtime: Path) -> Path:
+    """What the alert receiver got, one JSON line each (sparkform.sandbox.alerts.read_alerts)."""
+    return box_runtime / "alerts.jsonl"
+
+
 def _write_secrets(runtime: Path) -> None:
     folder = runtime / "secrets"
     folder.mkdir(mode=0o700, exist_ok=True)
@@ -61,30 +67,47 @@ def _write_secrets(runtime: Path) -> None:
             out.write(f"sf-{name.replace('_', '-')}-{secrets.token_hex(16)}\n")
 
 
-def _start_hub(box: host.Sandbox) -> None:
-    log = (box.runtime_dir / "hub.out").open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sparkform.sandbox.fakehub", "--root", str(box.runtime_dir / "hub"),
-         "--host", box.host_address, "--port", str(HUB_PORT), "--log", str(box.runtime_dir / "hub.log")],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    (box.runtime_dir / "hub.pid").write_text(f"{process.pid}\n")
-    deadline = time.monotonic() + HUB_START_TIMEOUT_S
+def _start_service(box: host.Sandbox, name: str, port: int, argv: list[str]) -> None:
+    """Run `python -m argv...` in its own session, listening on this machine's side of the link
+    at `port`; `name`.pid and `name`.out in the runtime folder."""
+    log = (box.runtime_dir / f"{name}.out").open("w")
+    process = subprocess.Popen([sys.executable, "-m", *argv], stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    (box.runtime_dir / f"{name}.pid").write_text(f"{process.pid}\n")
+    deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise host.SandboxError(f"the fake hub exited {process.returncode}: "
-                                    f"{(box.runtime_dir / 'hub.out').read_text()[-2000:]}")
-        with contextlib.suppress(OSError), socket.create_connection((box.host_address, HUB_PORT), timeout=1):
+            raise host.SandboxError(f"the sandbox's {name} exited {process.returncode}: "
+                                    f"{(box.runtime_dir / f'{name}.out').read_text()[-2000:]}")
+        with contextlib.suppress(OSError), socket.create_connection((box.host_address, port), timeout=1):
             return
         time.sleep(0.1)
-    raise host.SandboxError(f"the fake hub did not listen on {hub_url(box)} within {HUB_START_TIMEOUT_S:.0f} s")
+    raise host.SandboxError(f"the sandbox's {name} did not listen on {box.host_address}:{port} "
+                            f"within {SERVICE_START_TIMEOUT_S:.0f} s")
 
 
-def _stop_hub(runtime: Path) -> None:
-    pid_file = runtime / "hub.pid"
-    if not pid_file.exists():
-        return
-    with contextlib.suppress(ProcessLookupError, ValueError):
-        os.killpg(int(pid_file.read_text()), signal.SIGTERM)
+def _start_hub(box: host.Sandbox) -> None:
+    _start_service(box, "hub", HUB_PORT, [
+        "sparkform.sandbox.fakehub", "--root", str(box.runtime_dir / "hub"), "--host", box.host_address,
+        "--port", str(HUB_PORT), "--log", str(box.runtime_dir / "hub.log")])
+
+
+def _start_alert_receiver(box: host.Sandbox) -> None:
+    _start_service(box, "alerts", ALERTS_PORT, [
+        "sparkform.sandbox.alerts", "--host", box.host_address, "--port", str(ALERTS_PORT),
+        "--out", str(alerts_file(box.runtime_dir))])
+    secret = secret_file(box.runtime_dir, "alert_webhook")
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(f"http://{box.host_address}:{ALERTS_PORT}/alerts\n")
+
+
+def _stop_services(runtime: Path) -> None:
+    for name in ("hub", "alerts"):
+        pid_file = runtime / f"{name}.pid"
+        if pid_file.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.killpg(int(pid_file.read_text()), signal.SIGTERM)
 
 
 def _guest(box: host.Sandbox, step: str, command: str, stdin: str = "") -> str:
@@ -142,7 +165,8 @@ def set_driver(box: host.Sandbox, driver_version: str, cuda_version: str | None 
 
 
 def up(name: str = "sandbox") -> host.Sandbox:
-    """Wheelhouse and rootfs (both cached), the host, its fake hub, its secrets and nvidia-smi."""
+    """Wheelhouse and rootfs (both cached), the host, its fake hub and alert receiver, its
+    secrets, nvidia-smi, and a memory controller that enforces the units' ceilings."""
     wheelhouse = build_wheelhouse()
     # The guest reaches no registry: the deploy's prerequisites are baked into the rootfs.
     box = host.up(name, binds=[(str(wheelhouse), WHEELHOUSE_IN_GUEST)],
@@ -150,7 +174,10 @@ def up(name: str = "sandbox") -> host.Sandbox:
     try:
         _write_secrets(box.runtime_dir)
         _start_hub(box)
+        _start_alert_receiver(box)
         install_nvidia_stand_in(box)
+        # The units' memory ceilings hold from the start, as on a Spark (and again after a reboot).
+        host.memory_controller_writable(name)
     except BaseException:
         down(name)
         raise
@@ -158,5 +185,5 @@ def up(name: str = "sandbox") -> host.Sandbox:
 
 
 def down(name: str = "sandbox") -> None:
-    _stop_hub(host.runtime_dir(name))
+    _stop_services(host.runtime_dir(name))
     host.down(name)

@@ -258,6 +258,8 @@ def test_render_writes_every_file_with_its_mode(tmp_path):
         "etc/sparkform/engines/nemotron.args",
         "etc/systemd/system/vllm-q38.service", "etc/sparkform/engines/q38.env", "etc/sparkform/engines/q38.args",
         "etc/nginx/conf.d/sparkform.conf", "etc/systemd/system/nginx.service.d/sparkform-hardening.conf",
+        "usr/local/lib/sparkform/sparkform-guard", "etc/sparkform/guard.json",
+        "etc/systemd/system/sparkform-guard.service", "etc/systemd/system/sparkform-recover@.service",
     ])
     assert result.stdout.splitlines() == [str(root / "usr/local/lib/sparkform/sparkform-launch"),
                                           *result.stdout.splitlines()[1:]]

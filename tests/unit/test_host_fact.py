@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from facts.host import CHECKPOINT_SCAN, SECTION, CheckpointFolder, RemoteFile, SparkformHost
 
 CAPTURED = f"""{SECTION}packages
@@ -118,9 +120,15 @@ def test_command_is_one_shell_line_that_never_fails_the_host():
                                       unit_glob="/etc/systemd/system/vllm-*.service", models_dir="/m d",
                                       pins_dir="/m d/.pins", cache_root="/c", record_path="/r/host-record.json")
     sections = ("packages", "users", "stat", "sha256", "markers", "units", "rendered_units", "unit_files",
-                "checkpoints", "pins", "versions", "record", "cache_keys", "caches_aside")
+                "checkpoints", "pins", "versions", "record", "boot", "cache_keys", "caches_aside")
     for section in sections:
         assert f"echo {SECTION}{section};" in command
     assert "'/etc/a b'" in command  # quoted paths
     # Each section ends in `|| true`: a missing file or unit must not fail the fact.
     assert command.count("|| true") == len(sections)
+
+
+@pytest.mark.parametrize("line, booted_at", [("@1764412345", 1764412345.0), ("", None), ("n/a", None),
+                                             ("@17644$(id)", None)])
+def test_boot_time_is_systemds_start_and_only_a_number_is_taken(line, booted_at):
+    assert SparkformHost().process([f"{SECTION}boot", line]).booted_at == booted_at

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from facts.host import HostSnapshot
@@ -95,3 +96,20 @@ def test_start_table_tells_new_starts_from_engines_that_kept_running():
     assert cells[2] == ["b", "-", "kept running", "335.0 s", "20.0 s"]
     (header_only,) = start_table(None, None).splitlines()  # no record: the header only
     assert [cell.strip() for cell in header_only.split("  ") if cell.strip()] == cells[0]
+
+
+def test_planned_record_keeps_the_boots_start_through_restarts_systemd_made_on_its_own():
+    # Booted at 1900; the record has this boot's start (2000). systemd restarted the engine at
+    # 2500 after a crash: not a change to converge, so the planned record is the record.
+    booted = HostRecord(VERSIONS, {"a": EngineRecord(KEY, 200.0, 30.0, 2000.0, False),
+                                   "b": EngineRecord(KEY, None, 12.0, 2001.0, False)})
+    snapshot = HostSnapshot(booted_at=1900.0, engines={
+        "vllm-a.service": EngineState("vllm-a.service", "active", "running", 1, 42, 0, "success", "enabled",
+                                      started_at=2500.0, start_s=31.0),
+        "vllm-b.service": EngineState("vllm-b.service", "active", "running", 0, 43, 0, "success", "enabled",
+                                      started_at=2001.0, start_s=12.0)})
+    assert planned_record(config(), VERSIONS, booted, snapshot) == booted
+    # After the next boot (3000) the first start is the boot's, and it is recorded.
+    snapshot.booted_at = 3000.0
+    snapshot.engines["vllm-a.service"] = replace(snapshot.engines["vllm-a.service"], started_at=3010.0)
+    assert planned_record(config(), VERSIONS, booted, snapshot).engines["a"].started_at == 3010.0

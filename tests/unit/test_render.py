@@ -163,8 +163,13 @@ def test_rendered_file_list_and_modes(seed_files):
         "/etc/sparkform/engines/q38.args": ("644", "q38"),
         "/etc/nginx/conf.d/sparkform.conf": ("644", None),
         "/etc/systemd/system/nginx.service.d/sparkform-hardening.conf": ("644", None),
+        "/usr/local/lib/sparkform/sparkform-guard": ("644", None),
+        "/etc/sparkform/guard.json": ("644", None),
+        "/etc/systemd/system/sparkform-guard.service": ("644", None),
+        "/etc/systemd/system/sparkform-recover@.service": ("644", None),
     }
-    assert [f.is_unit for f in seed_files.values()].count(True) == 4  # with the nginx drop-in
+    # The engines, their target, the guard, the recovery template and nginx's drop-in.
+    assert [f.is_unit for f in seed_files.values()].count(True) == 6
 
 
 # --- systemd-analyze verify ------------------------------------------------------------------------
@@ -218,6 +223,10 @@ def verify(root: Path, system_units: Path, files: list[RenderedFile],
     """systemd-analyze verify of the unit files among `files` and of the units named in `also`."""
     shutil.copytree(system_units, root / "usr/lib/systemd/system", symlinks=True)
     write_tree(root, files)
+    # The guard's units run the system's python3, which verify wants to find in the root.
+    (root / "usr/bin").mkdir(parents=True, exist_ok=True)
+    (root / "usr/bin/python3").write_text("#!/bin/sh\n")
+    (root / "usr/bin/python3").chmod(0o755)
     units = [Path(f.path).name for f in files if f.is_unit and f.path.endswith((".service", ".target"))] + list(also)
     return subprocess.run(["systemd-analyze", "verify", f"--root={root}", *units],
                           capture_output=True, text=True, timeout=120)
@@ -230,8 +239,8 @@ def test_units_pass_systemd_analyze_verify_with_nothing_on_stderr(which, monkeyp
     result = verify(tmp_path / "root", system_units, files)
     assert result.returncode == 0, result.stderr
     assert result.stderr == "", result.stderr
-    # The engines, their target and nginx's drop-in.
-    assert len([f for f in files if f.is_unit]) == len(config.engines) + 2
+    # The engines, their target, the guard, the recovery template and nginx's drop-in.
+    assert len([f for f in files if f.is_unit]) == len(config.engines) + 4
 
 
 def test_engines_target_requires_and_follows_every_enabled_engine_only():
@@ -326,10 +335,14 @@ def test_unit_restart_start_limits_and_timeouts(seed_files, name):
     assert unit_value(unit, "Unit", "StartLimitBurst") == "3"
     assert unit_value(unit, "Unit", "StartLimitIntervalSec") == "3600"
     assert unit_value(unit, "Service", "TimeoutStartSec") == "1200"
-    post = unit_value(unit, "Service", "ExecStartPost").split()
+    post, served = (value.split() for value in unit_values(unit, "Service", "ExecStartPost"))
     port = {"nemotron": "18012", "q38": "18011"}[name]  # the engine itself, behind the front
     names = {"nemotron": ["nemotron"], "q38": ["q38", "vision"]}[name]
     assert post == ["/usr/local/lib/sparkform/sparkform-wait-ready", port, "1080", *names]
+    # Only after the helper saw it serve: root resets the start count (a crash loop is starts
+    # that never served), and a failure of that bookkeeping never fails the start.
+    assert served == ["-+/usr/bin/python3", "/usr/local/lib/sparkform/sparkform-guard", "served", name]
+    assert unit_value(unit, "Unit", "OnFailure") == f"sparkform-recover@{name}.service"
     assert int(unit_value(unit, "Service", "TimeoutStartSec")) > int(post[2])
     assert unit_value(unit, "Service", "ExecStart") == f"/usr/local/lib/sparkform/sparkform-launch {name}"
     assert unit_value(unit, "Service", "MemoryHigh") == f"{105 * 1024}M"
@@ -379,7 +392,7 @@ def test_variant_unit_values(tmp_path):
     assert unit_value(embed, "Service", "MemoryMax") == "102912M"
     assert unit_value(embed, "Service", "User") == "sparkvllm"
     eyes = parse_unit(files["/etc/systemd/system/vllm-eyes.service"].content)
-    assert unit_value(eyes, "Service", "ExecStartPost") == \
+    assert unit_values(eyes, "Service", "ExecStartPost")[0] == \
         "/srv/sparkform/lib/sparkform-wait-ready 19011 600 eyes vision eyes-alias"
     assert unit_value(eyes, "Service", "TimeoutStartSec") == "700"
     # The disabled engine still gets its files (the deploy stops and disables its unit).
@@ -476,8 +489,9 @@ def test_env_file_matches_the_unit_and_sources_cleanly(seed_files, name, tmp_pat
     # util x 121 GiB + the 2 GiB margin, in KiB.
     expected_kib = int((engine.gpu_memory_utilization * 121 + 2) * 2**20)
     assert int(env["SPARKFORM_MIN_AVAILABLE_KIB"]) == min_available_kib(config, engine) == expected_kib
+    assert env["SPARKFORM_NEIGHBOUR_WAIT_S"] == "540"  # half the readiness budget
     assert set(env) == set(unit_env) | {"SPARKFORM_ENGINE", "SPARKFORM_UNIT", "SPARKFORM_PORT", "SPARKFORM_FRONT_PORT",
-                                        "SPARKFORM_DEVICE",
+                                        "SPARKFORM_NEIGHBOUR_WAIT_S", "SPARKFORM_DEVICE",
                                         "SPARKFORM_PYTHON", "SPARKFORM_CHECKPOINT", "SPARKFORM_MIN_AVAILABLE_KIB"}
 
 
@@ -512,7 +526,7 @@ def test_no_secret_in_any_rendered_file(seed_data, tmp_path):
         os.chmod(tmp_path / name, 0o600)
     seed_data.update(hf_token_file=str(tmp_path / "hf"), api_key_file=str(tmp_path / "key"))
     files = render_host(load_host("spark", seed_data).config)
-    assert len(files) == 14
+    assert len(files) == 18
     for file in files:
         assert token not in file.content and key not in file.content, file.path
         assert "SECRET" not in file.content, file.path
@@ -619,6 +633,8 @@ def make_box(tmp_path, free_port):
             "venv_root": str(root / "venvs"), "cuda_home": cuda_home or str(root / "no-cuda"),
             "listen_address": "127.0.0.1",
             "internal_port_offset": INTERNAL_OFFSET,
+            # A neighbour that keeps loading is waited for half of this: 5 s.
+            "readiness_budget_s": 10, "timeout_start_s": 20,
             "memory_available_margin_gib": 0.0,
             "engines": [
                 {"name": "a", "port": port_a - INTERNAL_OFFSET, "checkpoint": {"repo": "org/model-a", "revision": "aaaa"},
@@ -981,28 +997,111 @@ def test_launch_refuses_a_port_that_already_answers(make_box):
     assert not (box.record / "a.done").exists()
 
 
-def test_launch_refuses_while_another_engine_starts(make_box):
+def loading(box: Box, name: str, pid: str = "4242"):
+    """Engine `name` as a launch script leaves it once it goes ahead: its lock held, "loading"."""
+    handle = hold_lock(box.lock_dir / f"{name}.lock")
+    handle.write(f"{pid}\n")
+    handle.flush()
+    (box.lock_dir / f"{name}.state").write_text("loading\n")
+    return handle
+
+
+def test_launch_waits_its_turn_while_another_engine_loads_and_gives_up_at_its_bound(make_box):
     box = make_box()
     box.complete("a")
-    lock = box.lock_dir / "b.lock"
-    with hold_lock(lock) as handle:
-        handle.write("4242\n")
-        handle.flush()
+    with loading(box, "b"):
+        started = time.monotonic()
         result = box.run_launch("a")
+        elapsed = time.monotonic() - started
+    wait_s = box.config.readiness_budget_s // 2
     assert result.returncode == 5
-    assert "engine b (pid 4242) is starting and not serving yet" in result.stderr
-    assert "systemctl stop vllm-b.service" in result.stderr
+    assert wait_s <= elapsed < wait_s + 10, elapsed
+    assert "sparkform-launch: a waits for engine b, which is loading" in result.stderr
+    assert result.stderr.count("waits for engine b") == 1  # said once, not every second
+    waited = re.search(r"engine b \(pid 4242\) is still loading after (\d+) s", result.stderr)
+    assert waited and int(waited[1]) >= wait_s, result.stderr
+    assert "systemctl status vllm-b.service" in result.stderr
     assert not (box.record / "a.done").exists()
+
+
+def test_launch_goes_ahead_as_soon_as_the_loading_engine_serves(make_box, servers):
+    box = make_box()
+    box.complete("a")
+    with loading(box, "b"):
+        later = threading.Timer(2.0, lambda: servers(port=box.internal_port("b"), names=("b",)))
+        later.start()
+        started = time.monotonic()
+        result = box.run_launch("a")
+        elapsed = time.monotonic() - started
+        later.join()
+    assert result.returncode == 0, result.stderr
+    assert 2.0 <= elapsed < 8, elapsed  # not before b served; and rc 0: not at its 5 s bound
+    assert (box.lock_dir / "a.state").read_text() == "loading\n"
 
 
 def test_launch_goes_ahead_when_the_other_engine_serves(make_box, servers):
     box = make_box()
     box.complete("a")
     servers(port=box.internal_port("b"), names=("b",))
-    with hold_lock(box.lock_dir / "b.lock"):
+    with loading(box, "b"):
         result = box.run_launch("a")
     assert result.returncode == 0, result.stderr
     assert (box.record / "a.done").exists()
+
+
+def test_a_neighbour_that_waits_its_own_turn_holds_no_one_back(make_box):
+    box = make_box()
+    box.complete("a")
+    with loading(box, "b"):
+        (box.lock_dir / "b.state").write_text("waiting\n")
+        result = box.run_launch("a")
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_neighbour_systemd_counts_as_started_is_hung_not_loading(make_box):
+    # Started (active) and silent: a hung or busy engine, which must not block a restart beside it.
+    box = make_box()
+    box.complete("a")
+    fake = Path(box.config.cuda_home) / "bin" / "systemctl"  # first on the launch script's PATH
+    fake.parent.mkdir(parents=True)
+    fake.write_text('#!/bin/sh\n[ "$*" = "show -p ActiveState --value vllm-b.service" ] && echo active\n')
+    fake.chmod(0o755)
+    with loading(box, "b"):
+        started = time.monotonic()
+        result = box.run_launch("a")
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - started < 2 and "waits for" not in result.stderr
+
+
+def test_two_engines_restarted_together_load_one_after_the_other(make_box, servers):
+    # Both crashed at once and systemd restarted both in the same second: neither may wait for
+    # the other forever (both would fail their start); one loads, the other waits until it serves.
+    box = make_box()
+    box.complete("a")
+    box.complete("b")
+    release = box.root / "release"
+    launches = {name: subprocess.Popen([str(box.launch), name], env=box.env(STUB_HOLD=str(release)),
+                                       stderr=subprocess.PIPE, text=True) for name in ("a", "b")}
+    try:
+        deadline = time.monotonic() + 10
+        while not any((box.record / f"{name}.done").exists() for name in "ab"):
+            assert time.monotonic() < deadline, "neither engine went ahead"
+            time.sleep(0.05)
+        first = next(name for name in "ab" if (box.record / f"{name}.done").exists())
+        second = "b" if first == "a" else "a"
+        time.sleep(1.5)
+        assert not (box.record / f"{second}.done").exists(), "both loaded at once"
+        servers(port=box.internal_port(first), names=(first,))  # the first serves now
+        deadline = time.monotonic() + 5
+        while not (box.record / f"{second}.done").exists():
+            assert time.monotonic() < deadline, f"{second} did not go ahead once {first} served"
+            time.sleep(0.05)
+    finally:
+        release.touch()
+        for launch in launches.values():
+            launch.wait(timeout=10)
+    assert [launches[name].returncode for name in "ab"] == [0, 0]
+    assert f"{second} waits for engine {first}" in launches[second].stderr.read()
 
 
 def test_a_stale_lock_file_does_not_block(make_box):

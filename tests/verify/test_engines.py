@@ -95,6 +95,16 @@ def test_after_edges_point_at_enabled_units(remote, engine):
                 f"chain has a hole (2026-08-18); enable {unit} or remove the edge")
 
 
+def test_guard_watches_and_every_engine_fails_over_to_its_recovery(remote, engine, config):
+    guard = remote.service("sparkform-guard.service")
+    assert guard.is_enabled and guard.is_running, "nothing watches the engines' generation and memory"
+    settings = remote.file(f"{config.config_dir}/guard.json")
+    assert (settings.user, settings.mode) == ("root", 0o644)
+    props = remote.service(engine.unit).systemd_properties
+    assert props["OnFailure"] == f"sparkform-recover@{engine.name}.service"
+    assert f"sparkform-guard served {engine.name}" in props["ExecStartPost"]
+
+
 def test_engines_target_enabled_and_reached(remote):
     assert remote.check_output(f"systemctl is-enabled {ENGINES_TARGET}") == "enabled"
     assert remote.check_output(f"systemctl is-active {ENGINES_TARGET} || true") == "active"

@@ -1,0 +1,47 @@
+"""The guard (sparkform-guard.service): watchdog, memory guard and alerts, kept running."""
+
+from __future__ import annotations
+
+import shlex
+
+from pyinfra import host
+from pyinfra.api import operation
+
+from sparkform.parsers import EngineState
+
+
+@operation()
+def guard_running(unit: str, current: EngineState | None, applied: str | None, wanted: str, stamp: str):
+    """
+    Enable the guard at boot and have it running with this run's script, settings and units;
+    restart it when they differ from what it last started with.
+
+    + unit: the guard's unit (sparkform-guard.service)
+    + current: its state from the SparkformHost fact (None before the first deploy)
+    + applied: the stamp on the host, the digest of what it last started with (None: none)
+    + wanted: the digest of this run's files
+    + stamp: where the stamp lives (root's)
+    """
+    changed = False
+    if current is None or current.unit_file_state != "enabled":
+        yield f"systemctl enable {unit}"
+        changed = True
+    if applied != wanted or current is None or current.active_state != "active":
+        yield f"systemctl restart {unit}"
+        yield f"echo {shlex.quote(wanted)} > {shlex.quote(stamp)}.new && mv {shlex.quote(stamp)}.new {shlex.quote(stamp)}"
+        changed = True
+    if not changed:
+        host.noop(f"{unit} is enabled and active")
+
+
+@operation()
+def alerted(lib_dir: str, event: str, message: str):
+    """
+    Send one alert through the guard (journal, webhook, command).
+
+    + lib_dir: where sparkform-guard lies on the host
+    + event: what happened (e.g. drift)
+    + message: the alert's text (no secret)
+    """
+    yield (f"python3 {shlex.quote(lib_dir)}/sparkform-guard alert {shlex.quote(event)} - "
+           f"{shlex.quote(message)}")

@@ -1,0 +1,240 @@
+"""Never dark without a word: faults no single-engine test scripts, on the sandbox pair with the
+real engines, the real systemd and the guard. Both engines crashing at once, again and again; a
+hung API server or EngineCore; a crash beside a hang; an engine that cannot serve; memory taken
+outside the engines' cgroups. Each ends with both serving, without a human, and with the alerts
+the receiver on this machine got.
+
+One sandbox for the module; tests run in file order and each leaves the pair serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from deploy_helpers import (SANDBOX_INVENTORY, UNITS, changed_operations, checkpoint_dir, edited_inventory,
+                            main_pids, pyinfra, serving, ssh, unit_properties, wait_for)
+
+from sparkform.sandbox import stage
+from sparkform.sandbox.alerts import read_alerts
+
+PORTS = {"vllm-nemotron.service": 8012, "vllm-q38.service": 8011}
+NAMES = {"vllm-nemotron.service": "nemotron", "vllm-q38.service": "q38"}
+RESTART_S = 5  # the sandbox inventory's restart_s
+# Both engines killed at once, this many times in a row within minutes: more than the start
+# limit's burst (3), which alone used to leave an engine failed at the fourth. The issue's ten:
+# SPARKFORM_DOUBLE_CRASHES=10 (about 10 min).
+DOUBLE_CRASHES = int(os.environ.get("SPARKFORM_DOUBLE_CRASHES", "4"))
+# The watchdog's defaults: 3 failed probes 15 s apart, each probe and /metrics read at most 10 s,
+# and up to one interval before the first probe after the hang; 20 s of slack for a busy CI.
+HANG_DETECTED_S = 2 * 15 + 2 * 10 + 15 + 20
+
+
+def alerts(box) -> list[dict]:
+    return [entry["alert"] for entry in read_alerts(stage.alerts_file(box.runtime_dir))]
+
+
+def engine_core(box, unit: str) -> int:
+    pid = main_pids(box)[unit]
+    core = ssh(box, f"ps -o pid=,args= --ppid {pid} | awk '/EngineCore/ {{print $1; exit}}'").stdout.strip()
+    assert core, f"no EngineCore child of {unit}'s API server {pid}"
+    return int(core)
+
+
+def answers(box, unit: str) -> bool:
+    """A one-token completion through the front, with the key, within 30 s."""
+    key = stage.secret_file(box.runtime_dir, "api_key").read_text().strip()
+    body = json.dumps({"model": NAMES[unit], "prompt": "hi", "max_tokens": 1})
+    status = ssh(box, f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 30 -H 'Content-Type: application/json' "
+                      f"--config <(printf 'header = \"Authorization: Bearer %s\"\\n' {key}) -d '{body}' "
+                      f"http://{box.address}:{PORTS[unit]}/v1/completions", check=False).stdout
+    return status == "200"
+
+
+def both_serve_again(box, timeout: float, since: str) -> float:
+    """Seconds until both units are active and answer; fails at once if one failed."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        states = ssh(box, f"systemctl is-active {' '.join(UNITS)} || true").stdout.split()
+        assert "failed" not in states, ssh(box, f"journalctl -u vllm-q38 -u vllm-nemotron --since @{since} "
+                                                 "--no-pager -o cat | tail -n 60").stdout
+        if states == ["active", "active"] and all(answers(box, unit) for unit in UNITS):
+            return time.monotonic() - started
+        time.sleep(1)
+    raise AssertionError(f"the pair was not serving again {timeout:.0f} s later: {states}")
+
+
+def start_seconds(box) -> dict[str, float]:
+    """How long each engine's last start took, as systemd measured it (start to active)."""
+    result = {}
+    for unit in UNITS:
+        props = unit_properties(box, unit, "ExecMainStartTimestampMonotonic", "ActiveEnterTimestampMonotonic")
+        result[unit] = (int(props["ActiveEnterTimestampMonotonic"]) - int(props["ExecMainStartTimestampMonotonic"])) / 1e6
+    return result
+
+
+def now(box) -> str:
+    return ssh(box, "date +%s.%N").stdout.strip()
+
+
+def test_converge(box):
+    result = pyinfra(SANDBOX_INVENTORY, "-y")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert ssh(box, "systemctl is-active sparkform-guard.service").stdout.strip() == "active"
+
+
+def test_both_engine_cores_killed_at_once_again_and_again_both_serve_again_every_time(box):
+    since = now(box)
+    took = []
+    for round_ in range(DOUBLE_CRASHES):
+        starts = start_seconds(box)
+        bound = RESTART_S + sum(starts.values()) + 30
+        cores = {unit: engine_core(box, unit) for unit in UNITS}
+        if round_ % 2:
+            # q38's restart first: nemotron's, a moment later, finds it loading. (When both
+            # restart jobs are queued together, systemd's After= orders them itself.)
+            ssh(box, f"kill -9 {cores['vllm-q38.service']}")
+            wait_for(lambda: unit_properties(box, "vllm-q38.service", "SubState")["SubState"] == "start-post",
+                     60, "q38 loading again")
+            ssh(box, f"kill -9 {cores['vllm-nemotron.service']}")
+        else:
+            ssh(box, f"kill -9 {' '.join(map(str, cores.values()))}")
+        took.append(both_serve_again(box, bound, since))
+    journal = ssh(box, f"journalctl -u vllm-q38 -u vllm-nemotron --since @{since} --no-pager -o cat").stdout
+    print(f"\n{DOUBLE_CRASHES} double crashes: both serving again after {', '.join(f'{t:.0f}' for t in took)} s")
+    assert "gives up its turn" not in journal and "Start request repeated too quickly" not in journal
+    # nemotron waited for q38 instead of failing a start beside it.
+    assert "sparkform-launch: nemotron waits for engine q38, which is loading" in journal, journal[-3000:]
+    assert not [a for a in alerts(box) if a["event"] == "failed"]
+
+
+def stop_and_wait_for_the_watchdog(box, unit: str, pid: int) -> None:
+    before = main_pids(box)
+    since_alerts = len(alerts(box))
+    stopped = time.monotonic()
+    ssh(box, f"kill -STOP {pid}")
+    try:
+        wait_for(lambda: [a for a in alerts(box)[since_alerts:] if a["event"] == "hung"], HANG_DETECTED_S,
+                 f"the watchdog's alert about {unit}", 0.5)
+    finally:
+        ssh(box, f"kill -CONT {pid}", check=False)
+    detected = time.monotonic() - stopped
+    (alert,) = [a for a in alerts(box)[since_alerts:] if a["event"] == "hung"]
+    assert alert["engine"] == NAMES[unit]
+    wait_for(lambda: main_pids(box)[unit] not in (0, before[unit]), 60, f"{unit} restarted")
+    both_serve_again(box, 240, now(box))
+    other = next(u for u in UNITS if u != unit)
+    assert main_pids(box)[other] == before[other]
+    print(f"\n{unit}: hang detected after {detected:.0f} s")
+
+
+def test_a_stopped_api_server_is_detected_and_restarted(box):
+    unit = "vllm-nemotron.service"
+    stop_and_wait_for_the_watchdog(box, unit, main_pids(box)[unit])
+
+
+def test_a_stopped_engine_core_is_detected_while_health_answers(box):
+    unit = "vllm-q38.service"
+    core = engine_core(box, unit)
+    ssh(box, f"kill -STOP {core}")
+    try:
+        # What a /health probe would see: all well.
+        health = ssh(box, f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 5 http://127.0.0.1:18011/health").stdout
+        assert health == "200"
+    finally:
+        ssh(box, f"kill -CONT {core}")
+    stop_and_wait_for_the_watchdog(box, unit, core)
+
+
+def test_an_engine_under_long_generations_is_not_restarted(box):
+    """Every sequence slot busy with long generations for longer than the watchdog needs to call
+    a silent engine hung: the probes may wait, the token counters move, nothing is killed."""
+    before, since_alerts = main_pids(box), len(alerts(box))
+    body = json.dumps({"model": "q38", "prompt": "tell me", "max_tokens": 1800, "ignore_eos": True})
+    load = ssh(box, f"end=$((SECONDS + {HANG_DETECTED_S + 10})); for slot in 1 2 3 4 5 6; do "
+                    f"( while ((SECONDS < end)); do curl -s -o /dev/null --max-time 300 "
+                    f"-H 'Content-Type: application/json' -d '{body}' http://127.0.0.1:18011/v1/completions; "
+                    "done ) & done; wait; echo done", check=False)
+    assert load.stdout.strip() == "done"
+    assert main_pids(box) == before
+    assert not [a for a in alerts(box)[since_alerts:] if a["event"] == "hung"]
+
+
+def test_a_crash_of_one_engine_while_the_other_hangs_both_serve_again(box):
+    since, since_alerts = now(box), len(alerts(box))
+    hung = main_pids(box)["vllm-nemotron.service"]
+    ssh(box, f"kill -STOP {hung}")
+    try:
+        ssh(box, f"kill -9 {engine_core(box, 'vllm-q38.service')}")
+        # q38 restarts beside a started engine that does not answer: hung, not loading.
+        wait_for(lambda: serving(box, "vllm-q38.service") and answers(box, "vllm-q38.service"), 120,
+                 "q38 serving again beside the hung nemotron")
+        wait_for(lambda: [a for a in alerts(box)[since_alerts:] if a["event"] == "hung"], HANG_DETECTED_S,
+                 "the watchdog's alert about nemotron")
+    finally:
+        ssh(box, f"kill -CONT {hung}", check=False)
+    both_serve_again(box, 240, since)
+    journal = ssh(box, f"journalctl -u vllm-q38 --since @{since} --no-pager -o cat").stdout
+    assert "gives up its turn" not in journal and "waits for engine nemotron" not in journal
+
+
+def test_an_engine_that_cannot_serve_is_retried_with_a_growing_back_off_and_serves_once_repaired(box, tmp_path):
+    inventory = edited_inventory(tmp_path, host_changes={"recover_cooldown_s": 10})
+    assert pyinfra(inventory, "-y").returncode == 0
+    since, since_alerts = now(box), len(alerts(box))
+    config = f"{checkpoint_dir(box, 'q38')}/config.json"
+    ssh(box, f"cp {config} /root/q38-config.json && echo '{{' > {config}")
+    try:
+        ssh(box, f"kill -9 {engine_core(box, 'vllm-q38.service')}")
+        wait_for(lambda: [a for a in alerts(box)[since_alerts:] if a["event"] == "failed"], 300,
+                 "the alert that q38 failed")
+        # Retried after 10 s, failed again after its burst, retried after 20 s: one alert only.
+        wait_for(lambda: "retry 2 in 20 s" in ssh(box, f"journalctl -t sparkform-guard --since @{since} "
+                                                       "--no-pager -o cat").stdout, 300, "the second back-off")
+    finally:
+        ssh(box, f"cp /root/q38-config.json {config}")
+    wait_for(lambda: serving(box, "vllm-q38.service"), 300, "q38 serving after the repair, by itself")
+    events = [a["event"] for a in alerts(box)[since_alerts:] if a["engine"] == "q38"]
+    assert events == ["failed", "recovered"], events
+    assert "serves again after 2 failed start limit(s)" in alerts(box)[-1]["message"]
+    assert ssh(box, f"journalctl MESSAGE_ID=7d3f5c2a9e8b4f61a0c4d2e6b8f1a3c5 --since @{since} --no-pager "
+                    "-o cat").stdout.count("\n") >= 2
+    assert pyinfra(SANDBOX_INVENTORY, "-y").returncode == 0
+
+
+def mem_available_gib(box) -> float:
+    return int(ssh(box, "awk '/^MemAvailable:/ {print $2}' /proc/meminfo").stdout) / 2**20
+
+
+def test_memory_taken_outside_the_engines_stops_the_lower_priority_engine_until_it_is_back(box, tmp_path):
+    available = mem_available_gib(box)
+    # Floors 1.5 and 2 GiB under what is free now; 3 GiB taken outside every engine's cgroup (the
+    # stand-in for CUDA allocations the cgroup cannot see).
+    inventory = edited_inventory(tmp_path, host_changes={
+        "memory_warn_gib": round(available - 1.5, 2), "memory_critical_gib": round(available - 2, 2),
+        "memory_margin_gib": 0.0})
+    assert pyinfra(inventory, "-y").returncode == 0
+    before, since_alerts = main_pids(box), len(alerts(box))
+    hog = "python3 -c 'import time; x = bytearray(3 * 2**30); time.sleep(600)'"
+    ssh(box, f"setsid -f {hog} >/dev/null 2>&1")
+    try:
+        wait_for(lambda: unit_properties(box, "vllm-q38.service", "ActiveState")["ActiveState"] == "inactive",
+                 60, "the memory guard stopping q38")
+        assert main_pids(box)["vllm-nemotron.service"] == before["vllm-nemotron.service"]
+        assert answers(box, "vllm-nemotron.service")
+        events = [(a["event"], a["engine"]) for a in alerts(box)[since_alerts:]]
+        assert ("memory-critical", "q38") in events, events
+    finally:
+        ssh(box, "pkill -f '[b]ytearray'", check=False)
+    wait_for(lambda: serving(box, "vllm-q38.service"), 240, "q38 started again once memory is back")
+    assert ("memory-recovered", "q38") in [(a["event"], a["engine"]) for a in alerts(box)[since_alerts:]]
+    assert pyinfra(SANDBOX_INVENTORY, "-y").returncode == 0
+
+
+def test_after_automatic_restarts_a_dry_run_changes_nothing(box):
+    # Every test above ended in restarts systemd or the guard made on their own.
+    assert changed_operations(SANDBOX_INVENTORY) == []
+    ssh(box, f"kill -9 {engine_core(box, 'vllm-nemotron.service')}")
+    both_serve_again(box, 240, now(box))
+    assert changed_operations(SANDBOX_INVENTORY) == []

@@ -1,0 +1,331 @@
+"""sparkform-guard, rendered and run for real as a process: alerts to a real journal socket, HTTP
+webhook and command; recovery after a spent start limit; the watchdog against stub engines that
+serve, hang or work slowly; the memory guard against a meminfo it is handed. systemctl and
+systemd-run are stand-ins on PATH that record their calls (the sandbox runs the real ones:
+tests/integration/test_watchful.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from sparkform.render import ALERT_MESSAGE_ID, guard_files, render_host
+from sparkform.sandbox.alerts import make_server, read_alerts
+from sparkform.validate import load_host
+
+WEBHOOK_SECRET = "sf-webhook-token-0123456789"
+
+
+class Journal:
+    """A datagram socket that speaks journald's native protocol (KEY=value lines)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.1)
+        self.entries: list[dict[str, str]] = []
+
+    def read(self) -> list[dict[str, str]]:
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except (socket.timeout, BlockingIOError):
+                return self.entries
+            self.entries.append(dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line))
+
+    def alerts(self) -> list[dict[str, str]]:
+        return [e for e in self.read() if e.get("MESSAGE_ID") == ALERT_MESSAGE_ID]
+
+
+class StubEngine:
+    """/v1/completions answers at once ("ok"), never ("hung") or never while /metrics keeps
+    counting tokens ("busy")."""
+
+    def __init__(self, mode: str = "ok"):
+        self.mode, self.tokens, self.probes = mode, 0, 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _send(self, body: bytes, kind: str = "application/json"):
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if outer.mode == "busy":
+                    outer.tokens += 100
+                if outer.mode == "hung":
+                    time.sleep(30)
+                    return
+                self._send(f'# HELP x\nvllm:generation_tokens_total{{model_name="m"}} {outer.tokens}.0\n'
+                           f'vllm:prompt_tokens_total{{model_name="m"}} 7.0\n'.encode(), "text/plain")
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                outer.probes += 1
+                if outer.mode != "ok":
+                    time.sleep(30)
+                    return
+                self._send(b'{"choices": [{"text": "pong"}]}')
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+STUB_SYSTEMCTL = """#!/bin/sh
+echo "systemctl $*" >> "{calls}"
+if [ "$1" = show ]; then
+  for unit; do :; done
+  cat "{states}/$unit" 2>/dev/null || echo active
+fi
+"""
+STUB_SYSTEMD_RUN = """#!/bin/sh
+echo "systemd-run $*" >> "{calls}"
+"""
+ALERT_COMMAND = """#!/bin/sh
+cat >> "{out}"
+echo >> "{out}"
+"""
+
+
+class Guard:
+    """The rendered guard with its config, stand-ins and receivers, all under `root`."""
+
+    def __init__(self, root: Path, engines: list[StubEngine], **settings):
+        self.root = root
+        self.journal = Journal(root / "journal.sock")
+        self.calls = root / "calls"
+        self.states = root / "states"
+        self.states.mkdir()
+        self.meminfo = root / "meminfo"
+        self.set_available_gib(50)
+        self.command_out = root / "command.out"
+        bin_dir = root / "bin"
+        bin_dir.mkdir()
+        for name, text in (("systemctl", STUB_SYSTEMCTL), ("systemd-run", STUB_SYSTEMD_RUN)):
+            (bin_dir / name).write_text(text.format(calls=self.calls, states=self.states))
+            (bin_dir / name).chmod(0o755)
+        command = root / "alert-command"
+        command.write_text(ALERT_COMMAND.format(out=self.command_out))
+        command.chmod(0o755)
+        self.webhook = make_server("127.0.0.1", 0, root / "webhook.jsonl")
+        threading.Thread(target=self.webhook.serve_forever, daemon=True).start()
+        webhook_file = root / "webhook"
+        webhook_file.write_text(f"http://127.0.0.1:{self.webhook.server_address[1]}/hook?token={WEBHOOK_SECRET}\n")
+        webhook_file.chmod(0o600)
+        config = load_host("guard-test", {
+            "device": "cpu", "config_dir": str(root / "etc"), "lib_dir": str(root / "lib"),
+            "state_dir": str(root / "state"), "internal_port_offset": 10000,
+            "alert_webhook_file": str(webhook_file), "alert_command": str(command),
+            "engines": [{"name": name, "port": stub.port - 10000, "kv_cache_memory_bytes": 2**28,
+                         "priority": priority, "checkpoint": {"repo": f"o/{name}", "revision": "main"}}
+                        for (name, priority), stub in zip((("hands", 1), ("eyes", 0)), engines)],
+            **settings}).config
+        settings_path, script_path, _, _ = guard_files(config)
+        rendered = {f.path: f.content for f in render_host(config)}
+        self.script = Path(script_path)
+        self.script.parent.mkdir(parents=True)
+        self.script.write_text(rendered[script_path])
+        guard_config = json.loads(rendered[settings_path])
+        guard_config.update(journal_socket=str(self.journal.path), meminfo=str(self.meminfo),
+                            webhook_file=str(config.alert_webhook_path), memory_poll_s=0.2, memory_settle_s=0.5)
+        Path(config.alert_webhook_path).parent.mkdir(parents=True)
+        Path(config.alert_webhook_path).write_text(webhook_file.read_text())
+        Path(guard_config["state_dir"]).mkdir(parents=True)
+        self.state_dir = Path(guard_config["state_dir"])
+        self.config_path = root / "guard.json"
+        self.config_path.write_text(json.dumps(guard_config))
+        self.env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SPARKFORM_GUARD_CONFIG": str(self.config_path)}
+        self.daemon: subprocess.Popen | None = None
+
+    def set_available_gib(self, gib: float) -> None:
+        self.meminfo.write_text(f"MemTotal:       125000000 kB\nMemAvailable:   {int(gib * 2**20)} kB\n")
+
+    def set_state(self, unit: str, state: str) -> None:
+        (self.states / unit).write_text(f"{state}\n")
+
+    def run(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(self.script), *args], env=self.env, capture_output=True,
+                              text=True, timeout=60)
+
+    def watch(self) -> None:
+        self.daemon = subprocess.Popen([sys.executable, str(self.script), "watch"], env=self.env,
+                                       stderr=subprocess.PIPE, text=True)
+
+    def calls_made(self) -> list[str]:
+        return self.calls.read_text().splitlines() if self.calls.exists() else []
+
+    def webhook_alerts(self) -> list[dict]:
+        return [entry["alert"] for entry in read_alerts(self.root / "webhook.jsonl")]
+
+    def wait(self, predicate, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if self.daemon and self.daemon.poll() is not None:
+                raise AssertionError(f"the guard exited {self.daemon.returncode}: {self.daemon.stderr.read()}")
+            time.sleep(0.1)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}; calls: {self.calls_made()}")
+
+    def close(self) -> None:
+        if self.daemon:
+            self.daemon.kill()
+            self.daemon.wait()
+        self.webhook.shutdown()
+        self.webhook.server_close()
+        self.journal.sock.close()
+
+
+@pytest.fixture
+def guard(tmp_path):
+    made: list[Guard] = []
+    stubs: list[StubEngine] = []
+
+    def _guard(modes=("ok", "ok"), **settings) -> tuple[Guard, list[StubEngine]]:
+        engines = [StubEngine(mode) for mode in modes]
+        stubs.extend(engines)
+        made.append(Guard(tmp_path, engines, **settings))
+        return made[-1], engines
+
+    yield _guard
+    for item in made:
+        item.close()
+    for stub in stubs:
+        stub.close()
+
+
+def test_an_alert_reaches_the_journal_the_webhook_and_the_command_with_no_secret(guard):
+    box, _ = guard()
+    result = box.run("alert", "drift", "-", "driver 580.95.05 -> 580.126.09")
+    assert result.returncode == 0, result.stderr
+    (entry,) = box.journal.alerts()
+    assert entry["SPARKFORM_EVENT"] == "drift" and entry["MESSAGE"] == "driver 580.95.05 -> 580.126.09"
+    (posted,) = box.webhook_alerts()
+    assert posted["event"] == "drift" and posted["message"] == "driver 580.95.05 -> 580.126.09"
+    assert posted["host"] == socket.gethostname()
+    (commanded,) = [json.loads(line) for line in box.command_out.read_text().splitlines() if line]
+    assert commanded == posted
+    everything = json.dumps(box.journal.entries) + box.command_out.read_text() + json.dumps(posted)
+    assert WEBHOOK_SECRET not in everything
+
+
+def test_a_dead_webhook_is_journaled_and_the_alert_still_goes_out(guard):
+    box, _ = guard()
+    box.webhook.shutdown()
+    box.webhook.server_close()
+    result = box.run("alert", "hung", "hands", "x")
+    assert result.returncode == 0, result.stderr
+    assert [e["SPARKFORM_EVENT"] for e in box.journal.alerts()] == ["hung"]
+    assert any("the alert webhook failed" in e["MESSAGE"] for e in box.journal.entries)
+    assert box.command_out.read_text().strip()  # the command still got it
+
+
+def test_a_spent_start_limit_alerts_once_and_retries_with_a_growing_back_off(guard):
+    box, _ = guard(recover_cooldown_s=60, recover_backoff_max_s=200)
+    for _ in range(4):
+        assert box.run("failed", "eyes").returncode == 0
+    assert [a["event"] for a in box.webhook_alerts()] == ["failed"]  # once, not at every retry
+    runs = [call for call in box.calls_made() if call.startswith("systemd-run")]
+    assert [call.split("--on-active=")[1].split()[0] for call in runs] == ["60s", "120s", "200s", "200s"]
+    assert all("--unit=sparkform-retry-eyes" in call and call.endswith(f"{box.script} retry eyes") for call in runs)
+    assert json.loads((box.state_dir / "recover-eyes.json").read_text())["failures"] == 4
+    box.calls.unlink()
+    assert box.run("retry", "eyes").returncode == 0
+    assert box.calls_made() == ["systemctl reset-failed vllm-eyes.service",
+                                "systemctl start --no-block vllm-eyes.service"]
+    # It serves again: the back-off ends, and a human is told.
+    assert box.run("served", "eyes").returncode == 0
+    assert not (box.state_dir / "recover-eyes.json").exists()
+    assert [a["event"] for a in box.webhook_alerts()] == ["failed", "recovered"]
+    assert "after 4 failed start limit(s)" in box.webhook_alerts()[-1]["message"]
+
+
+def test_a_start_that_served_resets_the_start_count_and_says_nothing_else(guard):
+    box, _ = guard()
+    assert box.run("served", "hands").returncode == 0
+    assert box.calls_made() == ["systemctl reset-failed vllm-hands.service"]
+    assert box.webhook_alerts() == [] and box.journal.alerts() == []
+
+
+@pytest.mark.parametrize("args", [[], ["served"], ["nosuch"], ["served", "ghost"]])
+def test_usage_and_unknown_engines_exit_2(guard, args):
+    box, _ = guard()
+    result = box.run(*args)
+    assert result.returncode == 2
+    assert "usage" in result.stderr or "no engine 'ghost'; engines: hands, eyes" in result.stderr
+
+
+FAST_WATCHDOG = {"watchdog_interval_s": 1, "watchdog_deadline_s": 1, "watchdog_failures": 2}
+
+
+def test_the_watchdog_kills_a_hung_engine_and_leaves_the_others(guard):
+    box, (hands, eyes) = guard(modes=("hung", "ok"), **FAST_WATCHDOG)
+    box.watch()
+    box.wait(lambda: "systemctl kill --signal=SIGKILL vllm-hands.service" in box.calls_made(), 15, "the kill")
+    (alert,) = box.wait(lambda: box.webhook_alerts(), 5, "the alert")
+    assert alert["event"] == "hung" and alert["engine"] == "hands"
+    assert "answered none of 2 one-token probes" in alert["message"]
+    assert not any("vllm-eyes" in call and "kill" in call for call in box.calls_made())
+    assert eyes.probes >= 2
+
+
+def test_the_watchdog_leaves_a_busy_engine_whose_counters_move(guard):
+    box, (hands, _) = guard(modes=("busy", "ok"), **FAST_WATCHDOG)
+    box.watch()
+    box.wait(lambda: hands.probes >= 4, 20, "four probes of the busy engine")
+    assert not any("kill" in call for call in box.calls_made())
+    assert any("busy, not hung" in e["MESSAGE"] for e in box.journal.read())
+
+
+def test_the_watchdog_leaves_an_engine_that_is_not_started(guard):
+    box, (hands, _) = guard(modes=("hung", "ok"), **FAST_WATCHDOG)
+    box.set_state("vllm-hands.service", "activating")  # its start: the readiness helper's business
+    box.watch()
+    time.sleep(4)
+    assert hands.probes == 0 and not any("kill" in call for call in box.calls_made())
+
+
+def test_the_memory_guard_stops_the_lower_priority_engine_and_starts_it_again(guard):
+    box, _ = guard(memory_warn_gib=8.0, memory_critical_gib=4.0, memory_margin_gib=2.0)
+    box.watch()
+    box.set_available_gib(6)  # between the floors: a warning, nothing stopped
+    box.wait(lambda: [a["event"] for a in box.webhook_alerts()] == ["memory-low"], 5, "the warning")
+    box.set_available_gib(3)
+    box.wait(lambda: "systemctl stop vllm-eyes.service" in box.calls_made(), 5, "eyes stopped")
+    box.set_state("vllm-eyes.service", "inactive")
+    time.sleep(1.5)  # still critical: the highest-priority engine is never stopped
+    assert "systemctl stop vllm-hands.service" not in box.calls_made()
+    # Back only with room for eyes itself: 8 (warning) + 2 (margin) + 2.25 (its 0.25 GiB pool
+    # and the launch script's 2 GiB margin) = 12.25 GiB.
+    box.set_available_gib(12)
+    time.sleep(1)
+    assert "systemctl start --no-block vllm-eyes.service" not in box.calls_made()
+    box.set_available_gib(12.5)
+    box.wait(lambda: "systemctl start --no-block vllm-eyes.service" in box.calls_made(), 5, "eyes started")
+    events = [(a["event"], a["engine"]) for a in box.webhook_alerts()]
+    assert events == [("memory-low", "-"), ("memory-critical", "eyes"), ("memory-recovered", "eyes")]
