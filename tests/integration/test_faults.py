@@ -93,7 +93,8 @@ def test_hand_run_beside_a_running_engine_is_refused_with_how_to_stop_it(box):
 
 
 def test_hand_runs_while_q38_is_stopped(box):
-    """Port taken, neighbour starting, incomplete checkpoint: refused; alone: caps reach it."""
+    """Port taken, incomplete checkpoint: refused; neighbour loading: it waits its turn, then the
+    caps reach it."""
     nemotron_pid = main_pids(box)["vllm-nemotron.service"]
     ssh(box, "systemctl stop vllm-q38")
     try:
@@ -119,17 +120,18 @@ def test_hand_runs_while_q38_is_stopped(box):
                  == "activating"
                  and ssh(box, "flock -n /var/lib/sparkform/locks/nemotron.lock true", check=False).returncode == 1,
                  60, "nemotron starting with its lock held", 0.2)
-        result = hand_run(box, "q38")
-        assert result.returncode == 5, result.stderr
-        assert "engine nemotron" in result.stderr and "is starting and not serving yet" in result.stderr
-        wait_for(lambda: serving(box, "vllm-nemotron.service"), ENGINE_START_S, "nemotron serving again")
-        nemotron_pid = main_pids(box)["vllm-nemotron.service"]
-
-        # Alone, from a shell that says MAX_JOBS=20: the engine runs with the caps anyway.
+        # A hand run from a shell that says MAX_JOBS=20 waits its turn while nemotron loads...
         ssh(box, f"cd / && setsid -f sudo -u vllm env -i PATH=/usr/bin:/bin MAX_JOBS=20 {LAUNCH} q38 "
                  ">/tmp/q38-hand.log 2>&1")
+        wait_for(lambda: "q38 waits for engine nemotron, which is loading" in ssh(box, "cat /tmp/q38-hand.log").stdout,
+                 30, "the hand-run q38 waiting for nemotron", 0.2)
+        assert "starting q38" not in ssh(box, "cat /tmp/q38-hand.log").stdout
+        wait_for(lambda: serving(box, "vllm-nemotron.service"), ENGINE_START_S, "nemotron serving again")
+        nemotron_pid = main_pids(box)["vllm-nemotron.service"]
+        # ... then goes ahead, and the engine runs with the caps anyway.
         wait_for(lambda: ssh(box, "curl -fs -o /dev/null http://127.0.0.1:18011/health", check=False).returncode == 0,
                  ENGINE_START_S, "the hand-run q38 serving")
+        assert "sparkform-launch: starting q38" in ssh(box, "cat /tmp/q38-hand.log").stdout
         pid = ssh(box, "cat /var/lib/sparkform/locks/q38.lock").stdout.strip()
         environ = ssh(box, f"tr '\\0' '\\n' < /proc/{pid}/environ").stdout.splitlines()
         assert "MAX_JOBS=4" in environ and "FLASHINFER_NVCC_THREADS=1" in environ
