@@ -7,7 +7,6 @@ tests/integration/test_watchful.py)."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
