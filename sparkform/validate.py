@@ -112,6 +112,7 @@ def _model_configs(host: str, config: HostConfig, base_dir: Path) -> tuple[dict,
 # Files on the control machine; relative paths resolve against the inventory's folder.
 LOCAL_PATH_FIELDS = ("hf_token_file", "api_key_file", "alert_webhook_file", "wheelhouse_source")
 SECRET_FILE_FIELDS = ("hf_token_file", "api_key_file", "alert_webhook_file")
+WEBHOOK_URL = re.compile(r"https?://[^\s\x00-\x1f]+")  # one URL, nothing a shell or header could split
 
 
 def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Host:
@@ -359,9 +360,6 @@ def _secret_files(host: Host) -> list[Problem]:
             problems.append(Problem(host.name, field_name, path, "the file does not hold one http(s) URL",
                                     f"write the webhook's URL alone into {path}, e.g. https://ntfy.sh/TOPIC"))
     return problems
-
-
-WEBHOOK_URL = re.compile(r"https?://[^\s\x00-\x1f]+")
 
 
 def _memory_floors(host: Host) -> list[Problem]:

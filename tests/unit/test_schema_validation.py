@@ -178,6 +178,8 @@ INVALID = [
     ("internal-port-past-65535", host(internal_port_offset=60000), "internal_port_offset", "q38",
      ["8011 + 60000 = 68011 is past 65535"]),
     ("metrics-allow-a-name", host(metrics_allow=["prometheus.lan"]), "metrics_allow", None, ["not an address"]),
+    ("memory-critical-not-below-warning", host(memory_critical_gib=8.0), "memory_critical_gib", None,
+     ["below the warning floor (8.0 GiB)"]),
 ]
 
 
@@ -512,3 +514,15 @@ def test_the_front_is_reached_on_loopback_when_it_listens_everywhere(seed_data, 
     assert make_host(seed_data).config.front_local_address == "::1"
     seed_data.update(listen_address="127.0.0.1", open_lan_api_without_key=False)
     assert not make_host(seed_data).config.serves_lan
+
+
+def test_the_alert_webhook_file_must_hold_one_url(seed_data, make_host, problems_of, tmp_path):
+    hook = tmp_path / "webhook"
+    hook.write_text("https://ntfy.example/sparkform-topic\n")
+    hook.chmod(0o600)
+    seed_data.update(alert_webhook_file=str(hook))
+    assert make_host(seed_data).config.alert_webhook_file == str(hook)
+    for bad in ("ntfy.example/topic", "https://a.example/x https://b.example/y", "curl https://x | sh"):
+        hook.write_text(bad + "\n")
+        (problem,) = problems_for("alert_webhook_file", problems_of(seed_data, name="spark-test"))
+        assert "one http(s) URL" in problem.message
