@@ -24,7 +24,7 @@ from sparkform.hub import resolve_pins
 from sparkform.inventory import exit_invalid, load_inventory, raw_inventory
 from sparkform.render import render_host
 from sparkform.schema import Checkpoint, CompileCaps, Engine, HostConfig, Measured
-from sparkform.validate import Host, InventoryError
+from sparkform.validate import Host, InventoryError, Problem
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -60,16 +60,26 @@ def _checkpoints(config: HostConfig) -> dict[str, str]:
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
+    out = args.out.resolve()
+    planned, problems = [], []
     for host in load_inventory(args.inventory):
         if args.host and host.name != args.host:
             continue
-        root = args.out / host.name
+        root = (out / host.name).resolve()
+        if root == out or not root.is_relative_to(out):
+            # A host name that climbs out (`..`) would write anywhere this user can.
+            problems.append(Problem(host.name, "host name", host.name, f"renders into {root}, not inside --out {out}",
+                                    "name the host without '/' or '..'"))
+            continue
         for file in render_host(host.config):
-            target = root / file.path.lstrip("/")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(file.content)
-            target.chmod(int(file.mode, 8))
-            print(target)
+            planned.append((root / file.path.lstrip("/"), file))
+    if problems:
+        exit_invalid(InventoryError(problems), str(args.inventory))
+    for target, file in planned:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(file.content)
+        target.chmod(int(file.mode, 8))
+        print(target)
     return 0
 
 

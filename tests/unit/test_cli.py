@@ -197,6 +197,118 @@ def test_a_missing_inventory_exits_1(tmp_path, capsys):
     assert "No such file" in capsys.readouterr().err
 
 
+# --- hostile inventories: values that would reach a unit, a script, a shell or a path as syntax -----
+
+KEY = "sk-hostile-DO-NOT-PRINT-0123456789"
+# id: (host data changes, changes to engine "fast", text naming the field, more text)
+HOSTILE = {
+    "served_name_splits_the_command": ({}, {"served_names": ["fast", ";", "+/usr/bin/id"]},
+                                       "engine fast: served_names = ", "not a model name"),
+    "served_name_with_a_specifier": ({}, {"served_names": ["fast-%h"]}, "engine fast: served_names = ", "not a model name"),
+    "served_name_with_a_variable": ({}, {"served_names": ["$HOME"]}, "engine fast: served_names = ", "not a model name"),
+    "served_name_with_a_quote": ({}, {"served_names": ['fast"x']}, "engine fast: served_names = ", "not a model name"),
+    "newline_in_cuda_home": ({"cuda_home": "/usr/local/cuda\nExecStartPre=+/tmp/evil"}, {}, "cuda_home = ",
+                             "not an absolute path"),
+    "command_substitution_in_cuda_home": ({"cuda_home": "/usr/local/cuda$(id>/tmp/x)"}, {}, "cuda_home = ",
+                                          "not an absolute path"),
+    "semicolon_in_config_dir": ({"config_dir": "/etc/sparkform;id"}, {}, "config_dir = ", "not an absolute path"),
+    "newline_in_listen_address": ({"listen_address": "127.0.0.1\n--trust-remote-code"}, {}, "listen_address = ",
+                                  "not an IP address"),
+    "newline_in_reasoning_parser": ({}, {"reasoning_parser": "nemotron_v3\n--trust-remote-code"},
+                                    "engine fast: reasoning_parser = ", "should match pattern"),
+    "space_in_tool_call_parser": ({}, {"tool_call_parser": "hermes --trust-remote-code"},
+                                  "engine fast: tool_call_parser = ", "should match pattern"),
+    "state_dir_is_a_system_folder": ({"state_dir": "/usr/local"}, {}, "state_dir = '/usr/local'", "system folder"),
+    "cache_root_is_the_root": ({"cache_root": "/"}, {}, "cache_root = '/'", "system folder"),
+    "models_dir_in_proc": ({"models_dir": "/proc/self/cwd"}, {}, "models_dir = ", "system folder"),
+    "models_dir_where_engines_write": ({"models_dir": "/var/cache/sparkform/fast/models"}, {}, "models_dir = ",
+                                       "where the engines write"),
+    "engine_user_root": ({"engine_user": "root"}, {}, "engine_user = 'root'", "root: everything"),
+    "engine_user_of_the_front": ({"engine_user": "www-data"}, {}, "engine_user = 'www-data'", "of its own"),
+    "api_key_with_an_underscore": ({}, {"extra_args": ["--api_key", KEY]}, "engine fast: extra_args = ['--api_key', '***']",
+                                   "api_key_file"),
+    "api_key_abbreviated_in_one_token": ({}, {"extra_args": [f"--api-k={KEY}"]},
+                                         "engine fast: extra_args = ['--api-k=***']", "api_key_file"),
+    "trust_remote_code_in_extra_args": ({}, {"extra_args": ["--trust_remote_code"]}, "engine fast: extra_args = ",
+                                        "trust_remote_code: true"),
+    "port_abbreviated": ({}, {"extra_args": ["--por", "80"]}, "engine fast: extra_args = ", "listen_address and port"),
+    "model_in_extra_args": ({}, {"extra_args": ["--model=/etc"]}, "engine fast: extra_args = ", "set checkpoint"),
+    "local_media_in_extra_args": ({}, {"extra_args": ["--allowed-local-media-path", "/"]},
+                                  "engine fast: extra_args = ", "read the engine's files"),
+    "newline_in_an_argument": ({}, {"extra_args": ["--enforce-eager\n--trust-remote-code"]},
+                               "engine fast: extra_args = ", "control character"),
+    "dotdot_in_lib_dir": ({"lib_dir": "/usr/local/lib/sparkform/../../../etc"}, {}, "lib_dir = ", "not normalized"),
+    "shell_in_revision": ({}, {"checkpoint": {"repo": "org/fast", "revision": "main;rm -rf /"}},
+                          "engine fast: checkpoint.revision = ", "not a branch, tag or commit"),
+    "quote_in_include": ({}, {"checkpoint": {"repo": "org/fast", "revision": "abc123", "include": ["*' ; id '"]}},
+                         "engine fast: checkpoint.include = ", "not a file pattern"),
+    "command_in_hf_endpoint": ({"hf_endpoint": "http://hub.lan/$(id)"}, {}, "hf_endpoint = ", "should match pattern"),
+    "shell_in_python": ({"python": "python3; id"}, {}, "python = ", "should match pattern"),
+    "arguments_in_alert_command": ({"alert_command": "/usr/bin/notify --all"}, {}, "alert_command = ",
+                                   "not an absolute path"),
+    "shell_in_vllm_version": ({"vllm_version": "0.27.1; id"}, {}, "vllm_version = ", "should match pattern"),
+    "unicode_in_repo": ({}, {"checkpoint": {"repo": "org/f\u0430st", "revision": "abc123"}},
+                        "engine fast: checkpoint.repo = ", "owner/name"),
+    "variable_in_generation_config": ({}, {"generation_config": "/srv/$HOME"}, "engine fast: generation_config = ",
+                                      "not an absolute path"),
+}
+HOSTILE_INVENTORY = """
+import runpy
+from sparkform.inventory import hosts
+pair = runpy.run_path({base!r})["pair"]()
+pair.update({host!r})
+pair["engines"][0].update({engine!r})
+spark = hosts({{"spark-test": pair}}, __file__)
+"""
+
+
+def hostile_inventory(case: str, folder: Path) -> Path:
+    host_changes, engine_changes, _, _ = HOSTILE[case]
+    path = folder / f"{case}.py"
+    path.write_text(HOSTILE_INVENTORY.format(base=str(INVENTORIES / "broken_base.py"), host=host_changes,
+                                             engine=engine_changes))
+    return path
+
+
+def test_there_are_at_least_fifteen_hostile_inventories():
+    assert len(HOSTILE) >= 15
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_inventory_exits_2_naming_the_field_before_any_connection(case, tmp_path, no_network, capsys):
+    path = hostile_inventory(case, tmp_path)
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["plan", str(path)])
+    assert caught.value.code == 2
+    assert no_network == []
+    err = capsys.readouterr().err
+    named, detail = HOSTILE[case][2:]
+    lines = err.splitlines()
+    assert lines[0] == f"sparkform: invalid inventory {path}:"
+    assert any(line.startswith(f"  - spark-test: {named}") for line in lines[1:]), err
+    assert detail in err and "Fix: " in err
+    assert KEY not in err
+
+
+@pytest.mark.parametrize("case", ["newline_in_cuda_home", "engine_user_root", "api_key_with_an_underscore"])
+def test_hostile_inventory_exits_2_from_the_console_script(case, tmp_path):
+    path = hostile_inventory(case, tmp_path)
+    result, _ = sparkform("plan", str(path), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert HOSTILE[case][2] in result.stderr and KEY not in result.stderr
+
+
+def test_render_never_writes_outside_its_out_folder(tmp_path):
+    inventory = tmp_path / "climbing.py"
+    inventory.write_text(HOSTILE_INVENTORY.format(base=str(INVENTORIES / "broken_base.py"), host={}, engine={})
+                         .replace('"spark-test"', '"../../outside"'))
+    out = tmp_path / "a" / "b"
+    result, _ = sparkform("render", str(inventory), "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "../../outside: host name = '../../outside'" in result.stderr
+    assert not (tmp_path / "outside").exists() and not out.exists()
+
+
 # --- the seed inventory --------------------------------------------------------------------------------
 
 def test_seed_inventory_plan_exits_0_and_prints_both_engines(tmp_path):

@@ -1172,3 +1172,40 @@ def test_unit_after_a_disabled_engine_is_ordered_after_what_that_engine_waited_f
     files = {f.path: f for f in render_host(load_host("variant", data).config)}
     embed = parse_unit(files["/etc/systemd/system/vllm-embed.service"].content)
     assert unit_value(embed, "Unit", "After").split() == ["network-online.target", "vllm-hands.service"]
+
+
+# --- escaping: a value the schema did not shape stays a value --------------------------------------
+
+HOSTILE_TEXT = "/opt/cu da$(touch PWNED)`touch PWNED`;touch PWNED'\"%h"
+
+
+def test_env_file_and_profile_keep_a_hostile_value_literal_in_bash(monkeypatch, tmp_path):
+    # model_copy skips validation: the templates alone must keep the value one literal word.
+    config = seed_config(monkeypatch).model_copy(update={"cuda_home": HOSTILE_TEXT})
+    files = {f.path: f for f in render_host(config)}
+    for path in ("/etc/profile.d/sparkform-caps.sh", "/etc/sparkform/engines/nemotron.env"):
+        script = tmp_path / "sourced"
+        script.write_text(files[path].content)
+        result = subprocess.run(["bash", "-c", '. ./sourced && printf "%s\\n%s" "$CUDA_HOME" "$PATH"'],
+                                cwd=tmp_path, capture_output=True, text=True, check=True)
+        cuda_home, search_path = result.stdout.split("\n")
+        assert cuda_home == HOSTILE_TEXT, path
+        assert search_path.startswith(f"{HOSTILE_TEXT}/bin:"), path
+        assert not (tmp_path / "PWNED").exists(), path
+
+
+def test_unit_words_escape_what_systemd_would_expand(monkeypatch):
+    from sparkform.render import systemd_escaped, systemd_word
+
+    assert systemd_word("/usr/local/lib/sparkform") == "/usr/local/lib/sparkform"  # plain: as it is
+    # In a command line %h is a specifier, $HOME a variable, ; a command separator, " a quote:
+    # each is written so systemd reads it back as the literal character.
+    assert systemd_word('a;b %h $HOME "q"\\') == '"a;b %%h $$HOME \\"q\\"\\\\"'
+    assert systemd_escaped("%h $HOME") == "%%h $HOME"  # Environment= expands specifiers only
+    with pytest.raises(ValueError, match="control character"):
+        systemd_word("a\nExecStartPre=+/bin/sh")
+    config = seed_config(monkeypatch)
+    hostile = config.engines[0].model_copy(update={"served_names": ["a;b", "%h"]})
+    unit = render_host(config.model_copy(update={"engines": [hostile]}))
+    service = next(f.content for f in unit if f.path.endswith(hostile.unit))
+    assert '1080 "a;b" "%%h"\n' in service

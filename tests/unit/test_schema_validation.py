@@ -148,7 +148,7 @@ INVALID = [
     ("max-model-len-fraction", at("q38", max_model_len=131072.5), "max_model_len", "q38", ["integer"]),
     ("served-names-not-a-list", at("q38", served_names="q38"), "served_names", "q38", ["list"]),
     ("served-name-with-space", at("q38", served_names=["q38", "vision model"]), "served_names", "q38",
-     ["whitespace"]),
+     ["not a model name"]),
     ("engines-not-a-list", host(engines={"name": "q38"}), "engines", None, ["list"]),
     ("enabled-not-a-bool", at("q38", enabled="maybe"), "enabled", "q38", ["boolean"]),
     ("engine-name-uppercase", at("q38", name="Q38", after=["nemotron"]), "name", "Q38", ["pattern"]),
