@@ -14,7 +14,7 @@ from pyinfra import host, logger
 from facts.host import SparkformHost
 from sparkform import hostrecord
 from sparkform.hub import resolve_pins
-from sparkform.inventory import exit_invalid, host_from_data
+from sparkform.inventory import exit_invalid, exit_untrusted, host_from_data
 from sparkform.render import (FRONT_CONFIG, FRONT_DROP_IN, FRONT_UNIT, GUARD_UNIT, guard_files, prerequisite_packages,
                               render_host)
 from sparkform.schema import ENGINES_TARGET, UNIT_PREFIX
@@ -45,8 +45,13 @@ snapshot = host.get_fact(
     models_dir=config.models_dir,
     pins_dir=config.pins_dir,
     cache_root=config.cache_root,
+    cache_keys_dir=hostrecord.cache_keys_dir(config.state_dir),
     record_path=hostrecord.record_path(config.state_dir),
 )
+# Root acts on nothing it did not write: a pin, key, marker or record of another shape stops
+# the run here, before any change (and before the hub is asked about a pin).
+if snapshot.untrusted:
+    exit_untrusted(host.name, snapshot.untrusted)
 # Branches and tags become commits: the host's record of them, else the hub's answer now.
 try:
     config = config.pinned(resolve_pins(host.name, config, snapshot.pins))
@@ -58,7 +63,7 @@ order = start_order(config)
 
 # What changed since the last converge, and which engines' JIT caches it made stale.
 live = hostrecord.parse_live_versions(snapshot.live_versions, f"{config.vllm_package}-{config.vllm_version}")
-record = hostrecord.HostRecord.from_json(snapshot.record)
+record = snapshot.record
 drift = hostrecord.drift(record, live, {e.name: snapshot.cache_keys.get(e.name) for e in order},
                          {e.name for e in order if jit.caches_aside(config, e, snapshot)})
 last_cold = hostrecord.last_cold_starts(record, {e.name: e.measured.cold_start_s for e in order})
@@ -75,7 +80,7 @@ for unit, dep, state in boot_chain_holes({u: s.after for u, s in snapshot.engine
 
 system.packages_present(name="Install prerequisites", packages=packages, snapshot=snapshot)
 system.system_user(name=f"Engine user {config.engine_user}", user=config.engine_user,
-                   home=config.state_dir, snapshot=snapshot)
+                   home=config.engine_home, snapshot=snapshot)
 for spec in folders:
     system.folder(name=f"Folder {spec.path}", spec=spec, snapshot=snapshot)
 for secret in secrets:

@@ -6,18 +6,25 @@ deploy reads this one fact once and every task decides from it.
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass, field
 
 from pyinfra.api import FactBase
 
-from sparkform.hostrecord import CACHE_KEY_FILE, LIVE_VERSIONS_COMMAND, STALE_MARK
+from sparkform.hostrecord import (CACHE_KEY_PATTERN, ENGINE_NAME_PATTERN, LIVE_VERSIONS_COMMAND, STALE_MARK,
+                                  HostRecord, UntrustedValue)
 from sparkform.parsers import EngineState, engine_states
-from sparkform.schema import CHECKPOINT_MANIFEST, COMPLETE_MARKER
+from sparkform.schema import CHECKPOINT_MANIFEST, COMMIT_ID, COMPLETE_MARKER
 
 UNIT_PROPERTIES = ("Id,LoadState,ActiveState,SubState,NRestarts,MainPID,ExecMainStatus,Result,UnitFileState,"
                    "After,ExecMainStartTimestamp,ExecMainStartTimestampMonotonic,ActiveEnterTimestampMonotonic")
 SECTION = "@@sparkform:"
+# What sparkform writes into the files it reads back; anything else was written by someone else.
+PIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # Checkpoint.pin_name
+FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # repo--name@commit
+STAMP = re.compile(r"[A-Za-z0-9._+=@ -]{0,200}")  # venv pins, digests of what nginx and the guard loaded
+MANIFEST_PATH = re.compile(r"[A-Za-z0-9._/+-]{1,400}")  # a checkpoint file, relative to its folder
 # Every checkpoint folder (name@commit) under the models folder, one line each:
 # "folder|mtime|marker|verdict", the verdict "ok", "-" (no manifest) or the files whose size or
 # mtime no longer match the manifest. Trusts size and mtime: hashes nothing.
@@ -61,19 +68,21 @@ class CheckpointFolder:
 @dataclass
 class HostSnapshot:
     installed_packages: set[str] = field(default_factory=set)
-    users: set[str] = field(default_factory=set)
+    users: dict[str, str] = field(default_factory=dict)  # user -> home folder
     paths: dict[str, RemoteFile] = field(default_factory=dict)
     markers: dict[str, str] = field(default_factory=dict)  # marker or stamp path -> its one line
     rendered_units: set[str] = field(default_factory=set)  # unit files sparkform wrote, by path
     checkpoints: dict[str, CheckpointFolder] = field(default_factory=dict)  # by folder path
     pins: dict[str, str] = field(default_factory=dict)  # pin name (repo@revision) -> commit
     live_versions: list[str] = field(default_factory=list)  # LIVE_VERSIONS_COMMAND's output
-    record: str = ""  # the host record's text ("" before the first converge)
+    record: HostRecord | None = None  # None before the first converge, or when it is no record
     booted_at: float | None = None  # unix time systemd (PID 1) started: this boot, also in a container
     cache_keys: dict[str, str] = field(default_factory=dict)  # engine -> key its caches were built under
     caches_aside: list[str] = field(default_factory=list)  # cache folders moved aside, not yet rebuilt
     unit_files: dict[str, str] = field(default_factory=dict)  # engine unit file -> enabled, disabled, ...
     engines: dict[str, EngineState] = field(default_factory=dict)
+    # What the host holds that sparkform never writes (file and value): root acts on none of it.
+    untrusted: list[str] = field(default_factory=list)
 
 
 def _section(name: str, command: str) -> str:
@@ -95,15 +104,19 @@ class SparkformHost(FactBase):
     + models_dir: folder of the checkpoint folders, each checked against its manifest by size
       and mtime
     + pins_dir: folder of the records of what each branch or tag resolved to
-    + cache_root: folder of the engines' JIT cache folders (their keys, and those moved aside)
+    + cache_root: folder of the engines' JIT cache folders (and those moved aside)
+    + cache_keys_dir: root's folder of the key each engine's caches were built under
     + record_path: the host record
+
+    Every value read back is checked against the shape sparkform writes it in; one that does
+    not match is listed in ``untrusted`` and left out, never used.
     """
 
     default = HostSnapshot
 
     def command(self, packages: list[str], users: list[str], paths: list[str],
                 markers: list[str], units: list[str], unit_glob: str, models_dir: str,
-                pins_dir: str, cache_root: str, record_path: str) -> str:
+                pins_dir: str, cache_root: str, cache_keys_dir: str, record_path: str) -> str:
         quoted_paths = " ".join(shlex.quote(p) for p in paths)
         sections = [
             _section("packages", "dpkg-query -W -f='${Package} ${db:Status-Status}\\n' "
@@ -123,7 +136,7 @@ class SparkformHost(FactBase):
             _section("versions", LIVE_VERSIONS_COMMAND),
             _section("record", f"cat {shlex.quote(record_path)}"),
             _section("boot", "systemctl show --timestamp=unix -p UserspaceTimestamp --value"),
-            _section("cache_keys", f"grep -H . {shlex.quote(cache_root)}/*/{CACHE_KEY_FILE}"),
+            _section("cache_keys", f"grep -H . {shlex.quote(cache_keys_dir)}/*"),
             _section("caches_aside", f"ls -d {shlex.quote(cache_root)}/*{STALE_MARK}*"),
         ]
         return " ; ".join(sections)
@@ -141,7 +154,8 @@ class SparkformHost(FactBase):
             name, _, status = line.partition(" ")
             if status == "installed":
                 snapshot.installed_packages.add(name)
-        snapshot.users = {line.split(":", 1)[0] for line in sections.get("users", []) if ":" in line}
+        snapshot.users = {fields[0]: fields[5] for fields in (line.split(":") for line in sections.get("users", []))
+                          if len(fields) == 7}
         digests = {}
         for line in sections.get("sha256", []):
             digest, _, path = line.partition("  ")
@@ -150,9 +164,18 @@ class SparkformHost(FactBase):
             kind, mode, user, group, path = line.split("|", 4)
             snapshot.paths[path] = RemoteFile(None if kind == "directory" else digests.get(path),
                                               mode, user, group)
+        untrusted = snapshot.untrusted
+
+        def shaped(pattern: re.Pattern, value: str, where: str, what: str) -> bool:
+            if pattern.fullmatch(value):
+                return True
+            untrusted.append(f"{where} holds {value!r}, which is not {what}")
+            return False
+
         for line in sections.get("markers", []):
             path, _, content = line.partition("|")
-            snapshot.markers[path] = content
+            if shaped(STAMP, content, path, "a stamp sparkform writes"):
+                snapshot.markers[path] = content
         snapshot.engines = engine_states(sections.get("units", []))
         snapshot.rendered_units = set(sections.get("rendered_units", []))
         for line in sections.get("unit_files", []):
@@ -161,16 +184,30 @@ class SparkformHost(FactBase):
         for line in sections.get("checkpoints", []):
             folder, mtime, marker, verdict = line.rsplit("|", 3)
             drift = None if verdict == "-" else [] if verdict == "ok" else verdict.split(",")
-            snapshot.checkpoints[folder] = CheckpointFolder(marker or None, drift, float(mtime))
+            if (shaped(FOLDER_NAME, folder.rsplit("/", 1)[-1], folder, "a checkpoint folder name (repo@commit)")
+                    and (not marker or shaped(COMMIT_ID, marker, f"{folder}/{COMPLETE_MARKER}", "a commit id"))
+                    and all(shaped(MANIFEST_PATH, path, f"{folder}/{CHECKPOINT_MANIFEST}", "a checkpoint file")
+                            for path in drift or [])):
+                snapshot.checkpoints[folder] = CheckpointFolder(marker or None, drift, float(mtime))
         for line in sections.get("pins", []):
             path, _, commit = line.partition(":")
-            snapshot.pins[path.rsplit("/", 1)[-1]] = commit
+            name = path.rsplit("/", 1)[-1]
+            if shaped(PIN_NAME, name, path, "a pin name (repo@revision)") and shaped(COMMIT_ID, commit, path, "a commit id"):
+                snapshot.pins[name] = commit
         snapshot.live_versions = sections.get("versions", [])
-        snapshot.record = "\n".join(sections.get("record", []))
+        try:
+            snapshot.record = HostRecord.from_json("\n".join(sections.get("record", [])))
+        except UntrustedValue as err:
+            untrusted.append(f"the host record: {err}")
         boot = sections.get("boot", [""])[0] if sections.get("boot") else ""
         snapshot.booted_at = float(boot[1:]) if boot.startswith("@") and boot[1:].isdigit() else None
         for line in sections.get("cache_keys", []):
             path, _, key = line.partition(":")
-            snapshot.cache_keys[path.rsplit("/", 2)[-2]] = key
-        snapshot.caches_aside = sections.get("caches_aside", [])
+            engine = path.rsplit("/", 1)[-1]
+            if (shaped(ENGINE_NAME_PATTERN, engine, path, "a cache key file of an engine")
+                    and shaped(CACHE_KEY_PATTERN, key, path, "a cache key")):
+                snapshot.cache_keys[engine] = key
+        for path in sections.get("caches_aside", []):
+            if shaped(CACHE_KEY_PATTERN, path.rsplit(STALE_MARK, 1)[-1], path, "a cache folder moved aside"):
+                snapshot.caches_aside.append(path)
         return snapshot

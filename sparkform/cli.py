@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from sparkform import planner, ssh
-from sparkform.hostrecord import HostRecord, record_path
+from sparkform.hostrecord import HostRecord, UntrustedValue, record_path
 from sparkform.hub import resolve_pins
 from sparkform.inventory import exit_invalid, load_inventory, raw_inventory
 from sparkform.render import render_host
@@ -115,7 +115,10 @@ def _wait_for_ssh(config: Path, name: str, wait_s: float) -> bool:
 
 def _read_record(config: Path, name: str, state_dir: str) -> HostRecord | None:
     result = ssh.run(config, name, f"cat {record_path(state_dir)} 2>/dev/null || true")
-    return HostRecord.from_json(result.stdout)
+    try:
+        return HostRecord.from_json(result.stdout)
+    except UntrustedValue:
+        return None  # the deploy stops on it and says why
 
 
 def start_table(before: HostRecord | None, after: HostRecord | None) -> str:

@@ -23,9 +23,6 @@ from typing import Any
 from sparkform.parsers import cuda_version_from_nvidia_smi
 
 RECORD_NAME = "host-record.json"
-# Written into an engine's cache folder once it served with those caches: the key they were
-# built under. Per engine, so a rebuild that fails halfway keeps what the first engine did.
-CACHE_KEY_FILE = ".sparkform-cache-key"
 STALE_MARK = ".stale-"  # <cache folder>.stale-<old key>: caches moved aside, kept until a warm start
 
 # One shell snippet, one round trip; it always exits 0 and prints nothing for a probe whose
@@ -49,6 +46,10 @@ _DRIVER_RE = re.compile(r"^\d+(?:\.\d+)+$")
 _GPU_ARCH_RE = re.compile(r"^\d+\.\d+$")
 # Characters kept in a cache key; anything else becomes "_" so the key can name a folder.
 _UNSAFE_KEY_CHARS_RE = re.compile(r"[^A-Za-z0-9._+-]")
+# What a cache key read back from a host may hold (what cache_key writes), and a version text.
+CACHE_KEY_PATTERN = re.compile(r"[A-Za-z0-9._+-]{1,200}")
+VERSION_TEXT_PATTERN = re.compile(r"[A-Za-z0-9._+~:()/, -]{1,128}")
+ENGINE_NAME_PATTERN = re.compile(r"[a-z][a-z0-9-]{0,30}")  # schema.NAME_PATTERN
 UNKNOWN = "none"
 
 
@@ -80,8 +81,15 @@ CACHE_FIELDS = ("driver", "cuda", "vllm", "gpu_arch")
 
 
 def record_dir(state_dir: str) -> str:
-    """Root's folder for the record (the state folder itself belongs to the engine user)."""
+    """Root's folder for the record, the cache keys, the guard's state and the stamps."""
     return posixpath.join(state_dir, "record")
+
+
+def cache_keys_dir(state_dir: str) -> str:
+    """Root's folder of the key each engine's caches were built under, one file per engine,
+    written once the engine served with them: a rebuild that fails halfway keeps what the first
+    engine did. Not in the cache folder: the engine writes there, and root reads the key back."""
+    return posixpath.join(record_dir(state_dir), "cache-keys")
 
 
 def record_path(state_dir: str) -> str:
@@ -103,7 +111,7 @@ def _key_values(lines: list[str]) -> dict[str, str]:
 
 
 def _matching(value: str | None, pattern: re.Pattern[str]) -> str | None:
-    return value if value is not None and pattern.match(value) else None
+    return value if value is not None and pattern.fullmatch(value) else None
 
 
 def parse_live_versions(lines: list[str], vllm: str) -> HostVersions:
@@ -114,11 +122,11 @@ def parse_live_versions(lines: list[str], vllm: str) -> HostVersions:
     """
     values = _key_values(lines)
     return HostVersions(
-        kernel=values.get("kernel"),
+        kernel=_matching(values.get("kernel"), VERSION_TEXT_PATTERN),
         driver=_matching(values.get("driver"), _DRIVER_RE),
         cuda=cuda_version_from_nvidia_smi([values.get("cuda_banner", "")]),
         gpu_arch=_matching(values.get("gpu_arch"), _GPU_ARCH_RE),
-        firmware=values.get("firmware"),
+        firmware=_matching(values.get("firmware"), VERSION_TEXT_PATTERN),
         vllm=vllm or None,
     )
 
@@ -169,16 +177,18 @@ class HostRecord:
 
     @classmethod
     def from_json(cls, text: str) -> HostRecord | None:
-        """Read a record written by ``to_json``; None when the text is empty or is not one."""
+        """Read a record written by ``to_json``; None when the text is empty or is not one.
+        UntrustedValue when it is one but a value in it has a shape sparkform never writes."""
         try:
             data = json.loads(text)
             versions = _checked(data["versions"], dict)
             engines = _checked(data["engines"], dict)
             return cls(
-                versions=HostVersions(**{name: _optional(versions[name], str) for name in VERSION_FIELDS}),
+                versions=HostVersions(**{name: _shaped(_optional(versions[name], str), VERSION_TEXT_PATTERN,
+                                                       f"versions.{name}") for name in VERSION_FIELDS}),
                 engines={
-                    name: EngineRecord(
-                        cache_key=_checked(engine["cache_key"], str),
+                    _shaped(name, ENGINE_NAME_PATTERN, "an engine name"): EngineRecord(
+                        cache_key=_shaped(_checked(engine["cache_key"], str), CACHE_KEY_PATTERN, "cache_key"),
                         cold_start_s=_optional_seconds(engine["cold_start_s"]),
                         start_s=_optional_seconds(engine["start_s"]),
                         started_at=_optional_seconds(engine.get("started_at")),
@@ -189,6 +199,17 @@ class HostRecord:
             )
         except (ValueError, TypeError, KeyError):
             return None
+
+
+class UntrustedValue(Exception):
+    """A value read back from a host has a shape sparkform never writes: something else wrote
+    it, and root must not act on it."""
+
+
+def _shaped(value: str | None, pattern: re.Pattern, what: str) -> str | None:
+    if value is not None and not pattern.fullmatch(value):
+        raise UntrustedValue(f"{what} {value!r} is not what sparkform writes there")
+    return value
 
 
 def _checked(value: Any, kind: type | tuple[type, ...]) -> Any:

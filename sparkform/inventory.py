@@ -16,6 +16,7 @@ from sparkform.validate import Host, InventoryError, Problem, load_host
 
 BASE_DIR_KEY = "_sparkform_base_dir"  # relative paths in host data resolve against it
 EXIT_INVALID = 2
+EXIT_UNTRUSTED = 3  # the host holds a value sparkform never writes (facts.host.SparkformHost)
 
 
 def exit_invalid(err: InventoryError, source: str) -> NoReturn:
@@ -25,6 +26,16 @@ def exit_invalid(err: InventoryError, source: str) -> NoReturn:
     for problem in err.problems:
         print(f"  - {problem}", file=sys.stderr)
     raise SystemExit(EXIT_INVALID)
+
+
+def exit_untrusted(host: str, findings: list[str]) -> NoReturn:
+    """Print what the host holds that sparkform never wrote, and exit 3: root acts on none of it."""
+    print(f"sparkform: {host} holds values sparkform never writes; nothing was changed:", file=sys.stderr)
+    for finding in findings:
+        print(f"  - {host}: {finding}", file=sys.stderr)
+    print("  Fix: find out what wrote them (an engine user, a hand edit), remove those files, and run "
+          "the deploy again.", file=sys.stderr)
+    raise SystemExit(EXIT_UNTRUSTED)
 
 
 def hosts(data_by_host: dict[str, dict[str, Any]], inventory_file: str) -> list[tuple[str, dict[str, Any]]]:

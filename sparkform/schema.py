@@ -308,7 +308,7 @@ class HostConfig(Strict):
     wheelhouse_source: str | None = Field(None, description="Folder of wheels on the control machine, copied into `wheelhouse` on the host before a venv build.")
     python: str = Field("python3", pattern=r"^(python3(\.[0-9]+)?|(/[A-Za-z0-9._+-]+)+)$", description="Interpreter the venvs are made with.")
     venv_root: str = Field("/opt/sparkform/venvs", description="Venvs live in `<venv_root>/<package>-<version>`.")
-    state_dir: str = Field("/var/lib/sparkform", description="Engine user's home, launch locks, the host record.")
+    state_dir: str = Field("/var/lib/sparkform", description="Root's: the host record, cache keys and stamps; inside it the engine user's home (`home/`) and the launch locks (`locks/`).")
     models_dir: str = Field("/var/lib/sparkform/models", description="Checkpoints, one folder per repo@commit; `.pins/` records what each branch or tag resolved to.")
     keep_revisions: int | None = Field(None, ge=0, description="Old revisions of a repo kept after its engine serves a new one (newest first); None keeps them all.")
     cache_root: str = Field("/var/cache/sparkform", description="Persistent per-engine JIT caches (vLLM, FlashInfer, Triton, CuTe DSL).")
@@ -400,6 +400,16 @@ class HostConfig(Strict):
     @property
     def venv(self) -> str:
         return f"{self.venv_root}/{self.vllm_package}-{self.vllm_version}"
+
+    @property
+    def engine_home(self) -> str:
+        """The engine user's HOME: its own, inside root's state folder."""
+        return f"{self.state_dir}/home"
+
+    @property
+    def lock_dir(self) -> str:
+        """The launch locks: each engine's lock and state, and the start lock they share."""
+        return f"{self.state_dir}/locks"
 
     @property
     def enabled_engines(self) -> list[Engine]:

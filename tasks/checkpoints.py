@@ -10,6 +10,7 @@ from pyinfra.api import operation
 
 from facts.host import HostSnapshot
 from sparkform.schema import COMPLETE_MARKER, Engine, HostConfig
+from tasks.files import replaced_file
 from tasks.venv import own_pattern
 
 @operation()
@@ -35,8 +36,7 @@ def checkpoint(config: HostConfig, engine: Engine, snapshot: HostSnapshot):
     if not complete:
         yield from _fetch(config, engine, folder, drifted=current is not None and bool(current.drift))
     if engine.checkpoint.revision != commit and snapshot.pins.get(engine.checkpoint.pin_name) != commit:
-        pin = shlex.quote(config.pin_path(engine))
-        yield f"mkdir -p {shlex.quote(config.pins_dir)} && echo {commit} > {pin}.new && mv -f {pin}.new {pin}"
+        yield replaced_file(config.pin_path(engine), commit)
     elif complete:
         host.noop(f"{engine.checkpoint.repo}@{commit} is complete")
 
@@ -56,7 +56,7 @@ def _fetch(config: HostConfig, engine: Engine, folder: str, drifted: bool):
     yield f"pkill -f -- {shlex.quote(own_pattern(f'{script} {engine.checkpoint.repo} '))} || true"
     # Shell assignments, not `env NAME=value`: env's own argv would show the token in `ps`.
     yield (f"{' '.join(env)} {shlex.quote(config.venv)}/bin/python {shlex.quote(script)} "
-           f"{shlex.quote(engine.checkpoint.repo)} {config.commit(engine)} {shlex.quote(folder)}{includes}")
+           f"{shlex.quote(engine.checkpoint.repo)} {shlex.quote(config.commit(engine))} {shlex.quote(folder)}{includes}")
 
 
 def stale_revisions(config: HostConfig, snapshot: HostSnapshot) -> list[str]:

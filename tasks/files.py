@@ -29,6 +29,15 @@ def applied_stamp(config: HostConfig, service: str) -> str:
     return f"{record_dir(config.state_dir)}/applied-{service}"
 
 
+def replaced_file(path: str, line: str) -> str:
+    """A command that makes `path` (in a root-only folder) hold `line`, by a new temp file and a
+    rename: never through a link planted at either name (mktemp creates its file exclusively;
+    a rename replaces a link, not what it points at)."""
+    target = shlex.quote(path)
+    return (f"temp=$(mktemp {target}.XXXXXX) && printf '%s\\n' {shlex.quote(line)} > \"$temp\" "
+            f"&& chmod 644 \"$temp\" && mv -fT \"$temp\" {target}")
+
+
 def digest(*contents: str) -> str:
     return sha256("\0".join(contents))[:32]
 

@@ -8,6 +8,7 @@ from pyinfra import host
 from pyinfra.api import operation
 
 from sparkform.parsers import EngineState
+from tasks.files import replaced_file
 
 # A reload that cannot bind a port keeps the old configuration and still exits 0 (nginx only
 # logs it), so every run that touches the front checks the ports afterwards, for 5 s at most.
@@ -56,4 +57,4 @@ def front_serving(address: str, ports: list[int], current: EngineState | None, a
         yield (f"for _ in $(seq {LISTEN_CHECKS}); do {{ {check} ; }} && exit 0; sleep {LISTEN_CHECK_PAUSE_S}; done; "
                f"echo 'sparkform: nginx does not listen on every engine port ({address}: "
                f"{' '.join(map(str, ports))}); see: journalctl -u nginx.service, /var/log/nginx/error.log' >&2; exit 1")
-    yield f"echo {shlex.quote(wanted)} > {shlex.quote(stamp)}.new && mv {shlex.quote(stamp)}.new {shlex.quote(stamp)}"
+    yield replaced_file(stamp, wanted)

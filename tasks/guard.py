@@ -8,6 +8,7 @@ from pyinfra import host
 from pyinfra.api import operation
 
 from sparkform.parsers import EngineState
+from tasks.files import replaced_file
 
 
 @operation()
@@ -28,7 +29,7 @@ def guard_running(unit: str, current: EngineState | None, applied: str | None, w
         changed = True
     if applied != wanted or current is None or current.active_state != "active":
         yield f"systemctl restart {unit}"
-        yield f"echo {shlex.quote(wanted)} > {shlex.quote(stamp)}.new && mv {shlex.quote(stamp)}.new {shlex.quote(stamp)}"
+        yield replaced_file(stamp, wanted)
         changed = True
     if not changed:
         host.noop(f"{unit} is enabled and active")

@@ -9,8 +9,9 @@ from pyinfra import host
 from pyinfra.api import operation
 
 from facts.host import HostSnapshot
-from sparkform.hostrecord import CACHE_KEY_FILE, STALE_MARK
+from sparkform.hostrecord import STALE_MARK, cache_keys_dir
 from sparkform.schema import Engine, HostConfig
+from tasks.files import replaced_file
 
 
 def caches_aside(config: HostConfig, engine: Engine, snapshot: HostSnapshot) -> list[str]:
@@ -57,7 +58,7 @@ def cache_keyed(config: HostConfig, engine: Engine, key: str, snapshot: HostSnap
     cache = config.engine_cache_dir(engine)
     changed = False
     if snapshot.cache_keys.get(engine.name) != key or rebuilt:
-        yield f"echo {shlex.quote(key)} > {shlex.quote(f'{cache}/{CACHE_KEY_FILE}')}"
+        yield replaced_file(f"{cache_keys_dir(config.state_dir)}/{engine.name}", key)
         changed = True
     if rebuilt or caches_aside(config, engine, snapshot):
         yield f"rm -rf -- {shlex.quote(cache)}{STALE_MARK}*"

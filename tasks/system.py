@@ -10,7 +10,7 @@ from pyinfra import host
 from pyinfra.api import operation
 
 from facts.host import HostSnapshot
-from sparkform.hostrecord import record_dir
+from sparkform.hostrecord import cache_keys_dir, record_dir
 from sparkform.render import FRONT_DROP_IN
 from sparkform.schema import HostConfig
 
@@ -23,7 +23,10 @@ class Folder:
 
 
 def folders(config: HostConfig) -> list[Folder]:
-    """Every folder the deploy manages, parents first."""
+    """Every folder the deploy manages, parents first. Root reads back and runs only what lies
+    in root's folders; the engine user owns exactly its home, the launch locks and each
+    engine's cache folder, none of which holds a folder of root's, so it can rename or replace
+    nothing root trusts."""
     engine_user = config.engine_user
     result = [
         Folder(config.lib_dir, "755"),
@@ -31,13 +34,15 @@ def folders(config: HostConfig) -> list[Folder]:
         Folder(f"{config.config_dir}/engines", "755"),
         # Secrets are root's: the front (nginx's master) reads the key, the deploy the HF token.
         Folder(f"{config.config_dir}/secrets", "700"),
-        Folder(config.state_dir, "755", engine_user, engine_user),
-        Folder(f"{config.state_dir}/locks", "755", engine_user, engine_user),
-        # The host record is root's: the engine user owns the state folder around it.
+        Folder(config.state_dir, "755"),
+        Folder(config.engine_home, "750", engine_user, engine_user),
+        Folder(config.lock_dir, "755", engine_user, engine_user),
         Folder(record_dir(config.state_dir), "755"),
+        Folder(cache_keys_dir(config.state_dir), "755"),
         Folder(config.venv_root, "755"),
         # Checkpoints belong to root: an engine can read its weights, never change them.
         Folder(config.models_dir, "755"),
+        Folder(config.pins_dir, "755"),
         Folder(config.cache_root, "755"),
         Folder(str(PurePosixPath(FRONT_DROP_IN).parent), "755"),
     ]
@@ -72,8 +77,12 @@ def system_user(user: str, home: str, snapshot: HostSnapshot):
     + home: home folder (caches that ignore XDG land here)
     + snapshot: the host's state from the SparkformHost fact
     """
-    if user in snapshot.users:
+    if snapshot.users.get(user) == home:
         host.noop(f"user {user} exists")
+        return
+    if user in snapshot.users:
+        # Its home moved out of the (now root's) state folder.
+        yield f"usermod --home {shlex.quote(home)} {shlex.quote(user)}"
         return
     yield (f"useradd --system --user-group --home-dir {shlex.quote(home)} --no-create-home "
            f"--shell /usr/sbin/nologin {shlex.quote(user)}")

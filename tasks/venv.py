@@ -11,6 +11,7 @@ from pyinfra.facts.files import FindFiles
 
 from facts.host import HostSnapshot
 from sparkform.schema import COMPLETE_MARKER, HostConfig
+from tasks.files import replaced_file
 
 
 
@@ -89,4 +90,4 @@ def vllm_venv(config: HostConfig, snapshot: HostSnapshot):
     yield f"rm -rf {venv}"
     yield f"{shlex.quote(config.python)} -m venv {venv}"
     yield f"{venv}/bin/pip install --quiet --disable-pip-version-check {pip_args}"
-    yield f"echo {shlex.quote(pin(config))} > {shlex.quote(marker_path(config))}"
+    yield replaced_file(marker_path(config), pin(config))

@@ -17,6 +17,7 @@ from sparkform.sandbox import host, stage
 
 RECORD = "/var/lib/sparkform/record/host-record.json"
 CACHES = "/var/cache/sparkform"
+CACHE_KEYS = "/var/lib/sparkform/record/cache-keys"  # root's, one file per engine
 NEW_DRIVER = "580.126.09"
 
 
@@ -45,7 +46,7 @@ def test_converge_records_versions_keys_and_cold_starts_and_reaches_the_engines_
     assert set(written["engines"]) == {"nemotron", "q38"}
     for name, entry in written["engines"].items():
         assert f"driver{versions['driver']}" in entry["cache_key"]
-        assert ssh(box, f"cat {CACHES}/{name}/.sparkform-cache-key").stdout.strip() == entry["cache_key"]
+        assert ssh(box, f"cat {CACHE_KEYS}/{name}").stdout.strip() == entry["cache_key"]
         # The first start on empty caches is a cold one, measured by systemd.
         assert entry["last_start_cold"] and entry["cold_start_s"] == entry["start_s"] > 0
     assert ssh(box, f"stat -c %U:%a {RECORD}").stdout.strip() == "root:644"
@@ -101,7 +102,7 @@ def test_new_driver_rebuilds_caches_one_engine_at_a_time_and_a_failed_warm_start
     q38_starts = journal_times(box, r"sparkform-launch: starting q38", since=since)
     assert q38_starts and min(q38_starts) > nemotron_ready
     # nemotron made it: its caches are keyed anew and its old ones are gone; q38's stay aside.
-    new_key = ssh(box, f"cat {CACHES}/nemotron/.sparkform-cache-key").stdout.strip()
+    new_key = ssh(box, f"cat {CACHE_KEYS}/nemotron").stdout.strip()
     assert NEW_DRIVER in new_key
     aside = ssh(box, f"ls {CACHES}").stdout.split()
     assert aside == ["nemotron", "q38", f"q38.stale-{old_key}"], aside
@@ -117,7 +118,7 @@ def test_new_driver_rebuilds_caches_one_engine_at_a_time_and_a_failed_warm_start
     assert f"driver {old['versions']['driver']} -> {NEW_DRIVER}: JIT caches of q38 will be rebuilt" in out
     assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
     assert ssh(box, f"ls {CACHES}").stdout.split() == ["nemotron", "q38"]
-    assert ssh(box, f"cat {CACHES}/q38/.sparkform-cache-key").stdout.strip() == new_key
+    assert ssh(box, f"cat {CACHE_KEYS}/q38").stdout.strip() == new_key
     written = record(box)
     assert written["versions"]["driver"] == NEW_DRIVER
     assert written["engines"]["q38"]["last_start_cold"] and written["engines"]["q38"]["cache_key"] == new_key

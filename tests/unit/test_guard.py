@@ -103,6 +103,9 @@ fi
 """
 STUB_SYSTEMD_RUN = """#!/bin/sh
 echo "systemd-run $*" >> "{calls}"
+while [ "${{1#--}}" != "$1" ]; do shift; done
+# An alert sent from a transient unit (outside the engine's cgroup) runs now; a timer does not.
+if [ "$3" = alert ]; then exec "$@"; fi
 """
 ALERT_COMMAND = """#!/bin/sh
 cat >> "{out}"
@@ -262,6 +265,7 @@ def test_a_spent_start_limit_alerts_once_and_retries_with_a_growing_back_off(gua
     assert not (box.state_dir / "recover-eyes.json").exists()
     assert [a["event"] for a in box.webhook_alerts()] == ["failed", "recovered"]
     assert "after 4 failed start limit(s)" in box.webhook_alerts()[-1]["message"]
+    assert box.calls_made()[-1].startswith("systemd-run --quiet --collect --no-block ")  # outside the engine's cgroup
 
 
 def test_a_start_that_served_resets_the_start_count_and_says_nothing_else(guard):

@@ -61,7 +61,7 @@ UnitFileState=
 def test_process_reads_every_section():
     snapshot = SparkformHost().process(CAPTURED)
     assert snapshot.installed_packages == {"python3", "curl"}
-    assert snapshot.users == {"vllm"}
+    assert snapshot.users == {"vllm": "/var/lib/sparkform"}
     assert snapshot.paths["/etc/sparkform"] == RemoteFile(None, "755", "root", "root")
     assert snapshot.paths["/etc/systemd/system/vllm-q38.service"] == RemoteFile("0f1e2d", "644", "root", "root")
     assert snapshot.paths["/etc/sparkform/secrets/engine.env"].group == "vllm"
@@ -111,14 +111,15 @@ def test_a_fresh_host_reads_as_empty():
                                         ("packages", "users", "stat", "sha256", "markers", "units", "rendered_units",
                                                      "checkpoints", "pins")])
     assert (snapshot.installed_packages, snapshot.users, snapshot.paths, snapshot.markers, snapshot.engines,
-            snapshot.rendered_units, snapshot.checkpoints, snapshot.pins) == (set(), set(), {}, {}, {}, set(), {}, {})
+            snapshot.rendered_units, snapshot.checkpoints, snapshot.pins) == (set(), {}, {}, {}, {}, set(), {}, {})
 
 
 def test_command_is_one_shell_line_that_never_fails_the_host():
     command = SparkformHost().command(packages=["curl"], users=["vllm"], paths=["/etc/a b"],
                                       markers=["/m"], units=["vllm-x.service"],
                                       unit_glob="/etc/systemd/system/vllm-*.service", models_dir="/m d",
-                                      pins_dir="/m d/.pins", cache_root="/c", record_path="/r/host-record.json")
+                                      pins_dir="/m d/.pins", cache_root="/c", cache_keys_dir="/r/cache-keys",
+                                      record_path="/r/host-record.json")
     sections = ("packages", "users", "stat", "sha256", "markers", "units", "rendered_units", "unit_files",
                 "checkpoints", "pins", "versions", "record", "boot", "cache_keys", "caches_aside")
     for section in sections:
@@ -132,3 +133,39 @@ def test_command_is_one_shell_line_that_never_fails_the_host():
                                              ("@17644$(id)", None)])
 def test_boot_time_is_systemds_start_and_only_a_number_is_taken(line, booted_at):
     assert SparkformHost().process([f"{SECTION}boot", line]).booted_at == booted_at
+
+
+SHELL = "$(id > /tmp/x)"
+KEY = "driver580.95.05-cuda13.0-vllm-0.27.1-sm12.1"
+RECORD = json.dumps({"versions": {"kernel": "6.11.0-1016-nvidia", "driver": "580.95.05", "cuda": "13.0",
+                                  "gpu_arch": "12.1", "firmware": "5.36", "vllm": "vllm-0.27.1"},
+                     "engines": {"q38": {"cache_key": KEY, "cold_start_s": 600, "start_s": 40}}})
+
+
+@pytest.mark.parametrize("section, line, field_name, untrusted", [
+    ("pins", f"/m/.pins/a--b@main:{SHELL}", "pins", "/m/.pins/a--b@main holds '$(id > /tmp/x)', which is not a commit id"),
+    ("pins", f"/m/.pins/a--b@main;id:{'1' * 40}", "pins", "which is not a pin name"),
+    ("cache_keys", f"/r/cache-keys/q38:{SHELL}", "cache_keys", "/r/cache-keys/q38 holds '$(id > /tmp/x)', which is not a cache key"),
+    ("cache_keys", f"/r/cache-keys/Q38 x:{KEY}", "cache_keys", "which is not a cache key file of an engine"),
+    ("markers", f"/v/.sparkform-complete|vllm==0.27.1 $(id)", "markers", "which is not a stamp sparkform writes"),
+    ("checkpoints", f"/m/a--b@{'1' * 40}|1.0|{SHELL}|ok", "checkpoints", "which is not a commit id"),
+    ("checkpoints", f"/m/a--b@main;id|1.0||-", "checkpoints", "which is not a checkpoint folder name"),
+    ("checkpoints", f"/m/a--b@{'1' * 40}|1.0|{'1' * 40}|x.bin,$(id).bin", "checkpoints", "which is not a checkpoint file"),
+    ("caches_aside", f"/c/q38.stale-{SHELL}", "caches_aside", "which is not a cache folder moved aside"),
+    ("record", RECORD.replace(KEY, SHELL), "record", "the host record: cache_key '$(id > /tmp/x)' is not what sparkform writes"),
+    ("record", RECORD.replace("5.36", "5.36\\n`id`"), "record", "versions.firmware"),
+])
+def test_a_value_read_back_in_a_shape_sparkform_never_writes_is_untrusted_and_left_out(section, line, field_name,
+                                                                                       untrusted):
+    snapshot = SparkformHost().process([f"{SECTION}{section}", line])
+    assert len(snapshot.untrusted) == 1 and untrusted in snapshot.untrusted[0], snapshot.untrusted
+    assert not getattr(snapshot, field_name)  # nothing of it is used
+
+
+def test_values_in_the_shapes_sparkform_writes_are_read():
+    snapshot = SparkformHost().process([f"{SECTION}cache_keys", f"/r/cache-keys/q38:{KEY}",
+                                        f"{SECTION}caches_aside", f"/c/q38.stale-{KEY}",
+                                        f"{SECTION}record", RECORD])
+    assert snapshot.untrusted == []
+    assert snapshot.cache_keys == {"q38": KEY} and snapshot.caches_aside == [f"/c/q38.stale-{KEY}"]
+    assert snapshot.record.engines["q38"].cache_key == KEY and snapshot.record.versions.firmware == "5.36"

@@ -243,6 +243,46 @@ def test_units_pass_systemd_analyze_verify_with_nothing_on_stderr(which, monkeyp
     assert len([f for f in files if f.is_unit]) == len(config.engines) + 4
 
 
+def exposure(root: Path, unit: str) -> float:
+    """`systemd-analyze security --offline` of a rendered unit: its overall exposure (0-10)."""
+    result = subprocess.run(["systemd-analyze", "security", "--offline=yes", f"--root={root}", unit],
+                            capture_output=True, text=True, timeout=120)
+    score = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
+    assert score, result.stdout + result.stderr
+    return float(score.group(1))
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_engine_units_are_hardened_to_2_or_less_and_keep_what_the_engine_needs(device, tmp_path, system_units):
+    config = variant_config().model_copy(update={"device": device})
+    files = render_host(config)
+    result = verify(tmp_path / "root", system_units, files)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    for engine in config.enabled_engines:
+        assert exposure(tmp_path / "root", engine.unit) <= 2.0, engine.unit
+        unit = next(f.content for f in files if f.path.endswith(engine.unit))
+        # Writable: its own caches, its home, the locks; nothing of the other engines'.
+        writable = re.search(r"^ReadWritePaths=(.*)$", unit, re.M).group(1).split()
+        assert writable == [config.engine_cache_dir(engine), config.engine_home, config.lock_dir]
+        assert "ProcSubset=" not in unit  # /proc/meminfo and /proc/driver/nvidia stay readable
+        assert "CUTE_DSL_CACHE_DIR=" + config.engine_cache_dir(engine) in unit  # not a private /tmp
+        devices = re.findall(r"^DeviceAllow=(\S+) rw$", unit, re.M)
+        if device == "cuda":
+            assert "DevicePolicy=closed" in unit and "PrivateDevices" not in unit
+            assert {"char-nvidia-frontend", "char-nvidia-uvm", "char-nvidia-caps", "/dev/nvidiactl",
+                    "/dev/nvidia-uvm", "/dev/nvidia0"} <= set(devices)
+        else:
+            assert "PrivateDevices=yes" in unit and devices == []
+
+
+def test_the_exposure_check_can_fail(tmp_path, system_units):
+    files = [RenderedFile(f.path, re.sub(r"^(NoNewPrivileges|CapabilityBoundingSet|ProtectSystem|SystemCallFilter"
+                                         r"|PrivateDevices|RestrictAddressFamilies)=.*\n", "", f.content, flags=re.M),
+                          f.mode, f.engine) for f in render_host(variant_config().model_copy(update={"device": "cpu"}))]
+    verify(tmp_path / "root", system_units, files)
+    assert exposure(tmp_path / "root", "vllm-hands.service") > 2.0
+
+
 def test_engines_target_requires_and_follows_every_enabled_engine_only():
     config = variant_config()
     target = next(f for f in render_host(config) if f.path.endswith("sparkform-engines.target"))

@@ -9,7 +9,7 @@ import pytest
 
 from sparkform.parsers import parse_kv_pool
 from sparkform.render import engine_environment
-from sparkform.hostrecord import CACHE_KEY_FILE, HostRecord, record_path
+from sparkform.hostrecord import HostRecord, cache_keys_dir, record_dir, record_path
 from sparkform.schema import CHECKPOINT_MANIFEST, ENGINES_TARGET
 
 UNIT_LIMITS_USEC = re.compile(r"^(\d+)")
@@ -122,8 +122,24 @@ def test_host_record_is_roots_and_keys_each_engines_caches(remote, config):
     written = HostRecord.from_json(record.content_string)
     assert written is not None, f"{path} is not a host record"
     for engine in config.enabled_engines:
-        key_file = remote.file(f"{config.engine_cache_dir(engine)}/{CACHE_KEY_FILE}")
+        key_file = remote.file(f"{cache_keys_dir(config.state_dir)}/{engine.name}")
+        assert (key_file.user, key_file.mode) == ("root", 0o644), engine.name
         assert key_file.content_string.strip() == written.engines[engine.name].cache_key, engine.name
+
+
+def test_root_reads_back_only_from_root_only_folders(remote, config):
+    """The engine user can rename or replace nothing root reads back or runs: every such folder
+    and each of its parents up to / is root's and writable by root alone."""
+    trusted = [record_dir(config.state_dir), cache_keys_dir(config.state_dir), config.pins_dir, config.models_dir,
+               config.config_dir, config.lib_dir, config.venv, config.cache_root]
+    for path in trusted:
+        while path != "/":
+            folder = remote.file(path)
+            assert folder.is_directory and not folder.is_symlink, path
+            assert folder.user == "root" and folder.mode & 0o022 == 0, f"{path}: {folder.user} {folder.mode:o}"
+            path = path.rsplit("/", 1)[0] or "/"
+    for path in [config.engine_home, config.lock_dir] + [config.engine_cache_dir(e) for e in config.engines]:
+        assert remote.file(path).user == config.engine_user, path
 
 
 def test_scripts_installed_with_mode_and_owner(remote, config):
