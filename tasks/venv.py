@@ -1,4 +1,4 @@
-"""The pinned vLLM venv: one per version, built once, never taken as complete when half-built."""
+"""The pinned vLLM venv: one per hashed lock, built once, never taken as complete when half-built."""
 
 from __future__ import annotations
 
@@ -29,18 +29,22 @@ def marker_path(config: HostConfig) -> str:
     return f"{config.venv}/{COMPLETE_MARKER}"
 
 
+def lock_path(config: HostConfig) -> str:
+    """The lock on the host, inside the venv built from it."""
+    return f"{config.venv}/sparkform-lock.txt"
+
+
 def pip_install_args(config: HostConfig) -> list[str]:
-    """pip arguments for the pin: offline from the wheelhouse, or from the configured indexes."""
+    """pip arguments that install exactly the lock: every file is checked against the lock's
+    hashes before anything is installed, wheels only, nothing resolved; offline from the
+    wheelhouse, or from the configured indexes."""
     if config.wheelhouse:
-        args = ["--no-index", "--find-links", config.wheelhouse]
+        source = ["--no-index", "--find-links", config.wheelhouse]
     else:
-        args = ["--index-url", config.pip_index_url] if config.pip_index_url else []
+        source = ["--index-url", config.pip_index_url] if config.pip_index_url else []
         for url in config.pip_extra_index_urls:
-            args += ["--extra-index-url", url]
-    if config.pip_requirements:
-        # A lock is complete by definition: install exactly it, resolve nothing.
-        args.append("--no-deps")
-    return args + [pin(config), *config.pip_requirements]
+            source += ["--extra-index-url", url]
+    return ["--require-hashes", "--no-deps", "--only-binary=:all:", *source, "-r", lock_path(config)]
 
 
 def venv_is_current(config: HostConfig, snapshot: HostSnapshot) -> bool:
@@ -69,13 +73,32 @@ def wheelhouse_synced(config: HostConfig, snapshot: HostSnapshot):
         yield FileUploadCommand(str(wheel), f"{config.wheelhouse}/{wheel.name}")
 
 
+def build_commands(config: HostConfig):
+    """The commands that build the venv from its lock, in order (an upload is a FileUploadCommand)."""
+    venv = shlex.quote(config.venv)
+    lock = shlex.quote(lock_path(config))
+    pip_args = " ".join(shlex.quote(arg) for arg in pip_install_args(config))
+    # A deploy cut off mid-install can leave its pip running on the host: stop it first.
+    yield f"pkill -f -- {shlex.quote(own_pattern(config.venv + '/bin/pip'))} || true"
+    yield f"rm -rf {venv}"
+    yield f"{shlex.quote(config.python)} -m venv {venv}"
+    yield FileUploadCommand(config.lock, lock_path(config))
+    yield f"chown root:root {lock}"
+    yield f"chmod 644 {lock}"
+    yield f"{venv}/bin/pip install --quiet --disable-pip-version-check {pip_args}"
+    yield replaced_file(marker_path(config), pin(config))
+
+
 @operation()
 def vllm_venv(config: HostConfig, snapshot: HostSnapshot):
     """
-    Build the venv of the pinned vLLM unless its completion marker already names the pin.
+    Build the venv of the pinned vLLM from its hashed lock unless its completion marker already
+    names the pin.
 
-    The marker is written last, so a venv cut off halfway (killed deploy, full disk) is removed
-    and built again rather than used.
+    The lock lands in the venv (root's, 0644) and pip installs exactly it: a file whose hash
+    differs from the lock's stops pip before anything is installed. The marker is written last,
+    so a venv cut off halfway (killed deploy, full disk, a hash mismatch) is removed and built
+    again rather than used.
 
     + config: the host's validated configuration
     + snapshot: the host's state from the SparkformHost fact
@@ -83,11 +106,4 @@ def vllm_venv(config: HostConfig, snapshot: HostSnapshot):
     if venv_is_current(config, snapshot):
         host.noop(f"{pin(config)} already installed in {config.venv}")
         return
-    venv = shlex.quote(config.venv)
-    pip_args = " ".join(shlex.quote(arg) for arg in pip_install_args(config))
-    # A deploy cut off mid-install can leave its pip running on the host: stop it first.
-    yield f"pkill -f -- {shlex.quote(own_pattern(config.venv + '/bin/pip'))} || true"
-    yield f"rm -rf {venv}"
-    yield f"{shlex.quote(config.python)} -m venv {venv}"
-    yield f"{venv}/bin/pip install --quiet --disable-pip-version-check {pip_args}"
-    yield replaced_file(marker_path(config), pin(config))
+    yield from build_commands(config)

