@@ -20,6 +20,7 @@ from sparkform.schema import CHECKPOINT_MANIFEST, COMMIT_ID, COMPLETE_MARKER
 UNIT_PROPERTIES = ("Id,LoadState,ActiveState,SubState,NRestarts,MainPID,ExecMainStatus,Result,UnitFileState,"
                    "After,ExecMainStartTimestamp,ExecMainStartTimestampMonotonic,ActiveEnterTimestampMonotonic")
 SECTION = "@@sparkform:"
+LINK = "@@link:"  # a symbolic link where sparkform reads back a file
 # What sparkform writes into the files it reads back; anything else was written by someone else.
 PIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # Checkpoint.pin_name
 FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # repo--name@commit
@@ -85,6 +86,13 @@ class HostSnapshot:
     untrusted: list[str] = field(default_factory=list)
 
 
+def _plain_files(words: str) -> str:
+    """Print `path:line` for each line of each plain file among `words` (paths or a glob); a
+    symbolic link is named after LINK, never followed (it could point at a secret)."""
+    return (f'for f in {words}; do if [ -L "$f" ]; then echo "{LINK}$f"; '
+            f'elif [ -f "$f" ]; then grep -H . -- "$f"; fi; done')
+
+
 def _section(name: str, command: str) -> str:
     return f"echo {SECTION}{name}; {{ {command} ; }} 2>/dev/null || true"
 
@@ -124,19 +132,18 @@ class SparkformHost(FactBase):
             _section("users", " ; ".join(f"getent passwd {shlex.quote(u)}" for u in users)),
             _section("stat", f"stat -c '%F|%a|%U|%G|%n' {quoted_paths}"),
             _section("sha256", f"sha256sum {quoted_paths}"),
-            _section("markers", " ; ".join(
-                f"test -f {shlex.quote(m)} && printf '%s|%s\\n' {shlex.quote(m)} \"$(cat {shlex.quote(m)})\""
-                for m in markers) or "true"),
+            _section("markers", _plain_files(" ".join(shlex.quote(m) for m in markers)) if markers else "true"),
             _section("units", f"systemctl show --timestamp=unix -p {UNIT_PROPERTIES} "
                      + " ".join(shlex.quote(u) for u in units)),
             _section("rendered_units", f"grep -l '^# Rendered by sparkform' {unit_glob}"),
             _section("unit_files", f"systemctl list-unit-files --no-legend --no-pager {shlex.quote(unit_glob.rsplit('/', 1)[-1])}"),
             _section("checkpoints", f"python3 -c {shlex.quote(CHECKPOINT_SCAN)} {shlex.quote(models_dir)}"),
-            _section("pins", f"grep -H . {shlex.quote(pins_dir)}/*"),
+            _section("pins", _plain_files(f"{shlex.quote(pins_dir)}/*")),
             _section("versions", LIVE_VERSIONS_COMMAND),
-            _section("record", f"cat {shlex.quote(record_path)}"),
+            _section("record", f"if [ -L {shlex.quote(record_path)} ]; then echo {LINK}{shlex.quote(record_path)}; "
+                               f"else cat {shlex.quote(record_path)}; fi"),
             _section("boot", "systemctl show --timestamp=unix -p UserspaceTimestamp --value"),
-            _section("cache_keys", f"grep -H . {shlex.quote(cache_keys_dir)}/*"),
+            _section("cache_keys", _plain_files(f"{shlex.quote(cache_keys_dir)}/*")),
             _section("caches_aside", f"ls -d {shlex.quote(cache_root)}/*{STALE_MARK}*"),
         ]
         return " ; ".join(sections)
@@ -144,12 +151,15 @@ class SparkformHost(FactBase):
     def process(self, output: list[str]) -> HostSnapshot:
         sections: dict[str, list[str]] = {}
         current: list[str] = []
+        snapshot = HostSnapshot()
         for line in output:
             if line.startswith(SECTION):
                 current = sections.setdefault(line[len(SECTION):], [])
+            elif line.startswith(LINK):
+                snapshot.untrusted.append(f"{line[len(LINK):]} is a symbolic link: sparkform writes a plain file "
+                                          "there, and root follows no link")
             else:
                 current.append(line)
-        snapshot = HostSnapshot()
         for line in sections.get("packages", []):
             name, _, status = line.partition(" ")
             if status == "installed":
@@ -173,7 +183,7 @@ class SparkformHost(FactBase):
             return False
 
         for line in sections.get("markers", []):
-            path, _, content = line.partition("|")
+            path, _, content = line.partition(":")
             if shaped(STAMP, content, path, "a stamp sparkform writes"):
                 snapshot.markers[path] = content
         snapshot.engines = engine_states(sections.get("units", []))

@@ -126,13 +126,29 @@ def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Ho
     try:
         config = HostConfig.model_validate(data)
     except ValidationError as err:
-        raise InventoryError(_pydantic_problems(name, data, err)) from None
+        raise InventoryError(_pydantic_problems(name, data, err) + _host_key_problems(name, data, base_dir)) from None
     model_configs, problems = _model_configs(name, config, base_dir)
+    problems += _host_key_problems(name, data, base_dir)
     host = Host(name, config, model_configs)
     problems += host_problems(host)
     if problems:
         raise InventoryError(problems)
     return host
+
+
+def _host_key_problems(name: str, data: dict[str, Any], base_dir: Path) -> list[Problem]:
+    """Strict host key checking with a known_hosts file that is not there refuses every
+    connection, late and with a paramiko error: say so now, with how to record the key."""
+    known_hosts = data.get("ssh_known_hosts_file")
+    if data.get("ssh_strict_host_key_checking") != "yes" or not isinstance(known_hosts, str):
+        return []
+    if (base_dir / Path(known_hosts).expanduser()).is_file():
+        return []
+    return [Problem(name, "ssh_known_hosts_file", known_hosts,
+                    "no such file, and strict host key checking trusts no key it does not hold",
+                    f"record the host's key once (README, \"Pinned host keys\"): ssh-keyscan -t ed25519 "
+                    f"{data.get('ssh_hostname', name)} >> {known_hosts}, after comparing its fingerprint with "
+                    "the one the host's console shows")]
 
 
 def host_problems(host: Host) -> list[Problem]:

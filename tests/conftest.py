@@ -57,14 +57,19 @@ SEED_PAIR: dict[str, Any] = {
 
 
 def pytest_configure(config):
-    """inventory/spark.py serves the LAN and so names an API key file: give it one (0600) for
-    the session, unless the caller set one."""
+    """inventory/spark.py serves the LAN and so names an API key file, and pins the Spark's host
+    key: give it both for the session, unless the caller set them."""
     if "SPARK_API_KEY_FILE" not in os.environ:
         folder = tempfile.mkdtemp(prefix="sparkform-test-key-")
         path = Path(folder) / "spark-api-key"
         path.write_text(f"{secrets.token_hex(32)}\n")
         path.chmod(0o600)
         os.environ["SPARK_API_KEY_FILE"] = str(path)
+    # It also pins the Spark's SSH host key: a recorded key (no test connects to it).
+    if "SPARK_KNOWN_HOSTS" not in os.environ:
+        path = Path(tempfile.mkdtemp(prefix="sparkform-test-known-hosts-")) / "known_hosts"
+        path.write_text("spark.local ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKtestkeytestkeytestkeytestkeytestkeytest\n")
+        os.environ["SPARK_KNOWN_HOSTS"] = str(path)
 
 
 @pytest.fixture

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import socket
 import time
 import urllib.error
 import urllib.request
 
-from deploy_helpers import (SANDBOX_INVENTORY, both_serving_after_boot, changed_operations, checkpoint_dir,
+import pytest
+from deploy_helpers import (SANDBOX_INVENTORY, UNITS, both_serving_after_boot, changed_operations, checkpoint_dir,
                             edited_inventory, journal_times, main_pids, pyinfra, ssh, unit_properties, verify)
 
 from sparkform.sandbox import host, stage
@@ -199,6 +201,84 @@ def test_metrics_answer_only_the_allowed_addresses(box, tmp_path):
     assert pyinfra(SANDBOX_INVENTORY, "-y").returncode == 0
     assert call(box, "q38", "/metrics")[0] == 404
     assert main_pids(box) == before
+
+
+# --- root trusts nothing the engine user can touch ------------------------------------------------
+
+STATE = "/var/lib/sparkform"
+ENGINE_USER = "vllm"
+TOKEN_FILE = "/etc/sparkform/secrets/hf_token"
+
+
+def test_both_live_engine_units_score_2_or_less(box):
+    for unit in UNITS:
+        out = ssh(box, f"systemd-analyze security {unit}").stdout
+        score = float(re.search(r"Overall exposure level for \S+: ([0-9.]+)", out).group(1))
+        assert score <= 2.0, f"{unit}: {score}\n{out[-3000:]}"
+        assert unit_properties(box, unit, "ActiveState")["ActiveState"] == "active"
+
+
+@pytest.mark.parametrize("attempt", [
+    f"mv {STATE}/models {STATE}/models.mine",  # rename a root folder out of the way
+    f"mv {STATE}/record {STATE}/record.mine",
+    f"mkdir {STATE}/models.mine",  # plant a folder of its own beside them
+    f"echo '$(id > /tmp/pwned)' > {STATE}/models/.pins/sparkform-test--tiny-qwen3@main",
+    f"ln -s {TOKEN_FILE} {STATE}/record/cache-keys/evil",
+    f"echo x > {STATE}/record/host-record.json",
+    "echo x >> /etc/sparkform/engines/q38.args",
+    "touch /usr/local/lib/sparkform/sparkform-evil",
+    f"echo x > /opt/sparkform/venvs/pwned",
+])
+def test_the_engine_user_can_rename_or_replace_nothing_root_reads_back(box, attempt):
+    result = ssh(box, f"runuser -u {ENGINE_USER} -- sh -c {shlex.quote(attempt)}", check=False)
+    assert result.returncode != 0, f"the engine user could: {attempt}"
+    assert "Permission denied" in result.stderr or "Operation not permitted" in result.stderr, result.stderr
+
+
+def test_inside_its_unit_an_engine_writes_only_its_own_caches(box):
+    """Both engines run as one user; the unit's sandbox keeps each out of the other's caches."""
+    pid = main_pids(box)["vllm-q38.service"]
+    uid = ssh(box, f"id -u {ENGINE_USER}").stdout.strip()
+    as_q38 = f"nsenter -t {pid} -m -S {uid} -G {uid} --"
+    assert ssh(box, f"{as_q38} sh -c 'echo ok > /var/cache/sparkform/q38/probe'", check=False).returncode == 0
+    other = ssh(box, f"{as_q38} sh -c 'echo x > /var/cache/sparkform/nemotron/probe'", check=False)
+    assert other.returncode != 0 and "Read-only file system" in other.stderr, other.stderr
+    ssh(box, "rm -f /var/cache/sparkform/q38/probe")
+
+
+PIN = f"{STATE}/models/.pins/sparkform-test--planted@main"
+KEY_FILE = f"{STATE}/record/cache-keys/q38"
+RECORD = f"{STATE}/record/host-record.json"
+
+
+@pytest.mark.parametrize("plant, named", [
+    (f"echo '$(touch /tmp/pwned)' > {PIN}", f"{PIN} holds '$(touch /tmp/pwned)', which is not a commit id"),
+    (f"cp {KEY_FILE} {KEY_FILE}.kept && echo 'k;touch /tmp/pwned' > {KEY_FILE}",
+     f"{KEY_FILE} holds 'k;touch /tmp/pwned', which is not a cache key"),
+    (f"cp {RECORD} {RECORD}.kept && sed -i 's|\"cache_key\": \"[^\"]*\"|\"cache_key\": \"$(touch /tmp/pwned)\"|' {RECORD}",
+     "the host record: cache_key '$(touch /tmp/pwned)' is not what sparkform writes"),
+    (f"cp {KEY_FILE} {KEY_FILE}.kept && ln -sf {TOKEN_FILE} {KEY_FILE}",
+     f"{KEY_FILE} is a symbolic link: sparkform writes a plain file there"),
+])
+def test_a_planted_value_stops_the_deploy_before_anything_changes(box, plant, named):
+    ssh(box, plant)
+    before = (main_pids(box), ssh(box, f"ls -a /var/cache/sparkform {STATE}/record {STATE}/models/.pins; "
+                                       f"sha256sum {TOKEN_FILE} {STATE}/record/* 2>/dev/null; true").stdout)
+    try:
+        result = pyinfra(SANDBOX_INVENTORY, "-y")
+        assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+        assert named in result.stderr, result.stderr[-3000:]
+        assert "nothing was changed" in result.stderr and "Fix:" in result.stderr
+        assert ssh(box, "test -e /tmp/pwned", check=False).returncode != 0
+        after = (main_pids(box), ssh(box, f"ls -a /var/cache/sparkform {STATE}/record {STATE}/models/.pins; "
+                                          f"sha256sum {TOKEN_FILE} {STATE}/record/* 2>/dev/null; true").stdout)
+        assert after == before
+        token = ssh(box, f"cat {TOKEN_FILE}").stdout.strip()
+        assert token not in result.stdout + result.stderr  # a link to the token was never read
+    finally:
+        ssh(box, f"rm -f {PIN} /tmp/pwned; for f in {KEY_FILE} {RECORD}; do "
+                 f"if [ -e $f.kept ]; then mv -fT $f.kept $f; fi; done")
+    assert changed_operations(SANDBOX_INVENTORY) == []
 
 
 def test_reboot_brings_both_back_second_after_first_is_ready(box):

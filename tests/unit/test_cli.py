@@ -71,7 +71,7 @@ BROKEN_FILES = sorted(BROKEN.glob("*.py"))
 
 
 def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARK_") or k == "SPARK_API_KEY_FILE"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARK_") or k in ("SPARK_API_KEY_FILE", "SPARK_KNOWN_HOSTS")}
     env.pop("PYTHONPATH", None)
     return env
 

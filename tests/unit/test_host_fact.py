@@ -24,7 +24,7 @@ regular file|640|root|vllm|/etc/sparkform/secrets/engine.env
 0f1e2d  /etc/systemd/system/vllm-q38.service
 aabbcc  /etc/sparkform/secrets/engine.env
 {SECTION}markers
-/opt/sparkform/venvs/vllm-0.27.1/.sparkform-complete|vllm==0.27.1
+/opt/sparkform/venvs/vllm-0.27.1/.sparkform-complete:vllm==0.27.1
 {SECTION}units
 Id=vllm-q38.service
 LoadState=loaded
@@ -147,7 +147,7 @@ RECORD = json.dumps({"versions": {"kernel": "6.11.0-1016-nvidia", "driver": "580
     ("pins", f"/m/.pins/a--b@main;id:{'1' * 40}", "pins", "which is not a pin name"),
     ("cache_keys", f"/r/cache-keys/q38:{SHELL}", "cache_keys", "/r/cache-keys/q38 holds '$(id > /tmp/x)', which is not a cache key"),
     ("cache_keys", f"/r/cache-keys/Q38 x:{KEY}", "cache_keys", "which is not a cache key file of an engine"),
-    ("markers", f"/v/.sparkform-complete|vllm==0.27.1 $(id)", "markers", "which is not a stamp sparkform writes"),
+    ("markers", f"/v/.sparkform-complete:vllm==0.27.1 $(id)", "markers", "which is not a stamp sparkform writes"),
     ("checkpoints", f"/m/a--b@{'1' * 40}|1.0|{SHELL}|ok", "checkpoints", "which is not a commit id"),
     ("checkpoints", f"/m/a--b@main;id|1.0||-", "checkpoints", "which is not a checkpoint folder name"),
     ("checkpoints", f"/m/a--b@{'1' * 40}|1.0|{'1' * 40}|x.bin,$(id).bin", "checkpoints", "which is not a checkpoint file"),
@@ -169,3 +169,32 @@ def test_values_in_the_shapes_sparkform_writes_are_read():
     assert snapshot.untrusted == []
     assert snapshot.cache_keys == {"q38": KEY} and snapshot.caches_aside == [f"/c/q38.stale-{KEY}"]
     assert snapshot.record.engines["q38"].cache_key == KEY and snapshot.record.versions.firmware == "5.36"
+
+
+def test_the_command_follows_no_link_where_root_reads_back_a_file(tmp_path):
+    """A link planted at a pin, a cache key, a marker or the record (pointing at a secret) is
+    named, never read: the secret stays out of the fact's output."""
+    secret = tmp_path / "hf_token"
+    secret.write_text("hf_SECRETtoken123\n")
+    pins, keys, record = tmp_path / "pins", tmp_path / "keys", tmp_path / "host-record.json"
+    pins.mkdir()
+    keys.mkdir()
+    (pins / "a--b@main").write_text("1" * 40 + "\n")
+    (pins / "a--b@v2").symlink_to(secret)
+    (keys / "q38").symlink_to(secret)
+    (keys / "nemotron").write_text(KEY + "\n")
+    record.symlink_to(secret)
+    marker = tmp_path / "venv-marker"
+    marker.symlink_to(secret)
+    command = SparkformHost().command(packages=["coreutils"], users=["root"], paths=[str(tmp_path)],
+                                      markers=[str(marker)], units=["none.service"],
+                                      unit_glob=str(tmp_path / "none-*.service"), models_dir=str(tmp_path / "m"),
+                                      pins_dir=str(pins), cache_root=str(tmp_path / "c"), cache_keys_dir=str(keys),
+                                      record_path=str(record))
+    output = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout
+    assert "SECRET" not in output
+    snapshot = SparkformHost().process(output.splitlines())
+    assert snapshot.pins == {"a--b@main": "1" * 40} and snapshot.cache_keys == {"nemotron": KEY}
+    assert snapshot.record is None and snapshot.markers == {}
+    linked = sorted(entry.split(" is a symbolic link")[0] for entry in snapshot.untrusted)
+    assert linked == sorted(str(p) for p in (pins / "a--b@v2", keys / "q38", record, marker))
