@@ -110,6 +110,9 @@ def engine_environment(config: HostConfig, engine: Engine) -> dict[str, str]:
         "FLASHINFER_WORKSPACE_BASE": cache,
         "TRITON_CACHE_DIR": f"{cache}/triton",
         "CUTE_DSL_CACHE_DIR": f"{cache}/cute-dsl",
+        # vLLM's start-up connects to its own get_ip() (the LAN address) unless told: the unit
+        # allows loopback only (IPAddressAllow=localhost).
+        "VLLM_HOST_IP": "127.0.0.1",
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",

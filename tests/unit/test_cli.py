@@ -342,6 +342,18 @@ def test_plan_host_name_follows_spark_host(tmp_path):
     assert result.stdout.startswith("host gb10.lan: ")
 
 
+def test_the_spark_inventory_pins_the_host_key_and_refuses_without_one(tmp_path):
+    data = dict(cli.raw_inventory(SEED_INVENTORY)["spark.local"])
+    assert data["ssh_strict_host_key_checking"] == "yes"  # never pyinfra's accept-new
+    assert Path(data["ssh_known_hosts_file"]).is_file()
+    env = clean_env() | {"SPARK_KNOWN_HOSTS": str(tmp_path / "nowhere" / "known_hosts")}
+    result = subprocess.run([sys.executable, "-m", "sparkform.cli", "plan", str(SEED_INVENTORY)],
+                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert result.returncode == 2, result.stdout
+    assert f"spark.local: ssh_known_hosts_file = '{tmp_path}/nowhere/known_hosts': no such file" in result.stderr
+    assert "ssh-keyscan -t ed25519 spark.local >> " in result.stderr
+
+
 def test_plan_json(tmp_path):
     result, _ = sparkform("plan", "--json", str(SEED_INVENTORY), cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -271,6 +271,8 @@ def test_engine_units_are_hardened_to_2_or_less_and_keep_what_the_engine_needs(d
         writable = re.search(r"^ReadWritePaths=(.*)$", unit, re.M).group(1).split()
         assert writable == [config.engine_cache_dir(engine), config.engine_home, config.lock_dir]
         assert "ProcSubset=" not in unit  # /proc/meminfo and /proc/driver/nvidia stay readable
+        # Loopback only, and vLLM told so (its start-up connects to get_ip() otherwise).
+        assert "IPAddressDeny=any\nIPAddressAllow=localhost\n" in unit and '"VLLM_HOST_IP=127.0.0.1"' in unit
         assert "CUTE_DSL_CACHE_DIR=" + config.engine_cache_dir(engine) in unit  # not a private /tmp
         devices = re.findall(r"^DeviceAllow=(\S+) rw$", unit, re.M)
         if device == "cuda":
