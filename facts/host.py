@@ -25,6 +25,7 @@ LINK = "@@link:"  # a symbolic link where sparkform reads back a file
 PIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # Checkpoint.pin_name
 FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # repo--name@commit
 STAMP = re.compile(r"[A-Za-z0-9._+=@ -]{0,200}")  # venv pins, digests of what nginx and the guard loaded
+UNIT_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]*\.service")  # a unit sparkform may have written
 MANIFEST_PATH = re.compile(r"[A-Za-z0-9._/+-]{1,400}")  # a checkpoint file, relative to its folder
 # Every checkpoint folder (name@commit) under the models folder, one line each:
 # "folder|mtime|marker|verdict", the verdict "ok", "-" (no manifest) or the files whose size or
@@ -187,10 +188,12 @@ class SparkformHost(FactBase):
             if shaped(STAMP, content, path, "a stamp sparkform writes"):
                 snapshot.markers[path] = content
         snapshot.engines = engine_states(sections.get("units", []))
-        snapshot.rendered_units = set(sections.get("rendered_units", []))
+        snapshot.rendered_units = {path for path in sections.get("rendered_units", [])
+                                   if shaped(UNIT_FILE, path.rsplit("/", 1)[-1], path, "a unit file name")}
         for line in sections.get("unit_files", []):
             unit, *state = line.split()
-            snapshot.unit_files[unit] = state[0] if state else ""
+            if shaped(UNIT_FILE, unit, unit, "a unit file name"):
+                snapshot.unit_files[unit] = state[0] if state else ""
         for line in sections.get("checkpoints", []):
             folder, mtime, marker, verdict = line.rsplit("|", 3)
             drift = None if verdict == "-" else [] if verdict == "ok" else verdict.split(",")

@@ -52,12 +52,12 @@ def engine_running(engine: Engine, current: EngineState | None, restart: bool):
     """
     changed = False
     if current is None or current.unit_file_state != "enabled":
-        yield f"systemctl enable {engine.unit}"
+        yield f"systemctl enable {shlex.quote(engine.unit)}"
         changed = True
     if starts(current, restart):
         # reset-failed: a unit that hit its start limit would refuse the start otherwise. `start`
         # joins a start already under way (a boot) and cuts short an auto-restart wait.
-        yield f"systemctl reset-failed {engine.unit} 2>/dev/null || true"
+        yield f"systemctl reset-failed {shlex.quote(engine.unit)} 2>/dev/null || true"
         verb = "restart" if restart else "start"
         yield _explained(f"systemctl {verb} {engine.unit}", engine.unit)
         changed = True
@@ -75,7 +75,7 @@ def engine_removed(unit_path: str, settings: list[str]):
     + settings: its settings files (env, args)
     """
     unit = shlex.quote(unit_path.rsplit("/", 1)[-1])
-    yield f"systemctl disable --now {unit} || true"
+    yield f"systemctl disable --now {shlex.quote(unit)} || true"
     yield "rm -f " + " ".join(shlex.quote(path) for path in [unit_path, *settings])
 
 
@@ -90,7 +90,7 @@ def engine_stopped(engine: Engine, current: EngineState | None):
     if current is None or (current.unit_file_state != "enabled" and current.active_state == "inactive"):
         host.noop(f"{engine.unit} is stopped and disabled")
         return
-    yield f"systemctl disable --now {engine.unit}"
+    yield f"systemctl disable --now {shlex.quote(engine.unit)}"
 
 
 @operation()
@@ -105,10 +105,10 @@ def target_reached(unit: str, current: EngineState | None, engines_started: bool
     """
     changed = False
     if current is None or current.unit_file_state != "enabled":
-        yield f"systemctl enable {unit}"
+        yield f"systemctl enable {shlex.quote(unit)}"
         changed = True
     if engines_started or current is None or current.active_state != "active":
-        yield f"systemctl start {unit}"
+        yield f"systemctl start {shlex.quote(unit)}"
         changed = True
     if not changed:
         host.noop(f"{unit} is enabled and active")

@@ -69,13 +69,13 @@ def managed_file(path: str, content: str, mode: str, current: RemoteFile | None,
         folder = path.rsplit("/", 1)[0]
         temp = host.get_temp_filename(path, temp_directory=folder if secret else None)
         yield FileUploadCommand(StringIO(content), path, remote_temp_filename=temp)
-        yield f"chown {user}:{group} {quoted}"
+        yield f"chown {shlex.quote(f'{user}:{group}')} {quoted}"
         yield f"chmod {mode} {quoted}"
         return
     if current.mode != mode:
         yield f"chmod {mode} {quoted}"
     if (current.user, current.group) != (user, group):
-        yield f"chown {user}:{group} {quoted}"
+        yield f"chown {shlex.quote(f'{user}:{group}')} {quoted}"
     if (current.mode, current.user, current.group) == (mode, user, group):
         host.noop(f"{path} is up to date")
 

@@ -25,10 +25,10 @@ def guard_running(unit: str, current: EngineState | None, applied: str | None, w
     """
     changed = False
     if current is None or current.unit_file_state != "enabled":
-        yield f"systemctl enable {unit}"
+        yield f"systemctl enable {shlex.quote(unit)}"
         changed = True
     if applied != wanted or current is None or current.active_state != "active":
-        yield f"systemctl restart {unit}"
+        yield f"systemctl restart {shlex.quote(unit)}"
         yield replaced_file(stamp, wanted)
         changed = True
     if not changed:

@@ -34,7 +34,7 @@ def cache_moved_aside(config: HostConfig, engine: Engine, snapshot: HostSnapshot
     """
     cache = config.engine_cache_dir(engine)
     user = config.engine_user
-    yield f"systemctl stop {engine.unit}"
+    yield f"systemctl stop {shlex.quote(engine.unit)}"
     if caches_aside(config, engine, snapshot):
         yield f"rm -rf -- {shlex.quote(cache)}"
     else:

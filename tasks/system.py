@@ -99,11 +99,11 @@ def folder(spec: Folder, snapshot: HostSnapshot):
     current = snapshot.paths.get(spec.path)
     path = shlex.quote(spec.path)
     if current is None:
-        yield f"install -d -m {spec.mode} -o {spec.user} -g {spec.group} {path}"
+        yield f"install -d -m {spec.mode} -o {shlex.quote(spec.user)} -g {shlex.quote(spec.group)} {path}"
         return
     if current.mode != spec.mode:
         yield f"chmod {spec.mode} {path}"
     if (current.user, current.group) != (spec.user, spec.group):
-        yield f"chown {spec.user}:{spec.group} {path}"
+        yield f"chown {shlex.quote(f'{spec.user}:{spec.group}')} {path}"
     if (current.mode, current.user, current.group) == (spec.mode, spec.user, spec.group):
         host.noop(f"folder {spec.path} is in place")

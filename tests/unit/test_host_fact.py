@@ -152,6 +152,8 @@ RECORD = json.dumps({"versions": {"kernel": "6.11.0-1016-nvidia", "driver": "580
     ("checkpoints", f"/m/a--b@main;id|1.0||-", "checkpoints", "which is not a checkpoint folder name"),
     ("checkpoints", f"/m/a--b@{'1' * 40}|1.0|{'1' * 40}|x.bin,$(id).bin", "checkpoints", "which is not a checkpoint file"),
     ("caches_aside", f"/c/q38.stale-{SHELL}", "caches_aside", "which is not a cache folder moved aside"),
+    ("rendered_units", "/etc/systemd/system/vllm-x;id.service", "rendered_units", "which is not a unit file name"),
+    ("unit_files", "vllm-$(id).service enabled", "unit_files", "which is not a unit file name"),
     ("record", RECORD.replace(KEY, SHELL), "record", "the host record: cache_key '$(id > /tmp/x)' is not what sparkform writes"),
     ("record", RECORD.replace("5.36", "5.36\\n`id`"), "record", "versions.firmware"),
 ])
