@@ -12,13 +12,13 @@ one fact (SparkformHost), gathered in one round trip.
 from pyinfra import host, logger
 
 from facts.host import SparkformHost
-from sparkform import hostrecord
+from sparkform import bootchain, hostrecord
 from sparkform.hub import resolve_pins
 from sparkform.inventory import exit_invalid, exit_untrusted, host_from_data
 from sparkform.render import (FRONT_CONFIG, FRONT_DROP_IN, FRONT_UNIT, GUARD_UNIT, guard_files, prerequisite_packages,
                               render_host)
 from sparkform.schema import ENGINES_TARGET, UNIT_PREFIX
-from sparkform.validate import InventoryError, boot_chain_holes, start_order
+from sparkform.model import InventoryError
 from tasks import checkpoints, engines, files, front, guard, jit, system, venv
 from tasks import record as record_ops
 
@@ -59,7 +59,7 @@ except InventoryError as err:
     exit_invalid(err, f"data of host {host.name}")
 rendered = render_host(config)
 changed = {f.path for f in rendered if files.differs(f.content, snapshot.paths.get(f.path))}
-order = start_order(config)
+order = bootchain.start_order(config)
 
 # What changed since the last converge, and which engines' JIT caches it made stale.
 live = hostrecord.parse_live_versions(snapshot.live_versions, f"{config.vllm_package}-{config.vllm_version}")
@@ -71,10 +71,10 @@ drift_lines = hostrecord.drift_report(drift, last_cold)
 for line in drift_lines:
     logger.warning(f"[{host.name}] since the last converge: {line}")
 # The boot chain: an edge to a unit that is not enabled orders nothing (2026-08-18).
-for unit, dep, state in boot_chain_holes({u: s.after for u, s in snapshot.engines.items()
-                                          if s.unit_file_state == "enabled"}, snapshot.unit_files):
-    repaired = (f"/etc/systemd/system/{unit}" in changed
-                or any(e.unit == dep for e in order) or not any(e.unit == unit for e in order))
+changed_units = {f.path.rsplit("/", 1)[-1] for f in rendered if f.is_unit and f.path in changed}
+for unit, dep, state in bootchain.holes({u: s.after for u, s in snapshot.engines.items()
+                                         if s.unit_file_state == "enabled"}, snapshot.unit_files):
+    repaired = bootchain.hole_repaired(unit, dep, order, changed_units)
     logger.warning(f"[{host.name}] boot chain: {unit} waits for {dep}, which is {state}: "
                    + ("this run repairs it" if repaired else "fix that unit by hand"))
 

@@ -25,7 +25,7 @@ from sparkform.hub import resolve_pins
 from sparkform.inventory import exit_invalid, load_inventory, raw_inventory
 from sparkform.render import render_host
 from sparkform.schema import Checkpoint, CompileCaps, Engine, HostConfig, Measured
-from sparkform.validate import Host, InventoryError, Problem
+from sparkform.model import Host, InventoryError, Problem
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

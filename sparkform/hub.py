@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from sparkform.schema import COMMIT_ID, Engine, HostConfig
-from sparkform.validate import InventoryError, Problem
+from sparkform.model import InventoryError, Problem
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 TIMEOUT_S = 20.0

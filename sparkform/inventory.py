@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from sparkform.validate import Host, InventoryError, Problem, load_host
+from sparkform.model import Host, InventoryError, Problem
+from sparkform.validate import load_host
 
 BASE_DIR_KEY = "_sparkform_base_dir"  # relative paths in host data resolve against it
 EXIT_INVALID = 2

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from sparkform import modelconfig
 from sparkform.modelconfig import GIB
 from sparkform.schema import Engine
-from sparkform.validate import Host, Problem
+from sparkform.model import Host, Problem
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jinja2
 
+from sparkform import bootchain
 from sparkform.hostrecord import record_dir
 from sparkform.modelconfig import GIB
 from sparkform.schema import CHECKPOINT_MANIFEST, COMPLETE_MARKER, CONTROL_CHARACTERS, ENGINES_TARGET, Engine, HostConfig
@@ -241,7 +242,8 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
         env_file, args_file = config.settings_files(engine.name)
         files += [
             RenderedFile(f"/etc/systemd/system/{engine.unit}",
-                         _render("engine.service.j2", config=config, engine=engine, environment=environment),
+                         _render("engine.service.j2", config=config, engine=engine, environment=environment,
+                                 after_units=bootchain.after_units(config, engine)),
                          "644", engine.name),
             RenderedFile(env_file,
                          _render("engine.env.j2", config=config, engine=engine, environment=environment,

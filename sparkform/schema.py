@@ -462,25 +462,6 @@ class HostConfig(Strict):
         folder = f"{self.config_dir}/engines"
         return f"{folder}/{engine_name}.env", f"{folder}/{engine_name}.args"
 
-    def boot_edges(self, engine: Engine) -> list[str]:
-        """The enabled engines `engine` starts after: its `after` list, each disabled engine
-        replaced by the engines it comes after. After= orders only units in the same boot
-        transaction, so an edge to a disabled unit is a hole (2026-08-18); this keeps the chain
-        whole when an engine in the middle is disabled."""
-        by_name = {e.name: e for e in self.engines}
-        edges: list[str] = []
-        pending, seen = list(engine.after), {engine.name}
-        while pending:
-            name = pending.pop(0)
-            if name in seen or name not in by_name:
-                continue
-            seen.add(name)
-            if by_name[name].enabled:
-                edges.append(name)
-            else:
-                pending += by_name[name].after
-        return edges
-
     def commit(self, engine: Engine) -> str | None:
         """The commit `engine` serves: its revision when that is a commit id, else what the
         revision resolved to (see `pinned`); None while unresolved (plan and render are offline)."""

@@ -8,45 +8,15 @@ pool, uniqueness, the boot chain, the compile storm, the MTP/vision trade-off.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from sparkform import locks, modelconfig
+from sparkform import bootchain, locks, modelconfig
+from sparkform.model import Host, InventoryError, Problem
+from sparkform.planner import state_block_problems
 from sparkform.schema import API_KEY_MIN_LENGTH, API_KEY_PATTERN, UNIT_PREFIX, Engine, HostConfig, owned_flag
-
-
-@dataclass(frozen=True)
-class Problem:
-    host: str
-    field: str
-    value: Any
-    message: str
-    fix: str
-    engine: str | None = None
-
-    def __str__(self) -> str:
-        where = f"{self.host}: engine {self.engine}: " if self.engine else f"{self.host}: "
-        return f"{where}{self.field} = {self.value!r}: {self.message}. Fix: {self.fix}."
-
-
-class InventoryError(ValueError):
-    """The inventory cannot be converged; nothing was sent to any host."""
-
-    def __init__(self, problems: list[Problem]):
-        self.problems = problems
-        super().__init__("\n".join(str(problem) for problem in problems))
-
-
-@dataclass
-class Host:
-    """A validated host: its data, and the config.json of each engine that names one."""
-
-    name: str
-    config: HostConfig
-    model_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _pydantic_problems(host: str, data: dict[str, Any], err: ValidationError) -> list[Problem]:
@@ -152,10 +122,8 @@ def _host_key_problems(name: str, data: dict[str, Any], base_dir: Path) -> list[
 
 
 def host_problems(host: Host) -> list[Problem]:
-    from sparkform.planner import state_block_problems  # the planner builds on this module
-
     problems: list[Problem] = []
-    for rule in (_root_folders_apart, _memory_pool, _unique, _front, _memory_floors, _boot_chain, _mtp_and_vision, _timeouts, _cgroup_caps,
+    for rule in (_root_folders_apart, _memory_pool, _unique, _front, _memory_floors, bootchain.chain_problems, _mtp_and_vision, _timeouts, _cgroup_caps,
                  _compile_storm, _cpu_pool, _native_window, _secret_files, _wheelhouse, _lock,
                  state_block_problems):
         problems += rule(host)
@@ -218,57 +186,6 @@ def _unique(host: Host) -> list[Problem]:
                     engine.name))
             served.setdefault(alias, engine.name)
     return problems
-
-
-def _boot_chain(host: Host) -> list[Problem]:
-    problems = []
-    by_name = {engine.name: engine for engine in host.config.engines}
-    for engine in host.config.enabled_engines:
-        for target in engine.after:
-            if target == engine.name:
-                problems.append(Problem(host.name, "after", target, "an engine cannot wait for itself",
-                                        "remove the edge", engine.name))
-            elif target not in by_name:
-                problems.append(Problem(
-                    host.name, "after", target,
-                    "no engine of that name: the After= edge would order against nothing, "
-                    "the boot chain's hole of 2026-08-18 (two cold starts in the same second)",
-                    f"name one of: {', '.join(sorted(by_name)) or '(no engines)'}", engine.name))
-    if not problems:
-        try:
-            start_order(host.config)
-        except ValueError:
-            problems.append(Problem(host.name, "after", {e.name: e.after for e in host.config.engines},
-                                    "the after edges form a cycle, so no engine could start first",
-                                    "break the cycle"))
-    return problems
-
-
-def start_order(config: HostConfig) -> list[Engine]:
-    """The enabled engines in an order where each comes after every engine it waits for."""
-    remaining = {engine.name: engine for engine in config.enabled_engines}
-    ordered: list[Engine] = []
-    while remaining:
-        ready = [e for e in remaining.values() if not set(config.boot_edges(e)) & set(remaining)]
-        if not ready:
-            raise ValueError(f"cycle among {sorted(remaining)}")
-        for engine in ready:
-            ordered.append(remaining.pop(engine.name))
-    return ordered
-
-
-def boot_chain_holes(after: dict[str, tuple[str, ...]], unit_files: dict[str, str]) -> list[tuple[str, str, str]]:
-    """Edges of the boot chain that order an enabled unit after an engine unit that is not
-    enabled (the 2026-08-18 hole: After= orders only units in the same boot transaction, so
-    such an edge orders nothing and both start at once).
-
-    + after: each enabled unit's After= list, by unit
-    + unit_files: the file state (enabled, disabled, ...) of every engine unit on the host
-    Returns (unit, the unit it waits for, that unit's state or "missing").
-    """
-    return [(unit, dep, unit_files.get(dep, "missing"))
-            for unit, deps in sorted(after.items()) for dep in deps
-            if dep.startswith(UNIT_PREFIX) and unit_files.get(dep) != "enabled"]
 
 
 def _mtp_and_vision(host: Host) -> list[Problem]:

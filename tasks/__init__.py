@@ -1,1 +1,1 @@
-"""pyinfra tasks: thin adapters from a validated host (sparkform.validate.Host) to operations."""
+"""pyinfra tasks: thin adapters from a validated host (sparkform.model.Host) to operations."""

@@ -11,7 +11,8 @@ import pytest
 from sparkform.cli import main
 from sparkform.hub import HubError, resolve_pins, resolve_revision
 from sparkform.sandbox.fakehub import FakeHub
-from sparkform.validate import InventoryError, load_host
+from sparkform.model import InventoryError
+from sparkform.validate import load_host
 
 REPO = "org/model"
 

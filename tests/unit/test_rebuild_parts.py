@@ -13,7 +13,8 @@ from sparkform.cli import start_table
 from sparkform.hostrecord import EngineRecord, HostRecord, HostVersions, cache_key
 from sparkform.parsers import EngineState
 from sparkform.render import render_host
-from sparkform.validate import boot_chain_holes, load_host
+from sparkform.bootchain import holes as boot_chain_holes
+from sparkform.validate import load_host
 from tasks.record import planned_record
 
 VERSIONS = HostVersions(kernel="6.11", driver="580.95.05", cuda="13.0", gpu_arch="12.1", vllm="vllm-0.27.1")

@@ -17,7 +17,9 @@ import pytest
 from sparkform import inventory as inventory_module
 from sparkform.locks import LOCKS, lock_id
 from sparkform.schema import KNOWN_QUANTIZATIONS, HostConfig
-from sparkform.validate import InventoryError, Problem, load_host, start_order
+from sparkform.bootchain import edges, start_order
+from sparkform.model import InventoryError, Problem
+from sparkform.validate import load_host
 
 Mutator = Callable[[dict[str, Any]], None]
 
@@ -349,18 +351,18 @@ def test_a_disabled_engine_in_the_chain_is_bridged_not_a_hole(seed_data, make_ho
     eng(seed_data, "q38")["enabled"] = False
     config = make_host(seed_data).config
     engines = {e.name: e for e in config.engines}
-    assert config.boot_edges(engines["embed"]) == ["nemotron"]
+    assert edges(config, engines["embed"]) == ["nemotron"]
     assert [e.name for e in start_order(config)] == ["nemotron", "embed"]
     eng(seed_data, "nemotron")["enabled"] = False
     eng(seed_data, "q38")["enabled"] = True
     config = make_host(seed_data).config
-    assert config.boot_edges(next(e for e in config.engines if e.name == "q38")) == []
+    assert edges(config, next(e for e in config.engines if e.name == "q38")) == []
 
 
 def test_a_cycle_through_a_disabled_engine_is_no_self_edge(seed_data, make_host):
     eng(seed_data, "nemotron").update(enabled=False, after=["q38"])
     config = make_host(seed_data).config
-    assert config.boot_edges(next(e for e in config.engines if e.name == "q38")) == []
+    assert edges(config, next(e for e in config.engines if e.name == "q38")) == []
 
 
 def test_every_rule_problem_is_reported_at_once(seed_data, problems_of):

@@ -7,10 +7,11 @@ import re
 
 import pytest
 
+from sparkform import bootchain
 from sparkform.parsers import parse_kv_pool
 from sparkform.render import engine_environment
 from sparkform.hostrecord import HostRecord, cache_keys_dir, record_dir, record_path
-from sparkform.schema import CHECKPOINT_MANIFEST, ENGINES_TARGET
+from sparkform.schema import CHECKPOINT_MANIFEST, ENGINES_TARGET, UNIT_PREFIX
 
 UNIT_LIMITS_USEC = re.compile(r"^(\d+)")
 
@@ -89,15 +90,15 @@ def test_caps_reach_the_running_engine(remote, engine, config):
     assert f"MAX_JOBS={config.compile_caps.max_jobs}" in environ.splitlines()
 
 
-def test_after_edges_point_at_enabled_units(remote, engine):
-    after = remote.service(engine.unit).systemd_properties.get("After", "").split()
-    for unit in after:
-        if unit.startswith("vllm-"):
-            # Only "enabled" joins the boot transaction; "static" and "disabled" units do not.
-            state = remote.run(f"systemctl is-enabled {unit}").stdout.strip()
-            assert state == "enabled", (
-                f"{engine.unit} is ordered after {unit}, which is not enabled ({state}): the boot "
-                f"chain has a hole (2026-08-18); enable {unit} or remove the edge")
+def test_after_edges_point_at_enabled_units(remote, engine, config):
+    after = tuple(remote.service(engine.unit).systemd_properties.get("After", "").split())
+    # Only "enabled" joins the boot transaction; "static" and "disabled" units do not.
+    states = {unit: remote.run(f"systemctl is-enabled {unit}").stdout.strip()
+              for unit in after if unit.startswith(UNIT_PREFIX)}
+    for unit, dep, state in bootchain.holes({engine.unit: after}, states):
+        pytest.fail(f"{unit} is ordered after {dep}, which is not enabled ({state}): the boot chain has a "
+                    f"hole (2026-08-18); enable {dep} or remove the edge")
+    assert set(bootchain.after_units(config, engine)) <= set(after), "an edge of the inventory is missing"
 
 
 def test_guard_watches_and_every_engine_fails_over_to_its_recovery(remote, engine, config):

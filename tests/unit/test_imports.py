@@ -1,0 +1,67 @@
+"""The project's modules import each other without a cycle, at module level or inside a function:
+the core builds upward from the schema and the model types, and the tasks and facts on the core."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("sparkform", "tasks", "facts")
+
+
+def project_modules() -> dict[str, Path]:
+    """Every module of the project by dotted name, deploy.py included."""
+    modules = {"deploy": REPO / "deploy.py"}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `path` imports anywhere in its body (`from a import b` counts as a.b
+    when a.b is a module, else as a)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                     for alias in node.names]
+        else:
+            continue
+        found |= {name for name in names if name in modules}
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle a depth-first walk meets, each as the modules along it."""
+    found, state = [], {}
+
+    def walk(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                walk(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            walk(node, [node])
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_inside_the_project():
+    modules = project_modules()
+    graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
+    assert {"sparkform.model", "sparkform.bootchain", "sparkform.validate", "sparkform.planner"} <= set(graph)
+    assert cycles(graph) == []
