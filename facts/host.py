@@ -14,11 +14,9 @@ from pyinfra.api import FactBase
 
 from sparkform.hostrecord import (CACHE_KEY_PATTERN, ENGINE_NAME_PATTERN, LIVE_VERSIONS_COMMAND, STALE_MARK,
                                   HostRecord, UntrustedValue)
-from sparkform.parsers import EngineState, engine_states
+from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES, EngineState, engine_states
 from sparkform.schema import CHECKPOINT_MANIFEST, COMMIT_ID, COMPLETE_MARKER
 
-UNIT_PROPERTIES = ("Id,LoadState,ActiveState,SubState,NRestarts,MainPID,ExecMainStatus,Result,UnitFileState,"
-                   "After,ExecMainStartTimestamp,ExecMainStartTimestampMonotonic,ActiveEnterTimestampMonotonic")
 SECTION = "@@sparkform:"
 LINK = "@@link:"  # a symbolic link where sparkform reads back a file
 # What sparkform writes into the files it reads back; anything else was written by someone else.
@@ -134,7 +132,7 @@ class SparkformHost(FactBase):
             _section("stat", f"stat -c '%F|%a|%U|%G|%n' {quoted_paths}"),
             _section("sha256", f"sha256sum {quoted_paths}"),
             _section("markers", _plain_files(" ".join(shlex.quote(m) for m in markers)) if markers else "true"),
-            _section("units", f"systemctl show --timestamp=unix -p {UNIT_PROPERTIES} "
+            _section("units", f"systemctl show --timestamp=unix -p {SYSTEMCTL_SHOW_PROPERTIES} "
                      + " ".join(shlex.quote(u) for u in units)),
             _section("rendered_units", f"grep -l '^# Rendered by sparkform' {unit_glob}"),
             _section("unit_files", f"systemctl list-unit-files --no-legend --no-pager {shlex.quote(unit_glob.rsplit('/', 1)[-1])}"),

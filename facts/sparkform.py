@@ -135,7 +135,7 @@ class EngineStates(FactBase[dict[str, parsers.EngineState]]):
         if not units:
             return "true"
         unit_args = " ".join(shlex.quote(unit) for unit in units)
-        return f"systemctl show -p {parsers.SYSTEMCTL_SHOW_PROPERTIES} {unit_args}"
+        return f"systemctl show --timestamp=unix -p {parsers.SYSTEMCTL_SHOW_PROPERTIES} {unit_args}"
 
     def process(self, output: list[str]) -> dict[str, parsers.EngineState]:
         return parsers.engine_states(output)

@@ -31,8 +31,10 @@ KV_BOOT_MARKER = "vLLM API server version"
 _CUDA_VERSION_RE = re.compile(r"CUDA Version:\s*(?P<version>\d+(?:\.\d+)*)")
 _COMPUTE_CAP_RE = re.compile(r"^\d+\.\d+$")
 
+# The one list of unit properties sparkform reads (with `systemctl show --timestamp=unix`).
 SYSTEMCTL_SHOW_PROPERTIES = (
-    "Id,LoadState,ActiveState,SubState,NRestarts,MainPID,ExecMainStatus,Result,UnitFileState"
+    "Id,LoadState,ActiveState,SubState,NRestarts,MainPID,ExecMainStatus,Result,UnitFileState,"
+    "After,ExecMainStartTimestamp,ExecMainStartTimestampMonotonic,ActiveEnterTimestampMonotonic"
 )
 
 

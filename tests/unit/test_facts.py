@@ -56,8 +56,9 @@ def test_vllm_version_process():
 def test_engine_states_one_call_for_all_units():
     command = EngineStates().command(units=["vllm-nemotron.service", "vllm-qwen38.service"])
     assert command == (
-        "systemctl show -p Id,LoadState,ActiveState,SubState,NRestarts,MainPID,ExecMainStatus,"
-        "Result,UnitFileState vllm-nemotron.service vllm-qwen38.service"
+        "systemctl show --timestamp=unix -p Id,LoadState,ActiveState,SubState,NRestarts,MainPID,ExecMainStatus,"
+        "Result,UnitFileState,After,ExecMainStartTimestamp,ExecMainStartTimestampMonotonic,"
+        "ActiveEnterTimestampMonotonic vllm-nemotron.service vllm-qwen38.service"
     )
 
 
