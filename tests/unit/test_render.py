@@ -23,6 +23,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -918,6 +919,32 @@ def test_wait_ready_with_a_live_main_process_still_succeeds(make_box, servers):
     engine = servers(names=("a",))
     result, _ = box.run_wait_ready(str(engine.port), "10", "a", MAINPID=str(os.getpid()))
     assert result.returncode == 0, result.stderr
+
+
+def test_wait_ready_takes_a_main_process_it_may_not_signal_as_alive(make_box, servers):
+    """Run as the engine user, the helper can start while the main process is still systemd's
+    (root's) child setting up the sandbox: kill -0 is refused then, and that is no death."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run the helper as another user")
+    box = make_box()
+    engine = servers(names=("a",))
+    # pytest's folders are root's only: the unprivileged user runs a copy from a folder it may read.
+    folder = Path(tempfile.mkdtemp(prefix="sparkform-wait-ready-"))
+    folder.chmod(0o755)
+    helper = folder / "sparkform-wait-ready"
+    shutil.copy(box.wait_ready, helper)
+    root_owned = subprocess.Popen(["sleep", "30"])  # this test runs as root
+    try:
+        start = time.monotonic()
+        result = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(helper),
+                                 str(engine.port), "10", "a"], capture_output=True, text=True, timeout=60,
+                                env={"PATH": "/usr/bin:/bin", "MAINPID": str(root_owned.pid)})
+    finally:
+        root_owned.kill()
+        root_owned.wait()
+        shutil.rmtree(folder)
+    assert result.returncode == 0, result.stderr
+    assert "died" not in result.stderr and time.monotonic() - start < 10
 
 
 @pytest.mark.parametrize("args", [[], ["8011"], ["8011", "10"]])
