@@ -59,7 +59,7 @@ def engine_running(engine: Engine, current: EngineState | None, restart: bool):
         # joins a start already under way (a boot) and cuts short an auto-restart wait.
         yield f"systemctl reset-failed {shlex.quote(engine.unit)} 2>/dev/null || true"
         verb = "restart" if restart else "start"
-        yield _explained(f"systemctl {verb} {engine.unit}", engine.unit)
+        yield _explained(f"systemctl {verb} {shlex.quote(engine.unit)}", engine.unit)
         changed = True
     if not changed:
         host.noop(f"{engine.unit} is enabled and {current.active_state}")
@@ -74,7 +74,7 @@ def engine_removed(unit_path: str, settings: list[str]):
     + unit_path: the unit file sparkform rendered for it
     + settings: its settings files (env, args)
     """
-    unit = shlex.quote(unit_path.rsplit("/", 1)[-1])
+    unit = unit_path.rsplit("/", 1)[-1]
     yield f"systemctl disable --now {shlex.quote(unit)} || true"
     yield "rm -f " + " ".join(shlex.quote(path) for path in [unit_path, *settings])
 

