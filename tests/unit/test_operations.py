@@ -138,6 +138,15 @@ TABLE = {
     "engine: restart it when its files changed": (
         engines.engine_running, dict(engine=FAST, current=unit(), restart=True), ["systemctl restart vllm-fast.service"],
         dict(engine=FAST, current=unit(), restart=False)),
+    "engine: remove one that left the inventory": (
+        engines.engine_removed, dict(unit_path="/etc/systemd/system/vllm-gone.service",
+                                     settings=["/etc/sparkform/engines/gone.env", "/etc/sparkform/engines/gone.args"]),
+        ["systemctl disable --now vllm-gone.service || true", "rm -f /etc/systemd/system/vllm-gone.service "
+         "/etc/sparkform/engines/gone.env /etc/sparkform/engines/gone.args"],
+        None),
+    "alert: a human hears of a drift": (
+        guard.alerted, dict(lib_dir="/usr/local/lib/sparkform", event="drift", message="driver 580 -> 590"),
+        ["python3 /usr/local/lib/sparkform/sparkform-guard alert drift - 'driver 580 -> 590'"], None),
     "engine: stop a disabled one": (
         engines.engine_stopped, dict(engine=SLOW, current=unit()), ["systemctl disable --now vllm-slow.service"],
         dict(engine=SLOW, current=unit("inactive", "disabled"))),
@@ -180,6 +189,6 @@ def test_every_operation_in_tasks_has_a_row():
     operations = {f"{module.__name__}.{name}" for module in (checkpoints, engines, files, front, guard, jit, system, venv)
                   for name, value in vars(module).items() if hasattr(value, "_inner") and value.__module__ == module.__name__}
     covered = {f"{operation.__module__}.{operation.__name__}" for operation, *_ in TABLE.values()}
-    # Not rows yet: these four are exercised by test_guard, test_deploy_dry and the sandbox suite.
-    assert operations - covered <= {"tasks.guard.alerted", "tasks.checkpoints.old_revisions_removed",
-                                    "tasks.venv.wheelhouse_synced", "tasks.engines.engine_removed"}, operations - covered
+    # Not rows yet: these two list folders on the host; test_deploy_dry and the sandbox suite run them.
+    assert operations - covered <= {"tasks.checkpoints.old_revisions_removed", "tasks.venv.wheelhouse_synced"}, \
+        operations - covered
