@@ -20,8 +20,8 @@ from sparkform.schema import CHECKPOINT_MANIFEST, COMMIT_ID, COMPLETE_MARKER
 SECTION = "@@sparkform:"
 LINK = "@@link:"  # a symbolic link where sparkform reads back a file
 # What sparkform writes into the files it reads back; anything else was written by someone else.
-PIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # Checkpoint.pin_name
-FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # repo--name@commit
+# A pin (owner--name@revision) and a checkpoint folder (owner--name@commit) share one shape.
+REPO_AT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")
 STAMP = re.compile(r"[A-Za-z0-9._+=@ -]{0,200}")  # venv pins, digests of what nginx and the guard loaded
 UNIT_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]*\.service")  # a unit sparkform may have written
 MANIFEST_PATH = re.compile(r"[A-Za-z0-9._/+-]{1,400}")  # a checkpoint file, relative to its folder
@@ -195,7 +195,7 @@ class SparkformHost(FactBase):
         for line in sections.get("checkpoints", []):
             folder, mtime, marker, verdict = line.rsplit("|", 3)
             drift = None if verdict == "-" else [] if verdict == "ok" else verdict.split(",")
-            if (shaped(FOLDER_NAME, folder.rsplit("/", 1)[-1], folder, "a checkpoint folder name (repo@commit)")
+            if (shaped(REPO_AT, folder.rsplit("/", 1)[-1], folder, "a checkpoint folder name (repo@commit)")
                     and (not marker or shaped(COMMIT_ID, marker, f"{folder}/{COMPLETE_MARKER}", "a commit id"))
                     and all(shaped(MANIFEST_PATH, path, f"{folder}/{CHECKPOINT_MANIFEST}", "a checkpoint file")
                             for path in drift or [])):
@@ -203,7 +203,7 @@ class SparkformHost(FactBase):
         for line in sections.get("pins", []):
             path, _, commit = line.partition(":")
             name = path.rsplit("/", 1)[-1]
-            if shaped(PIN_NAME, name, path, "a pin name (repo@revision)") and shaped(COMMIT_ID, commit, path, "a commit id"):
+            if shaped(REPO_AT, name, path, "a pin name (repo@revision)") and shaped(COMMIT_ID, commit, path, "a commit id"):
                 snapshot.pins[name] = commit
         snapshot.live_versions = sections.get("versions", [])
         try:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from sparkform.parsers import cuda_version_from_nvidia_smi
+from sparkform.schema import NAME_PATTERN
 
 RECORD_NAME = "host-record.json"
 STALE_MARK = ".stale-"  # <cache folder>.stale-<old key>: caches moved aside, kept until a warm start
@@ -49,7 +50,7 @@ _UNSAFE_KEY_CHARS_RE = re.compile(r"[^A-Za-z0-9._+-]")
 # What a cache key read back from a host may hold (what cache_key writes), and a version text.
 CACHE_KEY_PATTERN = re.compile(r"[A-Za-z0-9._+-]{1,200}")
 VERSION_TEXT_PATTERN = re.compile(r"[A-Za-z0-9._+~:()/, -]{1,128}")
-ENGINE_NAME_PATTERN = re.compile(r"[a-z][a-z0-9-]{0,30}")  # schema.NAME_PATTERN
+ENGINE_NAME_PATTERN = re.compile(NAME_PATTERN)
 UNKNOWN = "none"
 
 
