@@ -15,7 +15,6 @@ is treated as no record, so a damaged file never fails a deploy.
 from __future__ import annotations
 
 import json
-import posixpath
 import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -23,7 +22,6 @@ from typing import Any
 from sparkform.parsers import cuda_version_from_nvidia_smi
 from sparkform.schema import NAME_PATTERN
 
-RECORD_NAME = "host-record.json"
 STALE_MARK = ".stale-"  # <cache folder>.stale-<old key>: caches moved aside, kept until a warm start
 
 # One shell snippet, one round trip; it always exits 0 and prints nothing for a probe whose
@@ -79,23 +77,6 @@ class HostVersions:
 VERSION_FIELDS = tuple(f.name for f in fields(HostVersions))
 # What JIT-compiled kernels depend on. A new kernel or firmware leaves them valid.
 CACHE_FIELDS = ("driver", "cuda", "vllm", "gpu_arch")
-
-
-def record_dir(state_dir: str) -> str:
-    """Root's folder for the record, the cache keys, the guard's state and the stamps."""
-    return posixpath.join(state_dir, "record")
-
-
-def cache_keys_dir(state_dir: str) -> str:
-    """Root's folder of the key each engine's caches were built under, one file per engine,
-    written once the engine served with them: a rebuild that fails halfway keeps what the first
-    engine did. Not in the cache folder: the engine writes there, and root reads the key back."""
-    return posixpath.join(record_dir(state_dir), "cache-keys")
-
-
-def record_path(state_dir: str) -> str:
-    """Where the record lives on the host."""
-    return posixpath.join(record_dir(state_dir), RECORD_NAME)
 
 
 # --- live versions -----------------------------------------------------------------------------

@@ -14,8 +14,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from sparkform.schema import COMMIT_ID, Engine, HostConfig
 from sparkform.model import InventoryError, Problem
+from sparkform.schema import COMMIT_ID, Engine, HostConfig
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 TIMEOUT_S = 20.0

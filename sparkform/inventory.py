@@ -17,7 +17,7 @@ from sparkform.validate import load_host
 
 BASE_DIR_KEY = "_sparkform_base_dir"  # relative paths in host data resolve against it
 EXIT_INVALID = 2
-EXIT_UNTRUSTED = 3  # the host holds a value sparkform never writes (facts.host.SparkformHost)
+EXIT_UNTRUSTED = 3  # the host holds a value sparkform never writes (facts.snapshot.HostSnapshot)
 
 
 def exit_invalid(err: InventoryError, source: str) -> NoReturn:

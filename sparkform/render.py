@@ -15,10 +15,21 @@ from pathlib import Path
 
 import jinja2
 
-from sparkform import bootchain
-from sparkform.hostrecord import record_dir
+from sparkform import bootchain, layout
+from sparkform.layout import (
+    CHECKPOINT_MANIFEST,
+    COMPLETE_MARKER,
+    ENGINES_TARGET,
+    FRONT_CONFIG,
+    FRONT_DROP_IN,
+    GUARD_UNIT,
+    PROFILE_CAPS,
+    RECOVER_UNIT,
+    record_dir,
+    unit_path,
+)
 from sparkform.modelconfig import GIB
-from sparkform.schema import CHECKPOINT_MANIFEST, COMPLETE_MARKER, CONTROL_CHARACTERS, ENGINES_TARGET, Engine, HostConfig
+from sparkform.schema import CONTROL_CHARACTERS, Engine, HostConfig
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -31,6 +42,7 @@ _env = jinja2.Environment(
     autoescape=False,
 )
 _env.globals["gib"] = lambda value: f"{int(value * 1024)}M"
+_env.globals["layout"] = layout  # unit names: no template spells a prefix of its own
 
 
 # Characters that mean nothing to systemd's unit-file parser nor to a shell.
@@ -76,12 +88,6 @@ def prerequisite_packages(device: str) -> list[str]:
 # The front's allow-list: the OpenAI routes a chat or completion client uses. Every other path
 # (vLLM's /invocations, /tokenize, /generative_scoring, /scale_elastic_ep, /docs, ...) gets 404.
 FRONT_ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions")
-FRONT_CONFIG = "/etc/nginx/conf.d/sparkform.conf"
-FRONT_DROP_IN = "/etc/systemd/system/nginx.service.d/sparkform-hardening.conf"
-# Debian's welcome page on port 80 of every address: nothing a Spark should serve to the LAN.
-NGINX_DEFAULT_SITE = "/etc/nginx/sites-enabled/default"
-FRONT_UNIT = "nginx.service"
-GUARD_UNIT = "sparkform-guard.service"
 # journalctl MESSAGE_ID=... lists every alert the guard sent.
 ALERT_MESSAGE_ID = "7d3f5c2a9e8b4f61a0c4d2e6b8f1a3c5"
 
@@ -96,7 +102,7 @@ class RenderedFile:
     @property
     def is_unit(self) -> bool:
         """systemd reads it: a unit file or a drop-in."""
-        return self.path.startswith("/etc/systemd/system/")
+        return layout.is_unit_path(self.path)
 
 
 def engine_environment(config: HostConfig, engine: Engine) -> dict[str, str]:
@@ -169,8 +175,7 @@ def min_available_kib(config: HostConfig, engine: Engine) -> int:
 def guard_files(config: HostConfig) -> tuple[str, str, str, str]:
     """The guard's settings, script, unit and the engines' OnFailure= unit: a change to any of
     them restarts the guard."""
-    return (f"{config.config_dir}/guard.json", f"{config.lib_dir}/sparkform-guard",
-            f"/etc/systemd/system/{GUARD_UNIT}", "/etc/systemd/system/sparkform-recover@.service")
+    return config.paths.guard_config, config.paths.guard, unit_path(GUARD_UNIT), unit_path(RECOVER_UNIT)
 
 
 def guard_settings(config: HostConfig) -> dict:
@@ -181,7 +186,7 @@ def guard_settings(config: HostConfig) -> dict:
                      "priority": e.priority, "need_gib": round(min_available_kib(config, e) / 2**20, 2)}
                     for e in config.enabled_engines],
         "state_dir": record_dir(config.state_dir),
-        "webhook_file": config.alert_webhook_path if config.alert_webhook_file else None,
+        "webhook_file": config.paths.alert_webhook if config.alert_webhook_file else None,
         "alert_command": config.alert_command,
         **{key: getattr(config, key) for key in (
             "recover_cooldown_s", "recover_backoff_max_s", "watchdog_interval_s", "watchdog_deadline_s",
@@ -204,22 +209,22 @@ def _render(template: str, **context) -> str:
 
 def render_host(config: HostConfig) -> list[RenderedFile]:
     """Every file sparkform puts on the host, with its path and mode."""
-    lib = config.lib_dir
+    paths = config.paths
     files = [
-        RenderedFile(f"{lib}/sparkform-launch",
+        RenderedFile(paths.launch,
                      _render("sparkform-launch.sh.j2", config=config, complete_marker=COMPLETE_MARKER), "755"),
-        RenderedFile(f"{lib}/sparkform-wait-ready", _render("sparkform-wait-ready.sh.j2", config=config), "755"),
+        RenderedFile(paths.wait_ready, _render("sparkform-wait-ready.sh.j2", config=config), "755"),
         # Run by the venv's python (it needs huggingface_hub), so not executable on its own.
-        RenderedFile(f"{lib}/sparkform-checkpoint",
+        RenderedFile(paths.checkpoint,
                      _render("sparkform-checkpoint.py.j2", complete_marker=COMPLETE_MARKER,
                              manifest=CHECKPOINT_MANIFEST), "644"),
         # Run by the system's python3 at the end of a converge.
-        RenderedFile(f"{lib}/sparkform-record", _render("sparkform-record.py.j2"), "644"),
-        RenderedFile("/etc/profile.d/sparkform-caps.sh",
+        RenderedFile(paths.record, _render("sparkform-record.py.j2"), "644"),
+        RenderedFile(PROFILE_CAPS,
                      _render("profile-caps.sh.j2", config=config, caps=config.compile_caps.as_env()), "644"),
     ]
     if config.enabled_engines:
-        files.append(RenderedFile(f"/etc/systemd/system/{ENGINES_TARGET}",
+        files.append(RenderedFile(unit_path(ENGINES_TARGET),
                                   _render("sparkform-engines.target.j2", config=config), "644"))
     guard_config, guard_script, guard_unit, recover_unit = guard_files(config)
     files += [
@@ -239,9 +244,9 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
     ]
     for engine in config.engines:
         environment = engine_environment(config, engine)
-        env_file, args_file = config.settings_files(engine.name)
+        env_file, args_file = config.paths.engine_settings(engine.name)
         files += [
-            RenderedFile(f"/etc/systemd/system/{engine.unit}",
+            RenderedFile(unit_path(engine.unit),
                          _render("engine.service.j2", config=config, engine=engine, environment=environment,
                                  after_units=bootchain.after_units(config, engine)),
                          "644", engine.name),

@@ -16,15 +16,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from sparkform import locks
+from sparkform.layout import HostPaths, engine_unit
 
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
-UNIT_PREFIX = "vllm-"  # engine NAME runs as unit vllm-NAME.service (the seed's names)
-ENGINES_TARGET = "sparkform-engines.target"  # reached once every enabled engine serves
-# Written last into a venv or a checkpoint folder: without it the folder is unfinished, and the
-# launch script refuses the checkpoint.
-COMPLETE_MARKER = ".sparkform-complete"
-# Path, size, sha256 and mtime of every verified checkpoint file, beside the marker.
-CHECKPOINT_MANIFEST = ".sparkform-manifest.json"
 COMMIT_ID = re.compile(r"[0-9a-f]{40}")  # a revision that is already a commit
 # What a bearer token may hold (RFC 6750's b64token): the front compares it inside a quoted
 # nginx string, where these characters need no escaping.
@@ -284,7 +278,7 @@ class Engine(Strict):
 
     @property
     def unit(self) -> str:
-        return f"{UNIT_PREFIX}{self.name}.service"
+        return engine_unit(self.name)
 
     @property
     def names(self) -> list[str]:
@@ -421,12 +415,13 @@ class HostConfig(Strict):
         return f"{self.state_dir}/locks"
 
     @property
-    def enabled_engines(self) -> list[Engine]:
-        return [engine for engine in self.engines if engine.enabled]
+    def paths(self) -> HostPaths:
+        """sparkform's files inside this host's folders."""
+        return HostPaths(self.lib_dir, self.config_dir, self.state_dir)
 
     @property
-    def hf_token_path(self) -> str:
-        return f"{self.config_dir}/secrets/hf_token"
+    def enabled_engines(self) -> list[Engine]:
+        return [engine for engine in self.engines if engine.enabled]
 
     @property
     def serves_lan(self) -> bool:
@@ -444,23 +439,9 @@ class HostConfig(Strict):
         """The port the engine itself binds on 127.0.0.1, behind the front."""
         return engine.port + self.internal_port_offset
 
-    @property
-    def alert_webhook_path(self) -> str:
-        return f"{self.config_dir}/secrets/alert-webhook"
-
-    @property
-    def front_key_path(self) -> str:
-        """The API key as an nginx snippet, read by nginx's master process (root) only."""
-        return f"{self.config_dir}/secrets/front-api-key.conf"
-
     def memory_limits(self, engine: Engine) -> tuple[float, float]:
         """(MemoryHigh, MemoryMax) of the engine's unit, GiB: its own, else the host's."""
         return (engine.memory_high_gib or self.memory_high_gib, engine.memory_max_gib or self.memory_max_gib)
-
-    def settings_files(self, engine_name: str) -> tuple[str, str]:
-        """The engine's environment file and arguments file (read by the launch script)."""
-        folder = f"{self.config_dir}/engines"
-        return f"{folder}/{engine_name}.env", f"{folder}/{engine_name}.args"
 
     def commit(self, engine: Engine) -> str | None:
         """The commit `engine` serves: its revision when that is a commit id, else what the

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from sparkform import bootchain, locks, modelconfig
 from sparkform.model import Host, InventoryError, Problem
 from sparkform.planner import state_block_problems
-from sparkform.schema import API_KEY_MIN_LENGTH, API_KEY_PATTERN, UNIT_PREFIX, Engine, HostConfig, owned_flag
+from sparkform.schema import API_KEY_MIN_LENGTH, API_KEY_PATTERN, HostConfig, owned_flag
 
 
 def _pydantic_problems(host: str, data: dict[str, Any], err: ValidationError) -> list[Problem]:

@@ -8,13 +8,15 @@ import shlex
 from pyinfra import host
 from pyinfra.api import operation
 
-from facts.host import HostSnapshot
-from sparkform.schema import COMPLETE_MARKER, Engine, HostConfig
+from sparkform.layout import COMPLETE_MARKER
+from sparkform.schema import Engine, HostConfig
+from sparkform.snapshot import Snapshot
 from tasks.files import replaced_file
 from tasks.venv import own_pattern
 
+
 @operation()
-def checkpoint(config: HostConfig, engine: Engine, snapshot: HostSnapshot):
+def checkpoint(config: HostConfig, engine: Engine, snapshot: Snapshot):
     """
     Fetch and verify an engine's checkpoint at its pinned commit unless its folder is complete
     and every file still has the size and mtime its manifest recorded (a no-op run hashes
@@ -27,7 +29,7 @@ def checkpoint(config: HostConfig, engine: Engine, snapshot: HostSnapshot):
 
     + config: the host's validated configuration, pinned (HostConfig.pinned)
     + engine: the engine whose checkpoint this is
-    + snapshot: the host's state from the SparkformHost fact
+    + snapshot: the host's state from the HostSnapshot fact
     """
     folder = config.checkpoint_dir(engine)
     commit = config.commit(engine)
@@ -46,9 +48,9 @@ def _fetch(config: HostConfig, engine: Engine, folder: str, drifted: bool):
     if config.hf_endpoint:
         env.append(f"HF_ENDPOINT={shlex.quote(config.hf_endpoint)}")
     if config.hf_token_file:
-        env.append(f'HF_TOKEN="$(cat {shlex.quote(config.hf_token_path)})"')
+        env.append(f'HF_TOKEN="$(cat {shlex.quote(config.paths.hf_token)})"')
     includes = "".join(f" --include {shlex.quote(p)}" for p in engine.checkpoint.include)
-    script = f"{config.lib_dir}/sparkform-checkpoint"
+    script = config.paths.checkpoint
     if drifted:
         # Files changed since they were verified: the engine must not start on them meanwhile.
         yield f"rm -f {shlex.quote(f'{folder}/{COMPLETE_MARKER}')}"
@@ -59,7 +61,7 @@ def _fetch(config: HostConfig, engine: Engine, folder: str, drifted: bool):
            f"{shlex.quote(engine.checkpoint.repo)} {shlex.quote(config.commit(engine))} {shlex.quote(folder)}{includes}")
 
 
-def stale_revisions(config: HostConfig, snapshot: HostSnapshot) -> list[str]:
+def stale_revisions(config: HostConfig, snapshot: Snapshot) -> list[str]:
     """Folders of older revisions of the repos the engines serve, beyond `keep_revisions`
     (newest kept first); never a folder any engine (disabled ones too) is pinned to."""
     if config.keep_revisions is None:
@@ -74,14 +76,14 @@ def stale_revisions(config: HostConfig, snapshot: HostSnapshot) -> list[str]:
 
 
 @operation()
-def old_revisions_removed(config: HostConfig, snapshot: HostSnapshot):
+def old_revisions_removed(config: HostConfig, snapshot: Snapshot):
     """
     Remove checkpoint folders of old revisions the inventory no longer keeps
     (`keep_revisions`), and the pins that name them. Runs after every engine serves its
     pinned commit, so a bad new checkpoint never leaves the box without a model.
 
     + config: the host's validated configuration, pinned (HostConfig.pinned)
-    + snapshot: the host's state from the SparkformHost fact
+    + snapshot: the host's state from the HostSnapshot fact
     """
     stale = stale_revisions(config, snapshot)
     if not stale:

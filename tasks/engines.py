@@ -7,6 +7,7 @@ import shlex
 from pyinfra import host
 from pyinfra.api import operation
 
+from sparkform.converge import starts
 from sparkform.parsers import EngineState
 from sparkform.schema import Engine
 
@@ -35,11 +36,6 @@ def daemon_reload(needed: bool):
     yield "systemctl daemon-reload"
 
 
-def starts(current: EngineState | None, restart: bool) -> bool:
-    """Whether engine_running (re)starts the engine."""
-    return restart or current is None or current.active_state != "active"
-
-
 @operation()
 def engine_running(engine: Engine, current: EngineState | None, restart: bool):
     """
@@ -47,7 +43,7 @@ def engine_running(engine: Engine, current: EngineState | None, restart: bool):
     helper (ExecStartPost) reports it serving, so the next engine never starts beside a cold one.
 
     + engine: the engine
-    + current: its unit's state from the SparkformHost fact (None before the first deploy)
+    + current: its unit's state from the HostSnapshot fact (None before the first deploy)
     + restart: its unit, settings or arguments changed, so it must restart to pick them up
     """
     changed = False
@@ -85,7 +81,7 @@ def engine_stopped(engine: Engine, current: EngineState | None):
     Stop and disable an engine the inventory marks disabled.
 
     + engine: the engine
-    + current: its unit's state from the SparkformHost fact
+    + current: its unit's state from the HostSnapshot fact
     """
     if current is None or (current.unit_file_state != "enabled" and current.active_state == "inactive"):
         host.noop(f"{engine.unit} is stopped and disabled")
@@ -100,7 +96,7 @@ def target_reached(unit: str, current: EngineState | None, engines_started: bool
     stops with an engine this run stopped, so it is started again whenever an engine was.
 
     + unit: the target (sparkform-engines.target)
-    + current: its state from the SparkformHost fact
+    + current: its state from the HostSnapshot fact
     + engines_started: this run (re)started an engine
     """
     changed = False

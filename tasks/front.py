@@ -32,7 +32,7 @@ def front_serving(address: str, ports: list[int], current: EngineState | None, a
 
     + address: the listen address of the front (the inventory's listen_address)
     + ports: the engines' ports the front listens on
-    + current: nginx.service's state from the SparkformHost fact (None before nginx is installed)
+    + current: nginx.service's state from the HostSnapshot fact (None before nginx is installed)
     + applied: the stamp on the host, "<drop-in digest> <config digest>" (None: none)
     + wanted: the stamp this run's files make
     + stamp: where the stamp lives (root's)

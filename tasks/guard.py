@@ -18,7 +18,7 @@ def guard_running(unit: str, current: EngineState | None, applied: str | None, w
     restart it when they differ from what it last started with.
 
     + unit: the guard's unit (sparkform-guard.service)
-    + current: its state from the SparkformHost fact (None before the first deploy)
+    + current: its state from the HostSnapshot fact (None before the first deploy)
     + applied: the stamp on the host, the digest of what it last started with (None: none)
     + wanted: the digest of this run's files
     + stamp: where the stamp lives (root's)
@@ -36,13 +36,13 @@ def guard_running(unit: str, current: EngineState | None, applied: str | None, w
 
 
 @operation()
-def alerted(lib_dir: str, event: str, message: str):
+def alerted(guard_script: str, event: str, message: str):
     """
     Send one alert through the guard (journal, webhook, command).
 
-    + lib_dir: where sparkform-guard lies on the host
+    + guard_script: sparkform-guard on the host (HostPaths.guard)
     + event: what happened (e.g. drift)
     + message: the alert's text (no secret)
     """
-    yield (f"python3 {shlex.quote(lib_dir)}/sparkform-guard alert {shlex.quote(event)} - "
+    yield (f"python3 {shlex.quote(guard_script)} alert {shlex.quote(event)} - "
            f"{shlex.quote(message)}")

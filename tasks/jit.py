@@ -8,20 +8,16 @@ import shlex
 from pyinfra import host
 from pyinfra.api import operation
 
-from facts.host import HostSnapshot
-from sparkform.hostrecord import STALE_MARK, cache_keys_dir
+from sparkform.converge import caches_aside
+from sparkform.hostrecord import STALE_MARK
+from sparkform.layout import cache_keys_dir
 from sparkform.schema import Engine, HostConfig
+from sparkform.snapshot import Snapshot
 from tasks.files import replaced_file
 
 
-def caches_aside(config: HostConfig, engine: Engine, snapshot: HostSnapshot) -> list[str]:
-    """The engine's cache folders a previous run moved aside."""
-    return [path for path in snapshot.caches_aside
-            if path.startswith(f"{config.engine_cache_dir(engine)}{STALE_MARK}")]
-
-
 @operation()
-def cache_moved_aside(config: HostConfig, engine: Engine, snapshot: HostSnapshot):
+def cache_moved_aside(config: HostConfig, engine: Engine, snapshot: Snapshot):
     """
     Stop an engine whose JIT caches were built under other versions and give it an empty
     cache folder. The stale caches are moved aside, not deleted, until a warm start on the new
@@ -30,7 +26,7 @@ def cache_moved_aside(config: HostConfig, engine: Engine, snapshot: HostSnapshot
 
     + config: the host's validated configuration
     + engine: the engine with stale caches
-    + snapshot: the host's state from the SparkformHost fact
+    + snapshot: the host's state from the HostSnapshot fact
     """
     cache = config.engine_cache_dir(engine)
     user = config.engine_user
@@ -44,7 +40,7 @@ def cache_moved_aside(config: HostConfig, engine: Engine, snapshot: HostSnapshot
 
 
 @operation()
-def cache_keyed(config: HostConfig, engine: Engine, key: str, snapshot: HostSnapshot, rebuilt: bool):
+def cache_keyed(config: HostConfig, engine: Engine, key: str, snapshot: Snapshot, rebuilt: bool):
     """
     After the engine served: write the key its caches are valid for, and delete the caches
     moved aside for it.
@@ -52,7 +48,7 @@ def cache_keyed(config: HostConfig, engine: Engine, key: str, snapshot: HostSnap
     + config: the host's validated configuration
     + engine: the engine, serving
     + key: the live cache key (sparkform.hostrecord.cache_key)
-    + snapshot: the host's state from the SparkformHost fact
+    + snapshot: the host's state from the HostSnapshot fact
     + rebuilt: this run moved its caches aside
     """
     cache = config.engine_cache_dir(engine)

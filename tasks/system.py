@@ -3,61 +3,21 @@
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
-from pathlib import PurePosixPath
 
 from pyinfra import host
 from pyinfra.api import operation
 
-from facts.host import HostSnapshot
-from sparkform.hostrecord import cache_keys_dir, record_dir
-from sparkform.render import FRONT_DROP_IN
-from sparkform.schema import HostConfig
-
-@dataclass(frozen=True)
-class Folder:
-    path: str
-    mode: str
-    user: str = "root"
-    group: str = "root"
-
-
-def folders(config: HostConfig) -> list[Folder]:
-    """Every folder the deploy manages, parents first. Root reads back and runs only what lies
-    in root's folders; the engine user owns exactly its home, the launch locks and each
-    engine's cache folder, none of which holds a folder of root's, so it can rename or replace
-    nothing root trusts."""
-    engine_user = config.engine_user
-    result = [
-        Folder(config.lib_dir, "755"),
-        Folder(config.config_dir, "755"),
-        Folder(f"{config.config_dir}/engines", "755"),
-        # Secrets are root's: the front (nginx's master) reads the key, the deploy the HF token.
-        Folder(f"{config.config_dir}/secrets", "700"),
-        Folder(config.state_dir, "755"),
-        Folder(config.engine_home, "750", engine_user, engine_user),
-        Folder(config.lock_dir, "755", engine_user, engine_user),
-        Folder(record_dir(config.state_dir), "755"),
-        Folder(cache_keys_dir(config.state_dir), "755"),
-        Folder(config.venv_root, "755"),
-        # Checkpoints belong to root: an engine can read its weights, never change them.
-        Folder(config.models_dir, "755"),
-        Folder(config.pins_dir, "755"),
-        Folder(config.cache_root, "755"),
-        Folder(str(PurePosixPath(FRONT_DROP_IN).parent), "755"),
-    ]
-    result += [Folder(config.engine_cache_dir(engine), "750", engine_user, engine_user)
-               for engine in config.engines]
-    return result
+from sparkform.converge import Folder
+from sparkform.snapshot import Snapshot
 
 
 @operation()
-def packages_present(packages: list[str], snapshot: HostSnapshot):
+def packages_present(packages: list[str], snapshot: Snapshot):
     """
     Install the Debian packages that are missing; refresh the package lists only if needed.
 
     + packages: package names
-    + snapshot: the host's state from the SparkformHost fact
+    + snapshot: the host's state from the HostSnapshot fact
     """
     missing = [name for name in packages if name not in snapshot.installed_packages]
     if not missing:
@@ -69,13 +29,13 @@ def packages_present(packages: list[str], snapshot: HostSnapshot):
 
 
 @operation()
-def system_user(user: str, home: str, snapshot: HostSnapshot):
+def system_user(user: str, home: str, snapshot: Snapshot):
     """
     Create the system user the engines run as.
 
     + user: user name (its group has the same name)
     + home: home folder (caches that ignore XDG land here)
-    + snapshot: the host's state from the SparkformHost fact
+    + snapshot: the host's state from the HostSnapshot fact
     """
     if snapshot.users.get(user) == home:
         host.noop(f"user {user} exists")
@@ -89,12 +49,12 @@ def system_user(user: str, home: str, snapshot: HostSnapshot):
 
 
 @operation()
-def folder(spec: Folder, snapshot: HostSnapshot):
+def folder(spec: Folder, snapshot: Snapshot):
     """
     Make a folder with its mode and owner.
 
     + spec: path, mode, user and group of the folder
-    + snapshot: the host's state from the SparkformHost fact
+    + snapshot: the host's state from the HostSnapshot fact
     """
     current = snapshot.paths.get(spec.path)
     path = shlex.quote(spec.path)

@@ -9,10 +9,10 @@ from pyinfra import host
 from pyinfra.api import FileUploadCommand, operation
 from pyinfra.facts.files import FindFiles
 
-from facts.host import HostSnapshot
-from sparkform.schema import COMPLETE_MARKER, HostConfig
+from sparkform.layout import venv_lock, venv_marker
+from sparkform.schema import HostConfig
+from sparkform.snapshot import Snapshot
 from tasks.files import replaced_file
-
 
 
 def own_pattern(text: str) -> str:
@@ -25,15 +25,6 @@ def pin(config: HostConfig) -> str:
     return f"{config.vllm_package}=={config.vllm_version}"
 
 
-def marker_path(config: HostConfig) -> str:
-    return f"{config.venv}/{COMPLETE_MARKER}"
-
-
-def lock_path(config: HostConfig) -> str:
-    """The lock on the host, inside the venv built from it."""
-    return f"{config.venv}/sparkform-lock.txt"
-
-
 def pip_install_args(config: HostConfig) -> list[str]:
     """pip arguments that install exactly the lock: every file is checked against the lock's
     hashes before anything is installed, wheels only, nothing resolved; offline from the
@@ -44,21 +35,21 @@ def pip_install_args(config: HostConfig) -> list[str]:
         source = ["--index-url", config.pip_index_url] if config.pip_index_url else []
         for url in config.pip_extra_index_urls:
             source += ["--extra-index-url", url]
-    return ["--require-hashes", "--no-deps", "--only-binary=:all:", *source, "-r", lock_path(config)]
+    return ["--require-hashes", "--no-deps", "--only-binary=:all:", *source, "-r", venv_lock(config.venv)]
 
 
-def venv_is_current(config: HostConfig, snapshot: HostSnapshot) -> bool:
-    return snapshot.markers.get(marker_path(config)) == pin(config)
+def venv_is_current(config: HostConfig, snapshot: Snapshot) -> bool:
+    return snapshot.markers.get(venv_marker(config.venv)) == pin(config)
 
 
 @operation()
-def wheelhouse_synced(config: HostConfig, snapshot: HostSnapshot):
+def wheelhouse_synced(config: HostConfig, snapshot: Snapshot):
     """
     Copy the wheels the host lacks from `wheelhouse_source` into `wheelhouse`, only when a venv
     is about to be built (a no-op run never lists the folder).
 
     + config: the host's validated configuration
-    + snapshot: the host's state from the SparkformHost fact
+    + snapshot: the host's state from the HostSnapshot fact
     """
     if not config.wheelhouse_source or venv_is_current(config, snapshot):
         host.noop("no venv to build")
@@ -76,21 +67,21 @@ def wheelhouse_synced(config: HostConfig, snapshot: HostSnapshot):
 def build_commands(config: HostConfig):
     """The commands that build the venv from its lock, in order (an upload is a FileUploadCommand)."""
     venv = shlex.quote(config.venv)
-    lock = shlex.quote(lock_path(config))
+    lock = shlex.quote(venv_lock(config.venv))
     pip_args = " ".join(shlex.quote(arg) for arg in pip_install_args(config))
     # A deploy cut off mid-install can leave its pip running on the host: stop it first.
     yield f"pkill -f -- {shlex.quote(own_pattern(config.venv + '/bin/pip'))} || true"
     yield f"rm -rf {venv}"
     yield f"{shlex.quote(config.python)} -m venv {venv}"
-    yield FileUploadCommand(config.lock, lock_path(config))
+    yield FileUploadCommand(config.lock, venv_lock(config.venv))
     yield f"chown root:root {lock}"
     yield f"chmod 644 {lock}"
     yield f"{venv}/bin/pip install --quiet --disable-pip-version-check {pip_args}"
-    yield replaced_file(marker_path(config), pin(config))
+    yield replaced_file(venv_marker(config.venv), pin(config))
 
 
 @operation()
-def vllm_venv(config: HostConfig, snapshot: HostSnapshot):
+def vllm_venv(config: HostConfig, snapshot: Snapshot):
     """
     Build the venv of the pinned vLLM from its hashed lock unless its completion marker already
     names the pin.
@@ -101,7 +92,7 @@ def vllm_venv(config: HostConfig, snapshot: HostSnapshot):
     again rather than used.
 
     + config: the host's validated configuration
-    + snapshot: the host's state from the SparkformHost fact
+    + snapshot: the host's state from the HostSnapshot fact
     """
     if venv_is_current(config, snapshot):
         host.noop(f"{pin(config)} already installed in {config.venv}")

@@ -17,8 +17,20 @@ import urllib.error
 import urllib.request
 
 import pytest
-from deploy_helpers import (SANDBOX_INVENTORY, UNITS, both_serving_after_boot, changed_operations, checkpoint_dir,
-                            edited_inventory, journal_times, main_pids, pyinfra, ssh, unit_properties, verify)
+from deploy_helpers import (
+    SANDBOX_INVENTORY,
+    UNITS,
+    both_serving_after_boot,
+    changed_operations,
+    checkpoint_dir,
+    edited_inventory,
+    journal_times,
+    main_pids,
+    pyinfra,
+    ssh,
+    unit_properties,
+    verify,
+)
 
 from sparkform.sandbox import host, stage
 from sparkform.sandbox.fakehub import FakeHub
@@ -227,7 +239,7 @@ def test_both_live_engine_units_score_2_or_less(box):
     f"echo x > {STATE}/record/host-record.json",
     "echo x >> /etc/sparkform/engines/q38.args",
     "touch /usr/local/lib/sparkform/sparkform-evil",
-    f"echo x > /opt/sparkform/venvs/pwned",
+    "echo x > /opt/sparkform/venvs/pwned",
 ])
 def test_the_engine_user_can_rename_or_replace_nothing_root_reads_back(box, attempt):
     result = ssh(box, f"runuser -u {ENGINE_USER} -- sh -c {shlex.quote(attempt)}", check=False)

@@ -12,8 +12,21 @@ import shlex
 import subprocess
 import time
 
-from deploy_helpers import (BIN, ROOT, SANDBOX_INVENTORY, checkpoint_dir, edited_inventory, journal_times,
-                            main_pids, pyinfra, serving, ssh, unit_properties, verify, wait_for)
+from deploy_helpers import (
+    BIN,
+    ROOT,
+    SANDBOX_INVENTORY,
+    checkpoint_dir,
+    edited_inventory,
+    journal_times,
+    main_pids,
+    pyinfra,
+    serving,
+    ssh,
+    unit_properties,
+    verify,
+    wait_for,
+)
 
 from sparkform.locks import lock_id
 from sparkform.sandbox import host

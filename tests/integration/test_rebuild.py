@@ -10,8 +10,17 @@ from __future__ import annotations
 import json
 import subprocess
 
-from deploy_helpers import (BIN, SANDBOX_INVENTORY, UNITS, both_serving_after_boot, checkpoint_dir, journal_times,
-                            main_pids, pyinfra, ssh)
+from deploy_helpers import (
+    BIN,
+    SANDBOX_INVENTORY,
+    UNITS,
+    both_serving_after_boot,
+    checkpoint_dir,
+    journal_times,
+    main_pids,
+    pyinfra,
+    ssh,
+)
 
 from sparkform.sandbox import host, stage
 

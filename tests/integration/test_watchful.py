@@ -13,8 +13,19 @@ import json
 import os
 import time
 
-from deploy_helpers import (SANDBOX_INVENTORY, UNITS, changed_operations, checkpoint_dir, edited_inventory,
-                            main_pids, pyinfra, serving, ssh, unit_properties, wait_for)
+from deploy_helpers import (
+    SANDBOX_INVENTORY,
+    UNITS,
+    changed_operations,
+    checkpoint_dir,
+    edited_inventory,
+    main_pids,
+    pyinfra,
+    serving,
+    ssh,
+    unit_properties,
+    wait_for,
+)
 
 from sparkform.sandbox import stage
 from sparkform.sandbox.alerts import read_alerts

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from sparkform.layout import COMPLETE_MARKER
 from sparkform.render import render_host
 from sparkform.sandbox.fakehub import FakeHub
 from sparkform.sandbox.models import TINY_MODELS, cached_checkpoint
-from sparkform.schema import COMPLETE_MARKER, HostConfig
+from sparkform.schema import HostConfig
 from sparkform.validate import load_host
 from tasks.checkpoints import _fetch
 
@@ -114,8 +115,8 @@ def test_the_deploy_s_fetch_command_keeps_the_token_out_of_every_argv(script, hu
     config = config.model_copy(update={"hf_token_file": "token-on-the-laptop"})
     Path(config.lib_dir).mkdir()
     shutil.copy(script, f"{config.lib_dir}/sparkform-checkpoint")
-    Path(config.hf_token_path).parent.mkdir(parents=True)
-    Path(config.hf_token_path).write_text(f"{token}\n")
+    Path(config.paths.hf_token).parent.mkdir(parents=True)
+    Path(config.paths.hf_token).write_text(f"{token}\n")
     python = Path(config.venv) / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")

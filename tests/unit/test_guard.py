@@ -154,9 +154,9 @@ class Guard:
         self.script.write_text(rendered[script_path])
         guard_config = json.loads(rendered[settings_path])
         guard_config.update(journal_socket=str(self.journal.path), meminfo=str(self.meminfo),
-                            webhook_file=str(config.alert_webhook_path), memory_poll_s=0.2, memory_settle_s=0.5)
-        Path(config.alert_webhook_path).parent.mkdir(parents=True)
-        Path(config.alert_webhook_path).write_text(webhook_file.read_text())
+                            webhook_file=str(config.paths.alert_webhook), memory_poll_s=0.2, memory_settle_s=0.5)
+        Path(config.paths.alert_webhook).parent.mkdir(parents=True)
+        Path(config.paths.alert_webhook).write_text(webhook_file.read_text())
         Path(guard_config["state_dir"]).mkdir(parents=True)
         self.state_dir = Path(guard_config["state_dir"])
         self.config_path = root / "guard.json"

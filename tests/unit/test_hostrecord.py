@@ -23,8 +23,8 @@ from sparkform.hostrecord import (
     drift_report,
     last_cold_starts,
     parse_live_versions,
-    record_path,
 )
+from sparkform.layout import record_path
 
 CAPTURED = Path(__file__).resolve().parent.parent / "fixtures" / "captured"
 BANNER = (CAPTURED / "nvidia-smi-gb10.txt").read_text()

@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 from pyinfra.api import FileUploadCommand
 
-from facts.host import HostSnapshot
-from sparkform import cli
+from sparkform import cli, layout
 from sparkform.inventory import load_inventory
 from sparkform.locks import CPU_EXCLUDED, LOCKS, TARGETS, lock_name, lock_problems, read_lock
 from sparkform.sandbox import wheelhouse
 from sparkform.schema import HostConfig
+from sparkform.snapshot import Snapshot
 from sparkform.validate import load_host
 from tasks import venv
 
@@ -121,9 +121,9 @@ def test_the_untampered_lock_installs_exactly_its_packages(tmp_path, tiny):
     config = tiny_config(tmp_path, *tiny)
     assert build_venv(config) is None
     assert installed(config) == ["demo_dep-2.0.dist-info", "demo_dep.py", "demo_vllm-1.0.dist-info", "demo_vllm.py"]
-    assert Path(venv.marker_path(config)).read_text().strip() == f"{PACKAGE}=={VERSION}"
+    assert Path(layout.venv_marker(config.venv)).read_text().strip() == f"{PACKAGE}=={VERSION}"
     # The lock pip read lies in the venv, root's and 0644, byte for byte the control machine's.
-    uploaded = Path(venv.lock_path(config))
+    uploaded = Path(layout.venv_lock(config.venv))
     assert uploaded.read_bytes() == Path(config.lock).read_bytes()
     stat = uploaded.stat()
     assert (stat.st_uid, stat.st_gid, oct(stat.st_mode & 0o777)) == (0, 0, "0o644")
@@ -146,7 +146,7 @@ def test_a_wrong_hash_fails_the_venv_build_before_anything_is_installed(tmp_path
     assert HASH_MISMATCH in result.stderr, result.stderr
     assert "demo-vllm==1.0" in result.stderr
     assert installed(config) == [], "pip installed a package before it checked every hash"
-    assert not Path(venv.marker_path(config)).exists()
+    assert not Path(layout.venv_marker(config.venv)).exists()
 
 
 def test_pip_installs_only_what_the_lock_names(tmp_path, tiny):
@@ -165,7 +165,7 @@ def test_the_sandbox_venv_installs_its_lock_offline_with_hashes(monkeypatch):
     (sandbox,) = load_inventory(INVENTORY / "sandbox.py")
     config = sandbox.config
     lock = f"{config.venv}/sparkform-lock.txt"
-    commands = list(venv.vllm_venv._inner(config, HostSnapshot()))
+    commands = list(venv.vllm_venv._inner(config, Snapshot()))
     uploads = [c for c in commands if isinstance(c, FileUploadCommand)]
     assert [(u.src, u.dest) for u in uploads] == [(str(wheelhouse.LOCK), lock)]
     (install,) = [c for c in commands if isinstance(c, str) and "/bin/pip install" in c]
@@ -181,7 +181,7 @@ def test_the_spark_venv_installs_its_lock_from_the_index_with_hashes(monkeypatch
     monkeypatch.delenv("SPARK_HF_TOKEN_FILE", raising=False)
     (spark,) = load_inventory(INVENTORY / "spark.py")
     config = spark.config
-    (install,) = [c for c in venv.vllm_venv._inner(config, HostSnapshot())
+    (install,) = [c for c in venv.vllm_venv._inner(config, Snapshot())
                   if isinstance(c, str) and "/bin/pip install" in c]
     assert shlex.split(install)[4:] == ["--require-hashes", "--no-deps", "--only-binary=:all:",
                                         "-r", f"{config.venv}/sparkform-lock.txt"]

@@ -13,9 +13,10 @@ import pytest
 from pyinfra.api import FileUploadCommand
 from pyinfra.context import ctx_host, ctx_state
 
-from facts.host import CheckpointFolder, HostSnapshot, RemoteFile
-from sparkform.hostrecord import cache_keys_dir
+from sparkform import converge, layout
+from sparkform.layout import cache_keys_dir
 from sparkform.parsers import EngineState
+from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
 from sparkform.validate import load_host
 from tasks import checkpoints, engines, files, front, guard, jit, system, venv
 
@@ -61,14 +62,14 @@ def unit(active: str = "active", enabled: str = "enabled", name: str = "u.servic
                        unit_file_state=enabled, load_state="loaded")
 
 
-def snapshot(**fields) -> HostSnapshot:
-    return dataclasses.replace(HostSnapshot(), **fields)
+def snapshot(**fields) -> Snapshot:
+    return dataclasses.replace(Snapshot(), **fields)
 
 
-FOLDER = system.Folder("/var/lib/sparkform/locks", "755", "vllm", "vllm")
+FOLDER = converge.Folder("/var/lib/sparkform/locks", "755", "vllm", "vllm")
 FILE = "/etc/sparkform/engines/fast.args"
 CONTENT = "--model\n/m\n"
-FILE_AS_WANTED = RemoteFile(files.sha256(CONTENT), "644", "root", "root")
+FILE_AS_WANTED = RemoteFile(converge.sha256(CONTENT), "644", "root", "root")
 CACHE_KEY_FILE = f"{cache_keys_dir(CONFIG.state_dir)}/fast"
 FAST_FOLDER = CONFIG.checkpoint_dir(FAST)
 PIN = CONFIG.pin_path(FAST)
@@ -92,10 +93,10 @@ TABLE = {
         system.folder, dict(spec=FOLDER, snapshot=snapshot()), ["install -d -m 755 -o vllm -g vllm /var/lib/sparkform/locks"],
         dict(spec=FOLDER, snapshot=snapshot(paths={FOLDER.path: RemoteFile(None, "755", "vllm", "vllm")}))),
     "folder: the state folder taken back from the engine user": (
-        system.folder, dict(spec=system.Folder("/var/lib/sparkform", "755"),
+        system.folder, dict(spec=converge.Folder("/var/lib/sparkform", "755"),
                             snapshot=snapshot(paths={"/var/lib/sparkform": RemoteFile(None, "755", "vllm", "vllm")})),
         ["chown root:root /var/lib/sparkform"],
-        dict(spec=system.Folder("/var/lib/sparkform", "755"),
+        dict(spec=converge.Folder("/var/lib/sparkform", "755"),
              snapshot=snapshot(paths={"/var/lib/sparkform": RemoteFile(None, "755", "root", "root")}))),
     "file: put what differs": (
         files.managed_file, dict(path=FILE, content=CONTENT, mode="644", current=RemoteFile("0" * 64, "600", "root", "root")),
@@ -105,9 +106,9 @@ TABLE = {
         files.removed, dict(path=FILE, current=FILE_AS_WANTED), [f"rm -f {FILE}"], dict(path=FILE, current=None)),
     "venv: build it from its lock": (
         venv.vllm_venv, dict(config=CONFIG, snapshot=snapshot()),
-        [f"rm -rf {CONFIG.venv}", f"-m venv {CONFIG.venv}", f"upload {venv.lock_path(CONFIG)}", "--require-hashes",
-         f"mv -fT \"$temp\" {venv.marker_path(CONFIG)}"],
-        dict(config=CONFIG, snapshot=snapshot(markers={venv.marker_path(CONFIG): venv.pin(CONFIG)}))),
+        [f"rm -rf {CONFIG.venv}", f"-m venv {CONFIG.venv}", f"upload {layout.venv_lock(CONFIG.venv)}", "--require-hashes",
+         f"mv -fT \"$temp\" {layout.venv_marker(CONFIG.venv)}"],
+        dict(config=CONFIG, snapshot=snapshot(markers={layout.venv_marker(CONFIG.venv): venv.pin(CONFIG)}))),
     "checkpoint: fetch it, then pin the branch": (
         checkpoints.checkpoint, dict(config=CONFIG, engine=FAST, snapshot=snapshot()),
         [f"sparkform-checkpoint org/fast {COMMIT} {FAST_FOLDER}", f"printf '%s\\n' {COMMIT}", f"mv -fT \"$temp\" {PIN}"],
@@ -145,7 +146,7 @@ TABLE = {
          "/etc/sparkform/engines/gone.env /etc/sparkform/engines/gone.args"],
         None),
     "alert: a human hears of a drift": (
-        guard.alerted, dict(lib_dir="/usr/local/lib/sparkform", event="drift", message="driver 580 -> 590"),
+        guard.alerted, dict(guard_script="/usr/local/lib/sparkform/sparkform-guard", event="drift", message="driver 580 -> 590"),
         ["python3 /usr/local/lib/sparkform/sparkform-guard alert drift - 'driver 580 -> 590'"], None),
     "engine: stop a disabled one": (
         engines.engine_stopped, dict(engine=SLOW, current=unit()), ["systemctl disable --now vllm-slow.service"],

@@ -8,14 +8,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from facts.host import HostSnapshot
+from sparkform.bootchain import holes as boot_chain_holes
 from sparkform.cli import start_table
+from sparkform.converge import planned_record
 from sparkform.hostrecord import EngineRecord, HostRecord, HostVersions, cache_key
 from sparkform.parsers import EngineState
 from sparkform.render import render_host
-from sparkform.bootchain import holes as boot_chain_holes
+from sparkform.snapshot import Snapshot
 from sparkform.validate import load_host
-from tasks.record import planned_record
 
 VERSIONS = HostVersions(kernel="6.11", driver="580.95.05", cuda="13.0", gpu_arch="12.1", vllm="vllm-0.27.1")
 KEY = cache_key(VERSIONS)
@@ -61,7 +61,7 @@ def test_record_script_refuses_an_engine_that_is_not_active(tmp_path):
 
 def test_planned_record_takes_a_boot_start_systemd_measured_and_keeps_the_cold_start():
     old = HostRecord(VERSIONS, {"a": EngineRecord(KEY, 200.0, 30.0, 1000.0, True)})
-    snapshot = HostSnapshot(engines={
+    snapshot = Snapshot(engines={
         "vllm-a.service": EngineState("vllm-a.service", "active", "running", 0, 42, 0, "success", "enabled",
                                       started_at=2000.0, start_s=33.5),
         "vllm-b.service": EngineState("vllm-b.service", "active", "running", 0, 43, 0, "success", "enabled",
@@ -104,7 +104,7 @@ def test_planned_record_keeps_the_boots_start_through_restarts_systemd_made_on_i
     # 2500 after a crash: not a change to converge, so the planned record is the record.
     booted = HostRecord(VERSIONS, {"a": EngineRecord(KEY, 200.0, 30.0, 2000.0, False),
                                    "b": EngineRecord(KEY, None, 12.0, 2001.0, False)})
-    snapshot = HostSnapshot(booted_at=1900.0, engines={
+    snapshot = Snapshot(booted_at=1900.0, engines={
         "vllm-a.service": EngineState("vllm-a.service", "active", "running", 1, 42, 0, "success", "enabled",
                                       started_at=2500.0, start_s=31.0),
         "vllm-b.service": EngineState("vllm-b.service", "active", "running", 0, 43, 0, "success", "enabled",

@@ -34,8 +34,9 @@ from typing import Any
 import pytest
 
 from sparkform.inventory import load_inventory
+from sparkform.layout import ENGINES_TARGET
 from sparkform.render import RenderedFile, engine_args, engine_environment, min_available_kib, render_host
-from sparkform.schema import ENGINES_TARGET, HostConfig
+from sparkform.schema import HostConfig
 from sparkform.validate import load_host
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,10 +15,10 @@ from typing import Any, Callable
 import pytest
 
 from sparkform import inventory as inventory_module
-from sparkform.locks import LOCKS, lock_id
-from sparkform.schema import KNOWN_QUANTIZATIONS, HostConfig
 from sparkform.bootchain import edges, start_order
+from sparkform.locks import LOCKS, lock_id
 from sparkform.model import InventoryError, Problem
+from sparkform.schema import KNOWN_QUANTIZATIONS, HostConfig
 from sparkform.validate import load_host
 
 Mutator = Callable[[dict[str, Any]], None]

@@ -8,10 +8,10 @@ import re
 import pytest
 
 from sparkform import bootchain
+from sparkform.hostrecord import HostRecord
+from sparkform.layout import CHECKPOINT_MANIFEST, ENGINES_TARGET, UNIT_PREFIX, cache_keys_dir, record_dir, record_path
 from sparkform.parsers import parse_kv_pool
 from sparkform.render import engine_environment
-from sparkform.hostrecord import HostRecord, cache_keys_dir, record_dir, record_path
-from sparkform.schema import CHECKPOINT_MANIFEST, ENGINES_TARGET, UNIT_PREFIX
 
 UNIT_LIMITS_USEC = re.compile(r"^(\d+)")
 
@@ -35,7 +35,7 @@ def _curl(remote, config, engine, path: str, data: dict | None = None, key: bool
     (if any) is read from the front's snippet there and handed to curl on a pipe, never in argv."""
     body = f"-H 'Content-Type: application/json' -d '{json.dumps(data)}'" if data else ""
     header = (f"--config <(printf 'header = \"Authorization: Bearer %s\"\\n' "
-              f"\"$(sed -n '{KEY_FROM_SNIPPET}' {config.front_key_path} 2>/dev/null)\")" if key else "")
+              f"\"$(sed -n '{KEY_FROM_SNIPPET}' {config.paths.front_key} 2>/dev/null)\")" if key else "")
     address = config.front_local_address
     url = f"http://{'[' + address + ']' if ':' in address else address}:{engine.port}{path}"
     output = "-s -o /dev/null -w '%{http_code}'" if status_only else "-fsS"
@@ -194,7 +194,7 @@ def test_engine_listens_on_loopback_only(remote, engine, config):
     listeners = remote.check_output(f"ss -Hltn 'sport = :{config.internal_port(engine)}'").split()
     local = [word for word in listeners if word.endswith(f":{config.internal_port(engine)}")]
     assert local == [f"127.0.0.1:{config.internal_port(engine)}"], listeners
-    assert "--disable-fastapi-docs" in remote.file(config.settings_files(engine.name)[1]).content_string
+    assert "--disable-fastapi-docs" in remote.file(config.paths.engine_settings(engine.name)[1]).content_string
 
 
 def test_front_enabled_active_and_its_key_root_only(remote, config):
@@ -202,7 +202,7 @@ def test_front_enabled_active_and_its_key_root_only(remote, config):
     assert nginx.is_enabled and nginx.is_running
     assert remote.run("nginx -t -q").rc == 0
     if config.api_key_file:
-        snippet = remote.file(config.front_key_path)
+        snippet = remote.file(config.paths.front_key)
         assert (snippet.user, snippet.group, snippet.mode) == ("root", "root", 0o600)
     assert not remote.file(f"{config.config_dir}/secrets/engine.env").exists  # the engines hold no key
 
@@ -250,7 +250,7 @@ def test_checkpoint_files_hash_as_verified(remote, engine, config, request):
 
 
 def test_no_secret_in_a_world_readable_file(remote, config):
-    secret_files = [config.hf_token_path, config.front_key_path]
+    secret_files = [config.paths.hf_token, config.paths.front_key]
     for path in secret_files:
         file = remote.file(path)
         if file.exists:

@@ -1,4 +1,4 @@
-"""SparkformHost: everything a converge decides on, gathered in one SSH round trip.
+"""HostSnapshot: everything a converge decides on, gathered in one SSH round trip.
 
 pyinfra 3.10 does not cache facts, so a no-op run costs one round trip per fact call; the
 deploy reads this one fact once and every task decides from it.
@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass, field
 
 from pyinfra.api import FactBase
 
-from sparkform.hostrecord import (CACHE_KEY_PATTERN, ENGINE_NAME_PATTERN, LIVE_VERSIONS_COMMAND, STALE_MARK,
-                                  HostRecord, UntrustedValue)
-from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES, EngineState, engine_states
-from sparkform.schema import CHECKPOINT_MANIFEST, COMMIT_ID, COMPLETE_MARKER
+from sparkform.hostrecord import (
+    CACHE_KEY_PATTERN,
+    ENGINE_NAME_PATTERN,
+    LIVE_VERSIONS_COMMAND,
+    STALE_MARK,
+    HostRecord,
+    UntrustedValue,
+)
+from sparkform.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
+from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES, engine_states
+from sparkform.schema import COMMIT_ID
+from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
 
 SECTION = "@@sparkform:"
 LINK = "@@link:"  # a symbolic link where sparkform reads back a file
@@ -50,41 +57,6 @@ for folder in glob.glob(os.path.join(sys.argv[1], "*@*")):
 """
 
 
-@dataclass(frozen=True)
-class RemoteFile:
-    sha256: str | None  # None for a directory
-    mode: str
-    user: str
-    group: str
-
-
-@dataclass(frozen=True)
-class CheckpointFolder:
-    marker: str | None  # the completion marker's content (the commit), None when unfinished
-    drift: list[str] | None  # files whose size or mtime left the manifest; None: no manifest
-    mtime: float
-
-
-@dataclass
-class HostSnapshot:
-    installed_packages: set[str] = field(default_factory=set)
-    users: dict[str, str] = field(default_factory=dict)  # user -> home folder
-    paths: dict[str, RemoteFile] = field(default_factory=dict)
-    markers: dict[str, str] = field(default_factory=dict)  # marker or stamp path -> its one line
-    rendered_units: set[str] = field(default_factory=set)  # unit files sparkform wrote, by path
-    checkpoints: dict[str, CheckpointFolder] = field(default_factory=dict)  # by folder path
-    pins: dict[str, str] = field(default_factory=dict)  # pin name (repo@revision) -> commit
-    live_versions: list[str] = field(default_factory=list)  # LIVE_VERSIONS_COMMAND's output
-    record: HostRecord | None = None  # None before the first converge, or when it is no record
-    booted_at: float | None = None  # unix time systemd (PID 1) started: this boot, also in a container
-    cache_keys: dict[str, str] = field(default_factory=dict)  # engine -> key its caches were built under
-    caches_aside: list[str] = field(default_factory=list)  # cache folders moved aside, not yet rebuilt
-    unit_files: dict[str, str] = field(default_factory=dict)  # engine unit file -> enabled, disabled, ...
-    engines: dict[str, EngineState] = field(default_factory=dict)
-    # What the host holds that sparkform never writes (file and value): root acts on none of it.
-    untrusted: list[str] = field(default_factory=list)
-
-
 def _plain_files(words: str) -> str:
     """Print `path:line` for each line of each plain file among `words` (paths or a glob); a
     symbolic link is named after LINK, never followed (it could point at a secret)."""
@@ -96,7 +68,7 @@ def _section(name: str, command: str) -> str:
     return f"echo {SECTION}{name}; {{ {command} ; }} 2>/dev/null || true"
 
 
-class SparkformHost(FactBase):
+class HostSnapshot(FactBase):
     """
     The host's state as far as sparkform manages it, in one command.
 
@@ -119,7 +91,7 @@ class SparkformHost(FactBase):
     not match is listed in ``untrusted`` and left out, never used.
     """
 
-    default = HostSnapshot
+    default = Snapshot
 
     def command(self, packages: list[str], users: list[str], paths: list[str],
                 markers: list[str], units: list[str], unit_glob: str, models_dir: str,
@@ -147,10 +119,10 @@ class SparkformHost(FactBase):
         ]
         return " ; ".join(sections)
 
-    def process(self, output: list[str]) -> HostSnapshot:
+    def process(self, output: list[str]) -> Snapshot:
         sections: dict[str, list[str]] = {}
         current: list[str] = []
-        snapshot = HostSnapshot()
+        snapshot = Snapshot()
         for line in output:
             if line.startswith(SECTION):
                 current = sections.setdefault(line[len(SECTION):], [])

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from facts.host import CHECKPOINT_SCAN, SECTION, CheckpointFolder, RemoteFile, SparkformHost
+from facts.snapshot import CHECKPOINT_SCAN, SECTION, HostSnapshot
+from sparkform.snapshot import CheckpointFolder, RemoteFile
 
 CAPTURED = f"""{SECTION}packages
 python3 installed
@@ -59,7 +60,7 @@ UnitFileState=
 
 
 def test_process_reads_every_section():
-    snapshot = SparkformHost().process(CAPTURED)
+    snapshot = HostSnapshot().process(CAPTURED)
     assert snapshot.installed_packages == {"python3", "curl"}
     assert snapshot.users == {"vllm": "/var/lib/sparkform"}
     assert snapshot.paths["/etc/sparkform"] == RemoteFile(None, "755", "root", "root")
@@ -107,7 +108,7 @@ def test_checkpoint_scan_trusts_size_and_mtime_only(tmp_path):
 
 
 def test_a_fresh_host_reads_as_empty():
-    snapshot = SparkformHost().process([f"{SECTION}{name}" for name in
+    snapshot = HostSnapshot().process([f"{SECTION}{name}" for name in
                                         ("packages", "users", "stat", "sha256", "markers", "units", "rendered_units",
                                                      "checkpoints", "pins")])
     assert (snapshot.installed_packages, snapshot.users, snapshot.paths, snapshot.markers, snapshot.engines,
@@ -115,7 +116,7 @@ def test_a_fresh_host_reads_as_empty():
 
 
 def test_command_is_one_shell_line_that_never_fails_the_host():
-    command = SparkformHost().command(packages=["curl"], users=["vllm"], paths=["/etc/a b"],
+    command = HostSnapshot().command(packages=["curl"], users=["vllm"], paths=["/etc/a b"],
                                       markers=["/m"], units=["vllm-x.service"],
                                       unit_glob="/etc/systemd/system/vllm-*.service", models_dir="/m d",
                                       pins_dir="/m d/.pins", cache_root="/c", cache_keys_dir="/r/cache-keys",
@@ -132,7 +133,7 @@ def test_command_is_one_shell_line_that_never_fails_the_host():
 @pytest.mark.parametrize("line, booted_at", [("@1764412345", 1764412345.0), ("", None), ("n/a", None),
                                              ("@17644$(id)", None)])
 def test_boot_time_is_systemds_start_and_only_a_number_is_taken(line, booted_at):
-    assert SparkformHost().process([f"{SECTION}boot", line]).booted_at == booted_at
+    assert HostSnapshot().process([f"{SECTION}boot", line]).booted_at == booted_at
 
 
 SHELL = "$(id > /tmp/x)"
@@ -147,9 +148,9 @@ RECORD = json.dumps({"versions": {"kernel": "6.11.0-1016-nvidia", "driver": "580
     ("pins", f"/m/.pins/a--b@main;id:{'1' * 40}", "pins", "which is not a pin name"),
     ("cache_keys", f"/r/cache-keys/q38:{SHELL}", "cache_keys", "/r/cache-keys/q38 holds '$(id > /tmp/x)', which is not a cache key"),
     ("cache_keys", f"/r/cache-keys/Q38 x:{KEY}", "cache_keys", "which is not a cache key file of an engine"),
-    ("markers", f"/v/.sparkform-complete:vllm==0.27.1 $(id)", "markers", "which is not a stamp sparkform writes"),
+    ("markers", "/v/.sparkform-complete:vllm==0.27.1 $(id)", "markers", "which is not a stamp sparkform writes"),
     ("checkpoints", f"/m/a--b@{'1' * 40}|1.0|{SHELL}|ok", "checkpoints", "which is not a commit id"),
-    ("checkpoints", f"/m/a--b@main;id|1.0||-", "checkpoints", "which is not a checkpoint folder name"),
+    ("checkpoints", "/m/a--b@main;id|1.0||-", "checkpoints", "which is not a checkpoint folder name"),
     ("checkpoints", f"/m/a--b@{'1' * 40}|1.0|{'1' * 40}|x.bin,$(id).bin", "checkpoints", "which is not a checkpoint file"),
     ("caches_aside", f"/c/q38.stale-{SHELL}", "caches_aside", "which is not a cache folder moved aside"),
     ("rendered_units", "/etc/systemd/system/vllm-x;id.service", "rendered_units", "which is not a unit file name"),
@@ -159,13 +160,13 @@ RECORD = json.dumps({"versions": {"kernel": "6.11.0-1016-nvidia", "driver": "580
 ])
 def test_a_value_read_back_in_a_shape_sparkform_never_writes_is_untrusted_and_left_out(section, line, field_name,
                                                                                        untrusted):
-    snapshot = SparkformHost().process([f"{SECTION}{section}", line])
+    snapshot = HostSnapshot().process([f"{SECTION}{section}", line])
     assert len(snapshot.untrusted) == 1 and untrusted in snapshot.untrusted[0], snapshot.untrusted
     assert not getattr(snapshot, field_name)  # nothing of it is used
 
 
 def test_values_in_the_shapes_sparkform_writes_are_read():
-    snapshot = SparkformHost().process([f"{SECTION}cache_keys", f"/r/cache-keys/q38:{KEY}",
+    snapshot = HostSnapshot().process([f"{SECTION}cache_keys", f"/r/cache-keys/q38:{KEY}",
                                         f"{SECTION}caches_aside", f"/c/q38.stale-{KEY}",
                                         f"{SECTION}record", RECORD])
     assert snapshot.untrusted == []
@@ -188,14 +189,14 @@ def test_the_command_follows_no_link_where_root_reads_back_a_file(tmp_path):
     record.symlink_to(secret)
     marker = tmp_path / "venv-marker"
     marker.symlink_to(secret)
-    command = SparkformHost().command(packages=["coreutils"], users=["root"], paths=[str(tmp_path)],
+    command = HostSnapshot().command(packages=["coreutils"], users=["root"], paths=[str(tmp_path)],
                                       markers=[str(marker)], units=["none.service"],
                                       unit_glob=str(tmp_path / "none-*.service"), models_dir=str(tmp_path / "m"),
                                       pins_dir=str(pins), cache_root=str(tmp_path / "c"), cache_keys_dir=str(keys),
                                       record_path=str(record))
     output = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout
     assert "SECRET" not in output
-    snapshot = SparkformHost().process(output.splitlines())
+    snapshot = HostSnapshot().process(output.splitlines())
     assert snapshot.pins == {"a--b@main": "1" * 40} and snapshot.cache_keys == {"nemotron": KEY}
     assert snapshot.record is None and snapshot.markers == {}
     linked = sorted(entry.split(" is a symbolic link")[0] for entry in snapshot.untrusted)

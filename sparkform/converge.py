@@ -1,0 +1,267 @@
+"""The converge plan: every decision one run takes, from the inventory and the host's snapshot.
+
+deploy.py gathers the snapshot (`snapshot_request` says what to read, facts/snapshot.py reads it
+in one round trip), asks `plan` what to do and calls one operation per step. What restarts,
+what counts as a cold start, which boot-chain hole the run repairs, which units are leftovers,
+and the order of it all live here, so they are tested on snapshots without pyinfra
+(tests/unit/test_converge_plan.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import posixpath
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from sparkform import bootchain, hostrecord, layout
+from sparkform.hostrecord import EngineRecord, HostRecord, HostVersions
+from sparkform.parsers import EngineState
+from sparkform.render import FRONT_CONFIG, FRONT_DROP_IN, RenderedFile, guard_files, prerequisite_packages, render_host
+from sparkform.schema import Engine, HostConfig
+from sparkform.snapshot import RemoteFile, Snapshot
+
+
+def sha256(content: str) -> str:
+    return hashlib.sha256(content.encode()).hexdigest()
+
+
+def digest(*contents: str) -> str:
+    """A short digest of what a service was (re)loaded with, kept in its applied stamp."""
+    return sha256("\0".join(contents))[:32]
+
+
+def differs(content: str, current: RemoteFile | None) -> bool:
+    """Whether the host's copy (None: absent) holds something else than `content`."""
+    return current is None or current.sha256 != sha256(content)
+
+
+@dataclass(frozen=True)
+class Secret:
+    path: str
+    content: str
+    mode: str
+    group: str
+
+
+def secrets(config: HostConfig) -> list[Secret]:
+    """Secrets read from files on the control machine, root's only on the host: the HF token,
+    and the API key as the snippet the front includes (validation checked its characters, so
+    it needs no escaping inside nginx's quotes). The engines never hold the key."""
+    result = []
+    if config.hf_token_file:
+        token = Path(config.hf_token_file).expanduser().read_text().strip()
+        result.append(Secret(config.paths.hf_token, f"{token}\n", "600", "root"))
+    if config.api_key_file:
+        key = Path(config.api_key_file).expanduser().read_text().strip()
+        result.append(Secret(config.paths.front_key, f'set $sparkform_api_key "{key}";\n', "600", "root"))
+    if config.alert_webhook_file:
+        url = Path(config.alert_webhook_file).expanduser().read_text().strip()
+        result.append(Secret(config.paths.alert_webhook, f"{url}\n", "600", "root"))
+    return result
+
+
+def unwanted(config: HostConfig) -> list[str]:
+    """Files that must not be on the host: the engines' old copy of the API key (before the
+    front), Debian's default nginx site, and the front's key and the alert webhook once the
+    inventory names none."""
+    paths = [config.paths.retired_engine_env, layout.NGINX_DEFAULT_SITE]
+    return (paths + ([] if config.api_key_file else [config.paths.front_key])
+            + ([] if config.alert_webhook_file else [config.paths.alert_webhook]))
+
+
+@dataclass(frozen=True)
+class Folder:
+    path: str
+    mode: str
+    user: str = "root"
+    group: str = "root"
+
+
+def folders(config: HostConfig) -> list[Folder]:
+    """Every folder the deploy manages, parents first. Root reads back and runs only what lies
+    in root's folders; the engine user owns exactly its home, the launch locks and each
+    engine's cache folder, none of which holds a folder of root's, so it can rename or replace
+    nothing root trusts."""
+    engine_user = config.engine_user
+    result = [
+        Folder(config.lib_dir, "755"),
+        Folder(config.config_dir, "755"),
+        Folder(config.paths.engines_dir, "755"),
+        # Secrets are root's: the front (nginx's master) reads the key, the deploy the HF token.
+        Folder(config.paths.secrets_dir, "700"),
+        Folder(config.state_dir, "755"),
+        Folder(config.engine_home, "750", engine_user, engine_user),
+        Folder(config.lock_dir, "755", engine_user, engine_user),
+        Folder(layout.record_dir(config.state_dir), "755"),
+        Folder(config.paths.cache_keys, "755"),
+        Folder(config.venv_root, "755"),
+        # Checkpoints belong to root: an engine can read its weights, never change them.
+        Folder(config.models_dir, "755"),
+        Folder(config.pins_dir, "755"),
+        Folder(config.cache_root, "755"),
+        Folder(posixpath.dirname(layout.FRONT_DROP_IN), "755"),
+    ]
+    result += [Folder(config.engine_cache_dir(engine), "750", engine_user, engine_user)
+               for engine in config.engines]
+    return result
+
+
+def snapshot_request(config: HostConfig) -> dict:
+    """What the snapshot fact reads for `config` (its keyword arguments)."""
+    rendered = render_host(config)
+    return dict(
+        packages=prerequisite_packages(config.device),
+        users=[config.engine_user],
+        paths=([f.path for f in folders(config)] + [f.path for f in rendered]
+               + [s.path for s in secrets(config)] + unwanted(config)),
+        markers=[layout.venv_marker(config.venv), config.paths.stamp("nginx"), config.paths.stamp("guard")],
+        units=[engine.unit for engine in config.engines] + [layout.ENGINES_TARGET, layout.FRONT_UNIT,
+                                                            layout.GUARD_UNIT],
+        unit_glob=layout.ENGINE_UNIT_GLOB,
+        models_dir=config.models_dir,
+        pins_dir=config.pins_dir,
+        cache_root=config.cache_root,
+        cache_keys_dir=config.paths.cache_keys,
+        record_path=config.paths.host_record,
+    )
+
+
+def starts(current: EngineState | None, restart: bool) -> bool:
+    """Whether the engine's unit (re)starts: asked to, never started, or not active."""
+    return restart or current is None or current.active_state != "active"
+
+
+def caches_aside(config: HostConfig, engine: Engine, snapshot: Snapshot) -> list[str]:
+    """The engine's cache folders a previous run moved aside."""
+    return [path for path in snapshot.caches_aside
+            if path.startswith(f"{config.engine_cache_dir(engine)}{hostrecord.STALE_MARK}")]
+
+
+def planned_record(config: HostConfig, live: HostVersions, record: HostRecord | None,
+                   snapshot: Snapshot) -> HostRecord:
+    """The record as this run will leave it, with the boot's starts that systemd measured; starts
+    this run makes are measured on the host when it writes the record. A restart systemd made on
+    its own later in the same boot is not a change to converge (a dry-run after a crash shows
+    none): the record keeps the boot's start."""
+    engines = {}
+    for engine in config.enabled_engines:
+        old = record.engines.get(engine.name) if record else None
+        key = hostrecord.cache_key(live)
+        entry = EngineRecord(key) if old is None else replace(old, cache_key=key)
+        state = snapshot.engines.get(engine.unit)
+        recorded_this_boot = (entry.started_at is not None and snapshot.booted_at is not None
+                              and entry.started_at >= snapshot.booted_at)
+        if (state and state.started_at and state.start_s and state.started_at != entry.started_at
+                and not recorded_this_boot):
+            entry = replace(entry, started_at=state.started_at, start_s=state.start_s, last_start_cold=False)
+        engines[engine.name] = entry
+    return HostRecord(live, engines)
+
+
+@dataclass(frozen=True)
+class BootChainHole:
+    """An enabled unit ordered after an engine unit that is not enabled: the edge orders nothing."""
+
+    unit: str
+    waits_for: str
+    state: str  # the unit file state of `waits_for`, or "missing"
+    repaired: bool  # this run rewrites `unit`, starts `waits_for`, or keeps no engine of `unit`
+
+
+@dataclass(frozen=True)
+class LeftoverEngine:
+    """An engine unit sparkform wrote for an engine that has left the inventory."""
+
+    name: str
+    unit_path: str
+    settings: tuple[str, str]  # its environment and arguments files
+
+
+@dataclass(frozen=True)
+class EngineStep:
+    """One enabled engine's turn, in start order."""
+
+    engine: Engine
+    current: EngineState | None
+    stale: bool  # its JIT caches no longer match the host: moved aside, rebuilt at this start
+    restart: bool  # its settings or caches changed: it restarts even if it runs
+    starts: bool  # it (re)starts in this run
+    cold: bool  # that start rebuilds its JIT caches (stale, or never keyed on this host)
+
+
+@dataclass(frozen=True)
+class ConvergePlan:
+    config: HostConfig
+    rendered: list[RenderedFile]
+    secrets: list[Secret]
+    unwanted: list[str]
+    drift_lines: list[str]  # what changed since the last converge, for the log and an alert
+    holes: list[BootChainHole]
+    leftovers: list[LeftoverEngine]
+    daemon_reload: bool
+    disabled: list[Engine]  # stopped (their units stay, disabled)
+    steps: list[EngineStep]  # the enabled engines, each after every engine it waits for
+    cache_key: str  # what the host's versions key JIT caches under now
+    front_wanted: str  # the digest nginx must run with (its drop-in, config and key)
+    guard_wanted: str  # the digest the guard must run with (its files)
+    record: HostRecord  # the host record as this run leaves it
+
+    @property
+    def shared_files(self) -> list[RenderedFile]:
+        """Scripts and units no single engine owns: put first (the checkpoint fetch is one)."""
+        return [f for f in self.rendered if f.engine is None]
+
+    @property
+    def engine_files(self) -> list[RenderedFile]:
+        """Each engine's unit and settings: put once its venv and checkpoint are complete."""
+        return [f for f in self.rendered if f.engine is not None]
+
+    @property
+    def started(self) -> dict[str, bool]:
+        """Engine -> whether its start in this run rebuilds its caches (cold)."""
+        return {step.engine.name: step.cold for step in self.steps if step.starts}
+
+
+def plan(config: HostConfig, snapshot: Snapshot) -> ConvergePlan:
+    """Everything one converge of `config` (its pins resolved) does to the host in `snapshot`."""
+    rendered = render_host(config)
+    changed = {f.path for f in rendered if differs(f.content, snapshot.paths.get(f.path))}
+    order = bootchain.start_order(config)
+    live = hostrecord.parse_live_versions(snapshot.live_versions, f"{config.vllm_package}-{config.vllm_version}")
+    drift = hostrecord.drift(snapshot.record, live, {e.name: snapshot.cache_keys.get(e.name) for e in order},
+                             {e.name for e in order if caches_aside(config, e, snapshot)})
+    last_cold = hostrecord.last_cold_starts(snapshot.record, {e.name: e.measured.cold_start_s for e in order})
+
+    changed_units = {Path(f.path).name for f in rendered if f.is_unit and f.path in changed}
+    enabled_after = {unit: state.after for unit, state in snapshot.engines.items()
+                     if state.unit_file_state == "enabled"}
+    holes = [BootChainHole(unit, dep, state, bootchain.hole_repaired(unit, dep, order, changed_units))
+             for unit, dep, state in bootchain.holes(enabled_after, snapshot.unit_files)]
+
+    kept_units = {f.path for f in rendered if f.is_unit}
+    leftovers = [LeftoverEngine(name, path, config.paths.engine_settings(name))
+                 for path in sorted(snapshot.rendered_units - kept_units)
+                 if (name := layout.engine_of_unit_path(path)) is not None]
+
+    steps = []
+    for engine in order:
+        current = snapshot.engines.get(engine.unit)
+        stale = engine.name in drift.stale_engines
+        restart = stale or any(f.engine == engine.name and f.path in changed for f in rendered)
+        steps.append(EngineStep(engine, current, stale, restart, starts(current, restart),
+                                cold=stale or engine.name not in snapshot.cache_keys))
+
+    secret_files = secrets(config)
+    contents = {f.path: f.content for f in rendered} | {s.path: s.content for s in secret_files}
+    return ConvergePlan(
+        config=config, rendered=rendered, secrets=secret_files, unwanted=unwanted(config),
+        drift_lines=hostrecord.drift_report(drift, last_cold), holes=holes, leftovers=leftovers,
+        daemon_reload=bool(leftovers) or any(f.is_unit and f.path in changed for f in rendered),
+        disabled=[engine for engine in config.engines if not engine.enabled], steps=steps,
+        cache_key=hostrecord.cache_key(live),
+        front_wanted=(f"{digest(contents[FRONT_DROP_IN])} "
+                      f"{digest(contents[FRONT_CONFIG], contents.get(config.paths.front_key, ''))}"),
+        guard_wanted=digest(*(contents[path] for path in guard_files(config))),
+        record=planned_record(config, live, snapshot.record, snapshot),
+    )

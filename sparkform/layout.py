@@ -1,0 +1,176 @@
+"""Where sparkform puts things on a host: unit names and the paths of what it writes.
+
+One home for every name the deploy, the facts, the templates (they get this module as
+`layout` and a host's `HostPaths` as `paths`), `tests/verify` and the integration tests use.
+The folders themselves are inventory fields (`HostConfig.lib_dir`, `state_dir`, ...);
+`HostPaths` places sparkform's files inside them. A leaf of the core: it imports nothing of
+sparkform's, so the schema can name units with it.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+
+UNIT_DIR = "/etc/systemd/system"
+UNIT_PREFIX = "vllm-"  # engine NAME runs as unit vllm-NAME.service
+ENGINE_UNIT_GLOB = f"{UNIT_DIR}/{UNIT_PREFIX}*.service"
+ENGINES_TARGET = "sparkform-engines.target"  # reached once every enabled engine serves
+GUARD_UNIT = "sparkform-guard.service"
+RECOVER_UNIT = "sparkform-recover@.service"  # the engines' OnFailure=, one instance per engine
+FRONT_UNIT = "nginx.service"
+FRONT_CONFIG = "/etc/nginx/conf.d/sparkform.conf"
+FRONT_DROP_IN = f"{UNIT_DIR}/nginx.service.d/sparkform-hardening.conf"
+# Debian's welcome page on port 80 of every address: nothing a Spark should serve to the LAN.
+NGINX_DEFAULT_SITE = "/etc/nginx/sites-enabled/default"
+PROFILE_CAPS = "/etc/profile.d/sparkform-caps.sh"  # the compile caps for login shells
+# Written last into a venv or a checkpoint folder: without it the folder is unfinished, and the
+# launch script refuses the checkpoint.
+COMPLETE_MARKER = ".sparkform-complete"
+# Path, size, sha256 and mtime of every verified checkpoint file, beside the marker.
+CHECKPOINT_MANIFEST = ".sparkform-manifest.json"
+VENV_LOCK = "sparkform-lock.txt"  # the lock a venv was installed from, inside that venv
+RECORD_NAME = "host-record.json"
+
+
+def engine_unit(engine_name: str) -> str:
+    return f"{UNIT_PREFIX}{engine_name}.service"
+
+
+def engine_identifier(engine_name: str) -> str:
+    """The engine's name in the journal (SyslogIdentifier=): its unit without `.service`."""
+    return engine_unit(engine_name).removesuffix(".service")
+
+
+def recover_unit(engine_name: str) -> str:
+    return RECOVER_UNIT.replace("@", f"@{engine_name}")
+
+
+def unit_path(unit: str) -> str:
+    return f"{UNIT_DIR}/{unit}"
+
+
+def is_unit_path(path: str) -> bool:
+    """systemd reads it: a unit file or a drop-in."""
+    return path.startswith(f"{UNIT_DIR}/")
+
+
+def engine_of_unit_path(path: str) -> str | None:
+    """The engine a unit file sparkform wrote runs (None for any other file)."""
+    folder, name = posixpath.split(path)
+    if folder != UNIT_DIR or not name.startswith(UNIT_PREFIX) or not name.endswith(".service"):
+        return None
+    return name.removeprefix(UNIT_PREFIX).removesuffix(".service")
+
+
+def venv_marker(venv: str) -> str:
+    """Holds the venv's pin once its install completed."""
+    return f"{venv}/{COMPLETE_MARKER}"
+
+
+def venv_lock(venv: str) -> str:
+    """The lock on the host, inside the venv built from it."""
+    return f"{venv}/{VENV_LOCK}"
+
+
+def record_dir(state_dir: str) -> str:
+    """Root's folder for the record, the cache keys, the guard's state and the stamps."""
+    return posixpath.join(state_dir, "record")
+
+
+def cache_keys_dir(state_dir: str) -> str:
+    """Root's folder of the key each engine's caches were built under, one file per engine,
+    written once the engine served with them: a rebuild that fails halfway keeps what the first
+    engine did. Not in the cache folder: the engine writes there, and root reads the key back."""
+    return posixpath.join(record_dir(state_dir), "cache-keys")
+
+
+def record_path(state_dir: str) -> str:
+    """Where the host record lives on the host."""
+    return posixpath.join(record_dir(state_dir), RECORD_NAME)
+
+
+def applied_stamp(state_dir: str, service: str) -> str:
+    """Root's record of the inputs `service` last (re)started or reloaded with: a run cut off
+    between writing a file and the reload leaves it stale, so the next run still reloads."""
+    return posixpath.join(record_dir(state_dir), f"applied-{service}")
+
+
+@dataclass(frozen=True)
+class HostPaths:
+    """sparkform's files inside one host's folders."""
+
+    lib_dir: str
+    config_dir: str
+    state_dir: str
+
+    @property
+    def launch(self) -> str:
+        """The engines' ExecStart, and the hand run."""
+        return f"{self.lib_dir}/sparkform-launch"
+
+    @property
+    def wait_ready(self) -> str:
+        """The readiness helper, the engines' ExecStartPost."""
+        return f"{self.lib_dir}/sparkform-wait-ready"
+
+    @property
+    def checkpoint(self) -> str:
+        """Fetches and proves a checkpoint; run by the venv's python (it needs huggingface_hub)."""
+        return f"{self.lib_dir}/sparkform-checkpoint"
+
+    @property
+    def record(self) -> str:
+        """Writes the host record; run by the system's python3."""
+        return f"{self.lib_dir}/sparkform-record"
+
+    @property
+    def guard(self) -> str:
+        """The watchdog, memory guard and alerts; run by the system's python3."""
+        return f"{self.lib_dir}/sparkform-guard"
+
+    @property
+    def guard_config(self) -> str:
+        return f"{self.config_dir}/guard.json"
+
+    @property
+    def engines_dir(self) -> str:
+        return f"{self.config_dir}/engines"
+
+    def engine_settings(self, engine_name: str) -> tuple[str, str]:
+        """The engine's environment file and arguments file (read by the launch script)."""
+        return f"{self.engines_dir}/{engine_name}.env", f"{self.engines_dir}/{engine_name}.args"
+
+    @property
+    def secrets_dir(self) -> str:
+        """Root's, every file in it 0600."""
+        return f"{self.config_dir}/secrets"
+
+    @property
+    def hf_token(self) -> str:
+        return f"{self.secrets_dir}/hf_token"
+
+    @property
+    def front_key(self) -> str:
+        """The API key as an nginx snippet, read by nginx's master process (root) only."""
+        return f"{self.secrets_dir}/front-api-key.conf"
+
+    @property
+    def alert_webhook(self) -> str:
+        return f"{self.secrets_dir}/alert-webhook"
+
+    @property
+    def retired_engine_env(self) -> str:
+        """The engines' copy of the API key from before the front: removed wherever it is left."""
+        return f"{self.secrets_dir}/engine.env"
+
+    @property
+    def host_record(self) -> str:
+        return record_path(self.state_dir)
+
+    @property
+    def cache_keys(self) -> str:
+        return cache_keys_dir(self.state_dir)
+
+    def stamp(self, service: str) -> str:
+        return applied_stamp(self.state_dir, service)
