@@ -45,7 +45,7 @@ for hole in plan.holes:
 
 system.packages_present(name="Install prerequisites", packages=request["packages"], snapshot=snapshot)
 system.system_user(name=f"Engine user {config.engine_user}", user=config.engine_user,
-                   home=config.engine_home, snapshot=snapshot)
+                   home=config.paths.engine_home, snapshot=snapshot)
 for spec in converge.folders(config):
     system.folder(name=f"Folder {spec.path}", spec=spec, snapshot=snapshot)
 for secret in plan.secrets:

@@ -91,8 +91,8 @@ def folders(config: HostConfig) -> list[Folder]:
         # Secrets are root's: the front (nginx's master) reads the key, the deploy the HF token.
         Folder(config.paths.secrets_dir, "700"),
         Folder(config.state_dir, "755"),
-        Folder(config.engine_home, "750", engine_user, engine_user),
-        Folder(config.lock_dir, "755", engine_user, engine_user),
+        Folder(config.paths.engine_home, "750", engine_user, engine_user),
+        Folder(config.paths.lock_dir, "755", engine_user, engine_user),
         Folder(layout.record_dir(config.state_dir), "755"),
         Folder(config.paths.cache_keys, "755"),
         Folder(config.venv_root, "755"),

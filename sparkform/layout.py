@@ -130,6 +130,16 @@ class HostPaths:
         return f"{self.lib_dir}/sparkform-guard"
 
     @property
+    def engine_home(self) -> str:
+        """The engine user's HOME: its own, inside root's state folder."""
+        return f"{self.state_dir}/home"
+
+    @property
+    def lock_dir(self) -> str:
+        """The launch locks: each engine's lock and state, and the start lock they share."""
+        return f"{self.state_dir}/locks"
+
+    @property
     def guard_config(self) -> str:
         return f"{self.config_dir}/guard.json"
 

@@ -112,7 +112,7 @@ def engine_environment(config: HostConfig, engine: Engine) -> dict[str, str]:
         **config.compile_caps.as_env(),
         "PATH": f"{config.cuda_home}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "CUDA_HOME": config.cuda_home,
-        "HOME": config.engine_home,
+        "HOME": config.paths.engine_home,
         "VLLM_CACHE_ROOT": f"{cache}/vllm",
         "FLASHINFER_WORKSPACE_BASE": cache,
         "TRITON_CACHE_DIR": f"{cache}/triton",

@@ -405,16 +405,6 @@ class HostConfig(Strict):
         return f"{self.venv_root}/{self.vllm_package}-{self.vllm_version}-{locks.lock_id(self.lock)}"
 
     @property
-    def engine_home(self) -> str:
-        """The engine user's HOME: its own, inside root's state folder."""
-        return f"{self.state_dir}/home"
-
-    @property
-    def lock_dir(self) -> str:
-        """The launch locks: each engine's lock and state, and the start lock they share."""
-        return f"{self.state_dir}/locks"
-
-    @property
     def paths(self) -> HostPaths:
         """sparkform's files inside this host's folders."""
         return HostPaths(self.lib_dir, self.config_dir, self.state_dir)

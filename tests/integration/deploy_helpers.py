@@ -11,12 +11,18 @@ import sys
 import time
 from pathlib import Path
 
+from sparkform import layout
 from sparkform.sandbox import host
+from sparkform.schema import HostConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SANDBOX_INVENTORY = ROOT / "inventory" / "sandbox.py"
 BIN = Path(sys.executable).parent
-UNITS = ("vllm-nemotron.service", "vllm-q38.service")
+UNITS = (layout.engine_unit("nemotron"), layout.engine_unit("q38"))
+# The sandbox inventory keeps the default folders; where sparkform puts its files in them.
+DEFAULT_FOLDERS = {name: HostConfig.model_fields[name].default
+                   for name in ("lib_dir", "config_dir", "state_dir", "models_dir", "venv_root")}
+PATHS = layout.HostPaths(DEFAULT_FOLDERS["lib_dir"], DEFAULT_FOLDERS["config_dir"], DEFAULT_FOLDERS["state_dir"])
 
 
 def pyinfra(inventory: Path, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
@@ -97,7 +103,7 @@ def edited_inventory(folder: Path, engine_changes: dict[str, dict] | None = None
 
 def checkpoint_dir(box: host.Sandbox, engine: str) -> str:
     """The checkpoint folder the engine's rendered settings point it at (repo@commit)."""
-    return ssh(box, f"sed -n 's/^SPARKFORM_CHECKPOINT=//p' /etc/sparkform/engines/{engine}.env").stdout.strip()
+    return ssh(box, f"sed -n 's/^SPARKFORM_CHECKPOINT=//p' {PATHS.engine_settings(engine)[0]}").stdout.strip()
 
 
 def journal_times(box: host.Sandbox, pattern: str, units: tuple[str, ...] = UNITS, since: str | None = None) -> list[float]:

@@ -18,6 +18,8 @@ import urllib.request
 
 import pytest
 from deploy_helpers import (
+    DEFAULT_FOLDERS,
+    PATHS,
     SANDBOX_INVENTORY,
     UNITS,
     both_serving_after_boot,
@@ -32,6 +34,7 @@ from deploy_helpers import (
     verify,
 )
 
+from sparkform import layout
 from sparkform.sandbox import host, stage
 from sparkform.sandbox.fakehub import FakeHub
 
@@ -59,8 +62,8 @@ def test_second_run_changes_nothing(box):
 
 def test_dry_diff_shows_only_the_edited_file_and_changes_nothing(box, tmp_path):
     inventory = edited_inventory(tmp_path, {"q38": {"max_num_seqs": 2}})
-    args_file = "/etc/sparkform/engines/q38.args"
-    before = ssh(box, f"sha256sum {args_file} /etc/sparkform/engines/* /etc/systemd/system/vllm-*").stdout
+    args_file = PATHS.engine_settings("q38")[1]
+    before = ssh(box, f"sha256sum {args_file} {PATHS.engines_dir}/* {layout.ENGINE_UNIT_GLOB}").stdout
     result = pyinfra(inventory, "--dry", "--diff")
     assert result.returncode == 0, result.stderr[-4000:]
     out = result.stdout + result.stderr
@@ -71,7 +74,7 @@ def test_dry_diff_shows_only_the_edited_file_and_changes_nothing(box, tmp_path):
     # The restart takes the engines target with it, and the new start goes into the host record.
     assert changed_operations(inventory) == [f"File {args_file}", "Engine q38 serving",
                                              "sparkform-engines.target reached", "Host record"]
-    assert ssh(box, f"sha256sum {args_file} /etc/sparkform/engines/* /etc/systemd/system/vllm-*").stdout == before
+    assert ssh(box, f"sha256sum {args_file} {PATHS.engines_dir}/* {layout.ENGINE_UNIT_GLOB}").stdout == before
 
 
 def test_edit_restarts_only_that_engine(box, tmp_path):
@@ -192,7 +195,7 @@ def test_rotating_the_key_reloads_the_front_and_restarts_no_engine(box):
     stage.secret_file(box.runtime_dir, "api_key").write_text(f"{new}\n")
     engines_before = main_pids(box)
     nginx_before = unit_properties(box, "nginx.service", "MainPID")
-    assert changed_operations(SANDBOX_INVENTORY) == ["Secret /etc/sparkform/secrets/front-api-key.conf",
+    assert changed_operations(SANDBOX_INVENTORY) == [f"Secret {PATHS.front_key}",
                                                     "Front (nginx) serving"]
     result = pyinfra(SANDBOX_INVENTORY, "-y")
     assert result.returncode == 0, result.stderr[-4000:]
@@ -217,9 +220,9 @@ def test_metrics_answer_only_the_allowed_addresses(box, tmp_path):
 
 # --- root trusts nothing the engine user can touch ------------------------------------------------
 
-STATE = "/var/lib/sparkform"
+STATE = PATHS.state_dir
 ENGINE_USER = "vllm"
-TOKEN_FILE = "/etc/sparkform/secrets/hf_token"
+TOKEN_FILE = PATHS.hf_token
 
 
 def test_both_live_engine_units_score_2_or_less(box):
@@ -232,14 +235,14 @@ def test_both_live_engine_units_score_2_or_less(box):
 
 @pytest.mark.parametrize("attempt", [
     f"mv {STATE}/models {STATE}/models.mine",  # rename a root folder out of the way
-    f"mv {STATE}/record {STATE}/record.mine",
+    f"mv {layout.record_dir(STATE)} {layout.record_dir(STATE)}.mine",
     f"mkdir {STATE}/models.mine",  # plant a folder of its own beside them
     f"echo '$(id > /tmp/pwned)' > {STATE}/models/.pins/sparkform-test--tiny-qwen3@main",
-    f"ln -s {TOKEN_FILE} {STATE}/record/cache-keys/evil",
-    f"echo x > {STATE}/record/host-record.json",
-    "echo x >> /etc/sparkform/engines/q38.args",
-    "touch /usr/local/lib/sparkform/sparkform-evil",
-    "echo x > /opt/sparkform/venvs/pwned",
+    f"ln -s {TOKEN_FILE} {PATHS.cache_keys}/evil",
+    f"echo x > {PATHS.host_record}",
+    f"echo x >> {PATHS.engine_settings('q38')[1]}",
+    f"touch {PATHS.lib_dir}/sparkform-evil",
+    f"echo x > {DEFAULT_FOLDERS['venv_root']}/pwned",
 ])
 def test_the_engine_user_can_rename_or_replace_nothing_root_reads_back(box, attempt):
     result = ssh(box, f"runuser -u {ENGINE_USER} -- sh -c {shlex.quote(attempt)}", check=False)
@@ -367,7 +370,7 @@ def test_moved_branch_changes_nothing_and_a_new_pin_replaces_the_old_revision_on
     assert checkpoint_dir(box, "q38").endswith(f"@{moved}")
     # keep_revisions 0: the old folder (and the pin naming it) went, after q38 served the new one.
     assert ssh(box, f"test -e {first_dir}", check=False).returncode == 1
-    assert ssh(box, "grep -rl " + first + " /var/lib/sparkform/models/.pins", check=False).stdout == ""
+    assert ssh(box, "grep -rl " + first + f" {DEFAULT_FOLDERS['models_dir']}/.pins", check=False).stdout == ""
     out = result.stdout + result.stderr
     assert out.index("Remove old checkpoint revisions") > out.index("Engine q38 serving")
     verified = verify(inventory=new_pin)

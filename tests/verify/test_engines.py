@@ -139,7 +139,7 @@ def test_root_reads_back_only_from_root_only_folders(remote, config):
             assert folder.is_directory and not folder.is_symlink, path
             assert folder.user == "root" and folder.mode & 0o022 == 0, f"{path}: {folder.user} {folder.mode:o}"
             path = path.rsplit("/", 1)[0] or "/"
-    for path in [config.engine_home, config.lock_dir] + [config.engine_cache_dir(e) for e in config.engines]:
+    for path in [config.paths.engine_home, config.paths.lock_dir] + [config.engine_cache_dir(e) for e in config.engines]:
         assert remote.file(path).user == config.engine_user, path
 
 
