@@ -704,7 +704,7 @@ def make_box(tmp_path, free_port):
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_text(file.content)
                 target.chmod(int(file.mode, 8))
-        box.paths.lock_dir.mkdir(parents=True)
+        box.lock_dir.mkdir(parents=True)
         box.record.mkdir()
         python = Path(config.venv) / "bin" / "python"
         python.parent.mkdir(parents=True)
@@ -989,7 +989,7 @@ def test_launch_execs_the_engine_with_the_caps_whatever_the_callers_env(make_box
     assert args == ["-m", "vllm.entrypoints.openai.api_server", *engine_args(box.config, box.engine("a"))]
     assert args[args.index("--served-model-name") + 1:args.index("--served-model-name") + 3] == ["a", "a-alias"]
     # exec: the engine runs as the launch script's own process, which wrote its pid in the lock.
-    assert (box.paths.lock_dir / "a.lock").read_text().strip() == (box.record / "a.pid").read_text().strip()
+    assert (box.lock_dir / "a.lock").read_text().strip() == (box.record / "a.pid").read_text().strip()
 
 
 def test_launch_passes_the_engines_exit_code_through(make_box):
@@ -1024,10 +1024,10 @@ def hold_lock(path: Path):
 def test_launch_refuses_when_the_engine_already_runs(make_box):
     box = make_box()
     box.complete("a")
-    holder = subprocess.Popen(["flock", str(box.paths.lock_dir / "a.lock"), "sleep", "30"], start_new_session=True)
+    holder = subprocess.Popen(["flock", str(box.lock_dir / "a.lock"), "sleep", "30"], start_new_session=True)
     try:
         deadline = time.monotonic() + 5
-        while subprocess.run(["flock", "-n", str(box.paths.lock_dir / "a.lock"), "true"]).returncode == 0:
+        while subprocess.run(["flock", "-n", str(box.lock_dir / "a.lock"), "true"]).returncode == 0:
             assert time.monotonic() < deadline, "flock never took the lock"
             time.sleep(0.05)
         result = box.run_launch("a")
@@ -1077,10 +1077,10 @@ def test_launch_refuses_a_port_that_already_answers(make_box):
 
 def loading(box: Box, name: str, pid: str = "4242"):
     """Engine `name` as a launch script leaves it once it goes ahead: its lock held, "loading"."""
-    handle = hold_lock(box.paths.lock_dir / f"{name}.lock")
+    handle = hold_lock(box.lock_dir / f"{name}.lock")
     handle.write(f"{pid}\n")
     handle.flush()
-    (box.paths.lock_dir / f"{name}.state").write_text("loading\n")
+    (box.lock_dir / f"{name}.state").write_text("loading\n")
     return handle
 
 
@@ -1114,7 +1114,7 @@ def test_launch_goes_ahead_as_soon_as_the_loading_engine_serves(make_box, server
         later.join()
     assert result.returncode == 0, result.stderr
     assert 2.0 <= elapsed < 8, elapsed  # not before b served; and rc 0: not at its 5 s bound
-    assert (box.paths.lock_dir / "a.state").read_text() == "loading\n"
+    assert (box.lock_dir / "a.state").read_text() == "loading\n"
 
 
 def test_launch_goes_ahead_when_the_other_engine_serves(make_box, servers):
@@ -1131,7 +1131,7 @@ def test_a_neighbour_that_waits_its_own_turn_holds_no_one_back(make_box):
     box = make_box()
     box.complete("a")
     with loading(box, "b"):
-        (box.paths.lock_dir / "b.state").write_text("waiting\n")
+        (box.lock_dir / "b.state").write_text("waiting\n")
         result = box.run_launch("a")
     assert result.returncode == 0, result.stderr
 
@@ -1185,7 +1185,7 @@ def test_two_engines_restarted_together_load_one_after_the_other(make_box, serve
 def test_a_stale_lock_file_does_not_block(make_box):
     box = make_box()
     box.complete("a")
-    (box.paths.lock_dir / "b.lock").write_text("99999\n")  # left behind by a dead engine, not held
+    (box.lock_dir / "b.lock").write_text("99999\n")  # left behind by a dead engine, not held
     result = box.run_launch("a")
     assert result.returncode == 0, result.stderr
 
