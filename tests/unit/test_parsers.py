@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from sparkform.parsers import (
     EngineState,
     Gpu,
+    GpuReport,
     KvPool,
     cuda_version_from_nvidia_smi,
     engine_states,
@@ -118,6 +120,18 @@ def test_kv_pool_size_without_concurrency_when_nothing_completed():
     )
 
 
+def test_kv_pool_on_a_grep_filtered_journal():
+    # The journal cut down to the lines the parser reads: the pool, the memory, the boot marker.
+    wanted = ("KV cache size:", "Maximum concurrency for", "Available KV cache memory:",
+              "vLLM API server version")
+    lines = [line for line in captured("vllm-0.33-journal-three-boots.log")
+             if any(text in line for text in wanted)]
+    assert parse_kv_pool(lines) == KvPool(
+        device="GPU", tokens=2_703_604, max_model_len=262_144, concurrency=10.31,
+        available_gib=8.26,
+    )
+
+
 def test_kv_pool_does_not_carry_available_memory_across_boots():
     # Boot 1 logged "Available" then died; boot 2 ran with --kv-cache-memory-bytes (no line).
     lines = [
@@ -212,6 +226,18 @@ def test_gpu_report_from_rows_and_banner_together():
     assert [gpu.name for gpu in report.gpus] == ["NVIDIA GB10"]
 
 
+def test_gpu_report_gb10_rows_and_banner():
+    banner = [line for line in captured("nvidia-smi-gb10.txt") if "CUDA Version" in line]
+    report = parse_gpu_report(captured("nvidia-smi-query-gb10.csv") + banner)
+    assert report.cuda_version == "13.0"
+    assert report.gpus == (Gpu("NVIDIA GB10", "580.95.05", None, None, "12.1"),)
+
+
+def test_gpu_report_of_nothing_is_empty():
+    # No nvidia-smi, or one that cannot reach the driver: no GPUs, no CUDA version.
+    assert parse_gpu_report([]) == GpuReport() == GpuReport(gpus=(), cuda_version=None)
+
+
 # --- systemctl show --------------------------------------------------------------------------
 
 
@@ -238,7 +264,7 @@ def test_engine_states_running_and_not_found_units():
     )
     assert states["vllm-nemotron.service"].exists
     missing = states["vllm-qwen38.service"]
-    assert not missing.exists
+    assert not missing.exists and missing.load_state == "not-found"
     assert (missing.active_state, missing.main_pid, missing.unit_file_state) == ("inactive", 0, "")
 
 
@@ -249,3 +275,24 @@ def test_engine_states_unset_numbers_read_zero():
     ]).values()
     assert (state.n_restarts, state.main_pid, state.exec_main_status) == (0, 0, 1)
     assert state.result == "exit-code"
+
+
+# --- as pyinfra prints them --------------------------------------------------------------------
+
+
+def to_json(value: object) -> object:
+    return value.to_json()
+
+
+def test_values_serialize_for_the_pyinfra_cli():
+    # pyinfra_cli's JSON encoder calls to_json() on what it prints (not imported here:
+    # pyinfra_cli monkey-patches ssl with gevent).
+    report = parse_gpu_report(captured("nvidia-smi-query-gb10.csv"))
+    assert json.loads(json.dumps(report, default=to_json)) == {
+        "gpus": [{"name": "NVIDIA GB10", "driver_version": "580.95.05",
+                  "memory_total_mib": None, "memory_used_mib": None, "compute_cap": "12.1"}],
+        "cuda_version": None,
+    }
+    states = engine_states(captured("systemctl-show-two-units.txt"))
+    encoded = json.loads(json.dumps(states, default=to_json))
+    assert encoded["vllm-qwen38.service"]["load_state"] == "not-found"

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from facts.snapshot import CHECKPOINT_SCAN, SECTION, HostSnapshot
+from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES
 from sparkform.snapshot import CheckpointFolder, RemoteFile
 
 CAPTURED = f"""{SECTION}packages
@@ -126,6 +127,8 @@ def test_command_is_one_shell_line_that_never_fails_the_host():
     for section in sections:
         assert f"echo {SECTION}{section};" in command
     assert "'/etc/a b'" in command  # quoted paths
+    # The units, asked for the one list of properties engine_states reads (sparkform.parsers).
+    assert f"systemctl show --timestamp=unix -p {SYSTEMCTL_SHOW_PROPERTIES} vllm-x.service" in command
     # Each section ends in `|| true`: a missing file or unit must not fail the fact.
     assert command.count("|| true") == len(sections)
 

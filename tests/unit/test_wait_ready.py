@@ -1,0 +1,169 @@
+"""sparkform-wait-ready, the readiness helper each engine unit runs after its start, rendered for a
+small host in tmp_path (script_box.Box) and run with bash against stand-in engines on 127.0.0.1:
+every served name, the health check and a one-token warm-up; a budget in wall-clock time even
+against a socket that never answers; an early exit once the engine's main process died.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+
+def test_wait_ready_succeeds_when_every_name_is_served(make_box, servers):
+    box = make_box()
+    engine = servers(names=("a", "a-alias", "other"))
+    result, elapsed = box.run_wait_ready(str(engine.port), "10", "a", "a-alias")
+    assert result.returncode == 0, result.stderr
+    assert elapsed < 5
+    assert f"port {engine.port} serves a a-alias" in result.stderr
+    assert engine.paths("GET")[:2] == ["/health", "/v1/models"]
+    # One warm-up token through the whole engine, for the first name.
+    (completion,) = [r for r in engine.requests if r["path"] == "/v1/completions"]
+    body = json.loads(completion["body"])
+    assert body["model"] == "a" and body["max_tokens"] == 1
+
+
+def test_wait_ready_accepts_compact_json(make_box, servers):
+    box = make_box()
+    engine = servers(names=("a",), compact=True)
+    result, _ = box.run_wait_ready(str(engine.port), "10", "a")
+    assert result.returncode == 0, result.stderr
+
+
+def test_wait_ready_keeps_waiting_for_a_missing_name_and_fails_at_the_budget(make_box, servers):
+    box = make_box()
+    engine = servers(names=("a",))
+    result, elapsed = box.run_wait_ready(str(engine.port), "3", "a", "vision")
+    assert result.returncode == 1
+    assert 3 <= elapsed < 5
+    assert engine.paths("GET").count("/v1/models") >= 3  # it kept polling
+    assert "/v1/completions" not in engine.paths("POST")
+    assert "did not serve a vision within 3 s" in result.stderr
+
+
+def test_wait_ready_matches_whole_names_only(make_box, servers):
+    box = make_box()
+    engine = servers(names=("ab", "xa"))
+    result, _ = box.run_wait_ready(str(engine.port), "2", "a")
+    assert result.returncode == 1
+
+
+def test_wait_ready_matches_names_literally(make_box, servers):
+    box = make_box()
+    lookalike = servers(names=("q3x8",))
+    result, _ = box.run_wait_ready(str(lookalike.port), "2", "q3.8")
+    assert result.returncode == 1  # "." is no wildcard
+    odd = servers(names=("org/model(v2)+x", "x[1]", "a|b", "q3.8"))
+    result, _ = box.run_wait_ready(str(odd.port), "10", "q3.8", "org/model(v2)+x", "x[1]", "a|b")
+    assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stderr
+
+
+@pytest.mark.parametrize(("health", "completion"), [(503, 200), (200, 500)])
+def test_wait_ready_fails_while_health_or_warmup_fails(make_box, servers, health, completion):
+    box = make_box()
+    engine = servers(names=("a",), health=health, completion=completion)
+    result, elapsed = box.run_wait_ready(str(engine.port), "2", "a")
+    assert result.returncode == 1
+    assert 2 <= elapsed < 4
+
+
+def test_wait_ready_budget_is_wall_clock_against_a_stalled_socket(make_box, servers):
+    box = make_box()
+    staller = servers("staller")
+    result, elapsed = box.run_wait_ready(str(staller.port), "3", "a")
+    assert result.returncode == 1
+    assert elapsed < 3 + 2, f"a stalled socket stretched the 3 s budget to {elapsed:.1f} s"
+    assert staller.conns, "the helper never connected"
+
+
+def test_wait_ready_fails_at_the_budget_without_a_server(make_box, free_port):
+    box = make_box()
+    result, elapsed = box.run_wait_ready(str(free_port()), "2", "a")
+    assert result.returncode == 1
+    assert 2 <= elapsed < 3.5
+    assert "did not serve a within 2 s" in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["none", "staller"])
+def test_wait_ready_fails_soon_after_the_main_process_dies(make_box, servers, free_port, kind):
+    box = make_box()
+    port = servers("staller").port if kind == "staller" else free_port()
+    engine = subprocess.Popen(["sleep", "1"])
+    died: list[float] = []
+
+    def reap() -> None:  # reap it at once, or kill -0 would still find the zombie
+        engine.wait()
+        died.append(time.monotonic())
+
+    reaper = threading.Thread(target=reap)
+    reaper.start()
+    result, elapsed = box.run_wait_ready(str(port), "30", "a", MAINPID=str(engine.pid))
+    end = time.monotonic()
+    reaper.join()
+    assert result.returncode == 1
+    assert f"engine main process {engine.pid} died" in result.stderr
+    assert end - died[0] < 2.5, f"noticed the death {end - died[0]:.1f} s late"
+    assert elapsed < 5
+
+
+def test_wait_ready_with_a_live_main_process_still_succeeds(make_box, servers):
+    box = make_box()
+    engine = servers(names=("a",))
+    result, _ = box.run_wait_ready(str(engine.port), "10", "a", MAINPID=str(os.getpid()))
+    assert result.returncode == 0, result.stderr
+
+
+def test_wait_ready_takes_a_main_process_it_may_not_signal_as_alive(make_box, servers):
+    """Run as the engine user, the helper can start while the main process is still systemd's
+    (root's) child setting up the sandbox: kill -0 is refused then, and that is no death."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run the helper as another user")
+    box = make_box()
+    engine = servers(names=("a",))
+    # pytest's folders are root's only: the unprivileged user runs a copy from a folder it may read.
+    folder = Path(tempfile.mkdtemp(prefix="sparkform-wait-ready-"))
+    folder.chmod(0o755)
+    helper = folder / "sparkform-wait-ready"
+    shutil.copy(box.wait_ready, helper)
+    root_owned = subprocess.Popen(["sleep", "30"])  # this test runs as root
+    try:
+        start = time.monotonic()
+        result = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(helper),
+                                 str(engine.port), "10", "a"], capture_output=True, text=True, timeout=60,
+                                env={"PATH": "/usr/bin:/bin", "MAINPID": str(root_owned.pid)})
+    finally:
+        root_owned.kill()
+        root_owned.wait()
+        shutil.rmtree(folder)
+    assert result.returncode == 0, result.stderr
+    assert "died" not in result.stderr and time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("args", [[], ["8011"], ["8011", "10"]])
+def test_wait_ready_usage(make_box, args):
+    box = make_box()
+    result, elapsed = box.run_wait_ready(*args)
+    assert result.returncode == 2
+    assert "usage: sparkform-wait-ready PORT BUDGET_S NAME..." in result.stderr
+    assert elapsed < 2
+
+
+def test_wait_ready_asks_the_engine_itself_without_a_key(make_box, servers):
+    # The helper polls the engine's internal port on loopback, where no key is asked for: the
+    # engines never hold the key (the front checks it), so the helper has none to send.
+    box = make_box()
+    engine = servers(names=("a",))
+    result, _ = box.run_wait_ready(str(engine.port), "10", "a")
+    assert result.returncode == 0, result.stderr
+    assert [r for r in engine.requests if r["path"] == "/v1/completions"]
+    assert not any("Authorization" in r["headers"] for r in engine.requests)
