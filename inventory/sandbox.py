@@ -11,8 +11,8 @@ from pathlib import Path
 
 from sparkform.inventory import hosts
 from sparkform.parsers import parse_meminfo
-from sparkform.sandbox import host as sandbox_host
-from sparkform.sandbox import stage
+from sparkform.sandbox import machine, stage
+from sparkform.sandbox.system import SandboxError
 from sparkform.sandbox.wheelhouse import LOCK
 
 NAME = os.environ.get("SPARKFORM_SANDBOX", "sandbox")
@@ -21,8 +21,8 @@ MIB = 2**20
 MEMORY_GIB = parse_meminfo(Path("/proc/meminfo").read_text().splitlines())["mem_total_gib"]
 
 try:
-    box = sandbox_host.get(NAME)
-except sandbox_host.SandboxError:
+    box = machine.get(NAME)
+except SandboxError:
     box = None  # `sparkform plan` works without it; pyinfra says it cannot connect
 
 connection = {} if box is None else {

@@ -1,251 +1,39 @@
 """A fake Hugging Face hub over HTTP, enough for `snapshot_download` and `hf download`.
 
-huggingface_hub's downloads need four endpoints (REFERENCE §2): the revision lookup, the
-recursive tree listing, and HEAD/GET of `/{repo}/resolve/{rev}/{path}`. This serves them from a
-folder, so a sandbox can download real (tiny) checkpoints with the real client and no network:
-
-    <root>/<owner>/<name>/<commit>/<files...>     one folder per commit, never changed
-    <root>/<owner>/<name>/refs/<branch>           the commit a branch points at
-    <root>/<owner>/<name>/corrupted.json          "<commit>/<path>" entries served corrupted
-    <root>/stall                                  while it exists, file bodies pause mid-way
-
-Every lookup reads the folder, so another process (a test) can move a branch or corrupt a file
-while the server runs. Commit ids are 40 hex digits derived from the repo id and the files'
-content, so the same content always gets the same commit. Requests are recorded (method, path,
-status, and whether an Authorization header came, never its value).
+huggingface_hub's downloads need four endpoints: the revision lookup
+(/api/models/{repo}/revision/{rev}), the recursive tree listing (/api/models/{repo}/tree/{rev}),
+and HEAD/GET of `/{repo}/resolve/{rev}/{path}`. This serves them from a HubStore's folder
+(sparkform.sandbox.hubstore), so a sandbox can download real (tiny) checkpoints with the real
+client and no network. Requests are recorded (method, path, status, and whether an Authorization
+header came, never its value).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import shutil
 import signal
 import sys
-import tempfile
 import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, BinaryIO, Self
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from sparkform.sandbox.models import TINY_MODELS, cached_checkpoint
-
-LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".onnx", ".msgpack", ".h5")
-LFS_MIN_SIZE = 10 * 1024 * 1024  # the hub's .gitattributes also send any file over 10 MB to LFS
-CHUNK = 1024 * 1024
-COMMIT_HEX = frozenset("0123456789abcdef")
+from sparkform.sandbox.hubstore import CHUNK, HubError, HubStore, git_blob_sha1, publish_tiny_models
 
 
-class HubError(Exception):
-    """An HTTP error the hub answers with, carrying the hub's X-Error-Code."""
-
-    def __init__(self, status: int, code: str | None, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-
-
-@dataclass(frozen=True)
-class FileMeta:
-    """What the hub says about one file of one commit."""
-
-    path: str
-    size: int
-    sha256: str
-    blob_oid: str  # git's blob sha1 of the file, or of its LFS pointer
-    lfs_pointer_size: int | None  # None: a regular git file
-
-    def tree_entry(self) -> dict[str, Any]:
-        """The file's entry in /api/models/{id}/tree/{rev}."""
-        entry: dict[str, Any] = {"type": "file", "path": self.path, "size": self.size, "oid": self.blob_oid}
-        if self.lfs_pointer_size is not None:
-            entry["lfs"] = {"oid": self.sha256, "size": self.size, "pointerSize": self.lfs_pointer_size}
-        return entry
-
-    @property
-    def etag(self) -> str:
-        """Quoted sha256 for LFS files (as the hub's X-Linked-Etag), the blob sha1 otherwise."""
-        return f'"{self.sha256 if self.lfs_pointer_size is not None else self.blob_oid}"'
-
-
-def git_blob_sha1(data: bytes) -> str:
-    """git's object id of a blob with `data`."""
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-def lfs_pointer(sha256: str, size: int) -> bytes:
-    """The git-lfs pointer file that git stores in place of a large file."""
-    return f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def describe_file(path: Path, rel_path: str) -> FileMeta:
-    """FileMeta of one file; weights and files over 10 MB are LFS files, like on the hub."""
-    size = path.stat().st_size
-    sha256 = file_sha256(path)
-    if rel_path.endswith(LFS_SUFFIXES) or size >= LFS_MIN_SIZE:
-        pointer = lfs_pointer(sha256, size)
-        return FileMeta(rel_path, size, sha256, git_blob_sha1(pointer), len(pointer))
-    return FileMeta(rel_path, size, sha256, git_blob_sha1(path.read_bytes()), None)
-
-
-def repo_files(folder: Path) -> list[str]:
-    """Relative paths of every file under `folder`, sorted, with '/' separators."""
-    return sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file())
-
-
-def content_commit(repo_id: str, folder: Path) -> str:
-    """A 40-hex commit id from the repo id and every file's path and sha256."""
-    digest = hashlib.sha1(f"sparkform-fakehub {repo_id}\n".encode())
-    for rel_path in repo_files(folder):
-        digest.update(f"{rel_path} {file_sha256(folder / rel_path)}\n".encode())
-    return digest.hexdigest()
-
-
-def is_commit_id(revision: str) -> bool:
-    """True for a full 40-hex commit id (which the hub resolves without refs)."""
-    return len(revision) == 40 and set(revision) <= COMMIT_HEX
-
-
-def split_repo_id(repo_id: str) -> tuple[str, str]:
-    """('owner', 'name') of 'owner/name'; anything else is not a repo id this hub can hold."""
-    parts = repo_id.split("/")
-    if len(parts) != 2 or not all(parts) or any(part in (".", "..") for part in parts):
-        raise HubError(404, "RepoNotFound", f"Repository {repo_id!r} not found")
-    return parts[0], parts[1]
-
-
-def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
-    """(first, last) of a single `bytes=` Range header, None for no (or a multi-) range.
-    Raises HubError 416 for a range that starts past the end."""
-    if not header or not header.startswith("bytes=") or "," in header:
-        return None
-    first_text, _, last_text = header[len("bytes="):].strip().partition("-")
-    try:
-        if first_text == "":  # a suffix range: the last N bytes
-            first, last = max(size - int(last_text), 0), size - 1
-        else:
-            first = int(first_text)
-            last = min(int(last_text), size - 1) if last_text else size - 1
-    except ValueError:
-        return None
-    if first >= size or first > last:
-        raise HubError(416, None, f"Range {header!r} not satisfiable for {size} bytes")
-    return first, last
-
-
-class FakeHub:
+class FakeHub(HubStore):
     """A folder of repos served over HTTP the way huggingface.co serves them."""
 
     def __init__(self, root: Path, log_file: Path | None = None) -> None:
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        super().__init__(root)
         self.log_file = log_file
         self._requests: list[dict[str, Any]] = []
         self._lock = threading.Lock()
-        self._meta_cache: dict[tuple[str, str], dict[str, FileMeta]] = {}  # commits never change
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
-
-    # --- repos on disk ----------------------------------------------------------------------
-
-    def repo_dir(self, repo_id: str) -> Path:
-        """The folder of `repo_id` (which may not exist)."""
-        owner, name = split_repo_id(repo_id)
-        return self.root / owner / name
-
-    def add_repo(self, repo_id: str, files_dir: Path, branch: str = "main") -> str:
-        """Store the files of `files_dir` as a commit of `repo_id` and point `branch` at it
-        (creating the repo, or moving the branch). Returns the commit id."""
-        commit = content_commit(repo_id, Path(files_dir))
-        target = self.repo_dir(repo_id) / commit
-        if not target.is_dir():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            # Copy beside the target and rename: a half-copied commit is never served.
-            staging = Path(tempfile.mkdtemp(prefix=".commit-", dir=target.parent))
-            shutil.copytree(files_dir, staging, dirs_exist_ok=True)
-            staging.rename(target)
-        self.move_branch(repo_id, branch, commit)
-        return commit
-
-    def move_branch(self, repo_id: str, branch: str, commit: str) -> None:
-        """Point `branch` of `repo_id` at `commit` (an existing commit of the repo)."""
-        if not (self.repo_dir(repo_id) / commit).is_dir():
-            raise ValueError(f"{repo_id} has no commit {commit}")
-        ref = self.repo_dir(repo_id) / "refs" / branch
-        ref.parent.mkdir(parents=True, exist_ok=True)
-        partial = ref.with_name(ref.name + ".partial")
-        partial.write_text(commit + "\n")
-        partial.replace(ref)  # atomic: a reader sees the old commit or the new one
-
-    def resolve(self, repo_id: str, revision: str) -> str:
-        """The commit id that `revision` (a branch or a commit id) names in `repo_id`."""
-        repo = self.repo_dir(repo_id)
-        if not repo.is_dir():
-            raise HubError(404, "RepoNotFound", f"Repository {repo_id!r} not found")
-        if is_commit_id(revision) and (repo / revision).is_dir():
-            return revision
-        refs = repo / "refs"
-        ref = refs / revision
-        # A revision comes from the URL: it must not reach outside refs/ (`..`, a leading `/`).
-        if ref.resolve().is_relative_to(refs.resolve()) and ref.is_file():
-            return ref.read_text().strip()
-        raise HubError(404, "RevisionNotFound", f"Invalid rev id: {revision}")
-
-    def files(self, repo_id: str, commit: str) -> dict[str, FileMeta]:
-        """Every file of one commit, by path (computed once: commits never change)."""
-        key = (repo_id, commit)
-        if key not in self._meta_cache:
-            folder = self.repo_dir(repo_id) / commit
-            self._meta_cache[key] = {path: describe_file(folder / path, path) for path in repo_files(folder)}
-        return self._meta_cache[key]
-
-    def stall(self, stalled: bool = True) -> None:
-        """Make downloads hang after their first chunk until `stall(False)`: a download that
-        is in flight long enough for a test to cut it."""
-        flag = self.root / "stall"
-        if stalled:
-            flag.touch()
-        else:
-            flag.unlink(missing_ok=True)
-
-    def wait_while_stalled(self, poll_s: float = 0.1) -> None:
-        while (self.root / "stall").exists():
-            time.sleep(poll_s)
-
-    def _corrupted_list(self, repo_id: str) -> Path:
-        """The file that lists the corrupted entries of `repo_id`."""
-        return self.repo_dir(repo_id) / "corrupted.json"
-
-    def corrupted(self, repo_id: str) -> set[str]:
-        """The "<commit>/<path>" entries of `repo_id` that are served corrupted."""
-        listing = self._corrupted_list(repo_id)
-        return set(json.loads(listing.read_text())) if listing.is_file() else set()
-
-    def corrupt_file(self, repo_id: str, path: str, revision: str = "main", corrupt: bool = True) -> None:
-        """Serve `path` of `revision` with one byte flipped (or, corrupt=False, intact again).
-        Size, ETag and the tree's sha256 stay those of the real file: the client's size check
-        passes, and only a sha256 check against the tree can catch it."""
-        commit = self.resolve(repo_id, revision)
-        if path not in self.files(repo_id, commit):
-            raise ValueError(f"{repo_id}@{commit} has no file {path}")
-        entries = self.corrupted(repo_id)
-        entries = entries | {f"{commit}/{path}"} if corrupt else entries - {f"{commit}/{path}"}
-        partial = self._corrupted_list(repo_id).with_suffix(".partial")
-        partial.write_text(json.dumps(sorted(entries)) + "\n")
-        partial.replace(self._corrupted_list(repo_id))
 
     # --- request log -----------------------------------------------------------------------
 
@@ -461,6 +249,25 @@ class HubHandler(BaseHTTPRequestHandler):
         self.send_answer(err.status, headers, body, send_body)
 
 
+def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """(first, last) of a single `bytes=` Range header, None for no (or a multi-) range.
+    Raises HubError 416 for a range that starts past the end."""
+    if not header or not header.startswith("bytes=") or "," in header:
+        return None
+    first_text, _, last_text = header[len("bytes="):].strip().partition("-")
+    try:
+        if first_text == "":  # a suffix range: the last N bytes
+            first, last = max(size - int(last_text), 0), size - 1
+        else:
+            first = int(first_text)
+            last = min(int(last_text), size - 1) if last_text else size - 1
+    except ValueError:
+        return None
+    if first >= size or first > last:
+        raise HubError(416, None, f"Range {header!r} not satisfiable for {size} bytes")
+    return first, last
+
+
 def body_chunks(handle: BinaryIO, first: int, last: int, flip_at: int | None) -> Iterator[bytes]:
     """Bytes first..last of `handle`, with the byte at `flip_at` inverted (a corrupted file)."""
     handle.seek(first)
@@ -479,17 +286,10 @@ def body_chunks(handle: BinaryIO, first: int, last: int, flip_at: int | None) ->
 
 # --- running as a process -------------------------------------------------------------------------
 
-def publish_tiny_models(hub: FakeHub) -> dict[str, str]:
-    """Build (or reuse, by content) every TINY_MODELS checkpoint and add it to `hub`.
-    Returns {repo_id: commit}."""
-    build_cache = hub.root / ".build"  # a dot folder: never taken for an owner
-    return {repo_id: hub.add_repo(repo_id, cached_checkpoint(kind, build_cache))
-            for repo_id, kind in TINY_MODELS.items()}
-
-
 def main(argv: list[str] | None = None) -> None:
     """`python -m sparkform.sandbox.fakehub --root DIR [--host H] [--port P] [--log FILE]`."""
-    parser = argparse.ArgumentParser(description="Serve the tiny test checkpoints as a fake Hugging Face hub.")
+    parser = argparse.ArgumentParser(
+        description="Serve the tiny test checkpoints as a fake Hugging Face hub.")
     parser.add_argument("--root", type=Path, required=True, help="folder of the hub's repos")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: any free port (printed)")

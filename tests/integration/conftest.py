@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from sparkform.sandbox import host, stage
+from sparkform.sandbox import machine, stage
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def box():
     reuse = os.environ.get("SPARKFORM_TEST_REUSE")
     if reuse:
         os.environ["SPARKFORM_SANDBOX"] = reuse
-        yield host.get(reuse)
+        yield machine.get(reuse)
         return
     name = f"t-{uuid.uuid4().hex[:6]}"
     os.environ["SPARKFORM_SANDBOX"] = name

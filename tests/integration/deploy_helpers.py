@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from sparkform import layout
-from sparkform.sandbox import host
+from sparkform.sandbox import machine
 from sparkform.schema import HostConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,17 +35,17 @@ def verify(*options: str, inventory: Path = SANDBOX_INVENTORY) -> subprocess.Com
                           text=True, timeout=600)
 
 
-def ssh(box: host.Sandbox, command: str, check: bool = True) -> subprocess.CompletedProcess:
+def ssh(box: machine.Sandbox, command: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run([*box.ssh_args(), command], capture_output=True, text=True, check=check,
                           timeout=300)
 
 
-def unit_properties(box: host.Sandbox, unit: str, *names: str) -> dict[str, str]:
+def unit_properties(box: machine.Sandbox, unit: str, *names: str) -> dict[str, str]:
     out = ssh(box, f"systemctl show -p {','.join(names)} {unit}").stdout
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
-def main_pids(box: host.Sandbox) -> dict[str, int]:
+def main_pids(box: machine.Sandbox) -> dict[str, int]:
     return {unit: int(unit_properties(box, unit, "MainPID")["MainPID"]) for unit in UNITS}
 
 
@@ -60,7 +60,7 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 1.0):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def both_serving_after_boot(box: host.Sandbox, timeout: float = 600) -> None:
+def both_serving_after_boot(box: machine.Sandbox, timeout: float = 600) -> None:
     """Wait until both engines are active after a reboot; fail at once if one fails."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -72,7 +72,7 @@ def both_serving_after_boot(box: host.Sandbox, timeout: float = 600) -> None:
     raise AssertionError(f"engines not both active {timeout:.0f} s after the reboot: {states}")
 
 
-def serving(box: host.Sandbox, unit: str) -> bool:
+def serving(box: machine.Sandbox, unit: str) -> bool:
     """Active means ExecStartPost (the readiness helper) reported it serving."""
     return ssh(box, f"systemctl is-active {unit}", check=False).stdout.strip() == "active"
 
@@ -101,12 +101,12 @@ def edited_inventory(folder: Path, engine_changes: dict[str, dict] | None = None
     return path
 
 
-def checkpoint_dir(box: host.Sandbox, engine: str) -> str:
+def checkpoint_dir(box: machine.Sandbox, engine: str) -> str:
     """The checkpoint folder the engine's rendered settings point it at (repo@commit)."""
     return ssh(box, f"sed -n 's/^SPARKFORM_CHECKPOINT=//p' {PATHS.engine_settings(engine)[0]}").stdout.strip()
 
 
-def journal_times(box: host.Sandbox, pattern: str, units: tuple[str, ...] = UNITS, since: str | None = None) -> list[float]:
+def journal_times(box: machine.Sandbox, pattern: str, units: tuple[str, ...] = UNITS, since: str | None = None) -> list[float]:
     """Unix times of this boot's journal lines of `units` that match `pattern` (from `since`, a
     unix time, when given)."""
     selectors = " ".join(f"-u {unit}" for unit in units) + (f" --since @{since}" if since else "")

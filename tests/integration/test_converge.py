@@ -35,7 +35,7 @@ from deploy_helpers import (
 )
 
 from sparkform import layout
-from sparkform.sandbox import host, stage
+from sparkform.sandbox import machine, stage
 from sparkform.sandbox.fakehub import FakeHub
 
 PORTS = {"nemotron": 8012, "q38": 8011}  # the front's, on the sandbox's LAN address
@@ -106,11 +106,11 @@ UNGUARDED = ("/invocations", "/generative_scoring", "/tokenize", "/detokenize", 
 OPENAI = ("/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
-def api_key(box: host.Sandbox) -> str:
+def api_key(box: machine.Sandbox) -> str:
     return stage.secret_file(box.runtime_dir, "api_key").read_text().strip()
 
 
-def call(box: host.Sandbox, engine: str, path: str, key: str | None = None, body: dict | None = None,
+def call(box: machine.Sandbox, engine: str, path: str, key: str | None = None, body: dict | None = None,
          timeout: float = 60) -> tuple[int, bytes]:
     """(status, body) of a request from this machine, outside the host, to the engine's port."""
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
@@ -297,7 +297,7 @@ def test_a_planted_value_stops_the_deploy_before_anything_changes(box, plant, na
 
 
 def test_reboot_brings_both_back_second_after_first_is_ready(box):
-    host.reboot(box.name)
+    machine.reboot(box.name)
     both_serving_after_boot(box)
     (nemotron_ready,) = journal_times(box, r"sparkform-wait-ready: port 18012 serves")
     (q38_start,) = journal_times(box, r"sparkform-launch: starting q38")

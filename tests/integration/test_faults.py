@@ -32,7 +32,7 @@ from deploy_helpers import (
 
 from sparkform import layout
 from sparkform.locks import lock_id
-from sparkform.sandbox import host
+from sparkform.sandbox import machine
 from sparkform.sandbox.fakehub import FakeHub
 from sparkform.sandbox.wheelhouse import LOCK
 
@@ -47,17 +47,17 @@ def start_pyinfra() -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def running_on_host(box: host.Sandbox, pattern: str) -> bool:
+def running_on_host(box: machine.Sandbox, pattern: str) -> bool:
     # The bracket keeps pgrep from matching the shell that runs it.
     return ssh(box, f"pgrep -f {shlex.quote('[' + pattern[0] + ']' + pattern[1:])}", check=False).returncode == 0
 
 
-def hand_run(box: host.Sandbox, engine: str, env: str = "") -> subprocess.CompletedProcess:
+def hand_run(box: machine.Sandbox, engine: str, env: str = "") -> subprocess.CompletedProcess:
     """The launch script from a shell with no caps in its environment (`sudo -u vllm ...`)."""
     return ssh(box, f"sudo -u vllm env -i PATH=/usr/bin:/bin {env} {LAUNCH} {engine}", check=False)
 
 
-def converge_back(box: host.Sandbox) -> None:
+def converge_back(box: machine.Sandbox) -> None:
     result = pyinfra(SANDBOX_INVENTORY, "-y")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert serving(box, "vllm-nemotron.service") and serving(box, "vllm-q38.service")
@@ -169,7 +169,7 @@ def test_login_shells_get_the_caps(box):
 
 # --- 4. an engine that never becomes ready ---------------------------------------------------------
 
-def timed_helper(box: host.Sandbox, args: str, mainpid: str) -> tuple[int, float]:
+def timed_helper(box: machine.Sandbox, args: str, mainpid: str) -> tuple[int, float]:
     """(exit code, wall seconds) of the readiness helper run on the host."""
     out = ssh(box, f"date +%s.%N; MAINPID={mainpid} {HELPER} {args} >/dev/null 2>&1; echo $?; date +%s.%N",
               check=False).stdout.split()
@@ -279,7 +279,7 @@ def test_nvcc_missing_from_the_units_path_is_refused_at_launch(box):
 # --- 6. a memory ceiling, not a crash --------------------------------------------------------------
 
 def test_memory_max_below_the_footprint_kills_inside_the_unit_only(box, tmp_path):
-    host.memory_controller_writable(box.name)
+    machine.memory_controller_writable(box.name)
     nemotron_pid = main_pids(box)["vllm-nemotron.service"]
     limits = {"q38": {"memory_high_gib": 0.45, "memory_max_gib": 0.5}}
     result = pyinfra(edited_inventory(tmp_path, limits), "-y")
@@ -294,7 +294,7 @@ def test_memory_max_below_the_footprint_kills_inside_the_unit_only(box, tmp_path
 
 # --- 7. the boot chain with a hole (2026-08-18) -----------------------------------------------------
 
-def q38_after(box: host.Sandbox) -> list[str]:
+def q38_after(box: machine.Sandbox) -> list[str]:
     return unit_properties(box, "vllm-q38.service", "After")["After"].split()
 
 

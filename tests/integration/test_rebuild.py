@@ -23,7 +23,7 @@ from deploy_helpers import (
     ssh,
 )
 
-from sparkform.sandbox import host, stage
+from sparkform.sandbox import machine, stage
 
 RECORD = PATHS.host_record
 CACHES = "/var/cache/sparkform"
@@ -31,7 +31,7 @@ CACHE_KEYS = PATHS.cache_keys  # root's, one file per engine
 NEW_DRIVER = "580.126.09"
 
 
-def record(box: host.Sandbox) -> dict:
+def record(box: machine.Sandbox) -> dict:
     return json.loads(ssh(box, f"cat {RECORD}").stdout)
 
 
@@ -40,7 +40,7 @@ def rebuild(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=1800)
 
 
-def now(box: host.Sandbox) -> str:
+def now(box: machine.Sandbox) -> str:
     return ssh(box, "date +%s.%N").stdout.strip()
 
 
@@ -66,7 +66,7 @@ def test_converge_records_versions_keys_and_cold_starts_and_reaches_the_engines_
 
 def test_same_versions_after_a_reboot_touch_no_cache_and_restart_nothing(box):
     ssh(box, f"touch {CACHES}/nemotron/sentinel {CACHES}/q38/sentinel")
-    host.reboot(box.name)
+    machine.reboot(box.name)
     both_serving_after_boot(box)
     assert ssh(box, "systemctl is-active sparkform-engines.target").stdout.strip() == "active"
     before = main_pids(box)
@@ -86,7 +86,7 @@ def test_new_driver_rebuilds_caches_one_engine_at_a_time_and_a_failed_warm_start
     old = record(box)
     old_key = old["engines"]["q38"]["cache_key"]
     stage.set_driver(box, NEW_DRIVER)
-    host.reboot(box.name)
+    machine.reboot(box.name)
     both_serving_after_boot(box)
     # q38's warm start will fail: its engine user can no longer read its config.
     q38_config = checkpoint_dir(box, "q38")

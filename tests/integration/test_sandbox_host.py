@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 
 from sparkform.render import prerequisite_packages
-from sparkform.sandbox import host
-from sparkform.sandbox.host import Sandbox, SandboxError
+from sparkform.sandbox import machine, network, nspawn, registry, system
+from sparkform.sandbox.machine import Sandbox
+from sparkform.sandbox.rootfs import BASE_PACKAGES, apt_mirror, build_rootfs, rootfs_key
+from sparkform.sandbox.system import SandboxError
 
 # The rootfs the rehearsal stage boots (sparkform.sandbox.stage): one build serves both suites.
 STAGE_PACKAGES = prerequisite_packages("cpu")
@@ -32,7 +34,7 @@ STAGE_PACKAGES = prerequisite_packages("cpu")
 def rootfs() -> Path:
     """The cached rootfs (built once; the time is printed)."""
     started = time.monotonic()
-    path = host.build_rootfs(STAGE_PACKAGES)
+    path = build_rootfs(STAGE_PACKAGES)
     print(f"\nrootfs {path} ready in {time.monotonic() - started:.1f} s")
     return path
 
@@ -45,11 +47,11 @@ def make_sandbox(rootfs: Path) -> Iterator[Callable[..., Sandbox]]:
     def _make(**kwargs: object) -> Sandbox:
         name = f"t-{uuid.uuid4().hex[:8]}"
         made.append(name)
-        return host.up(name, extra_packages=STAGE_PACKAGES, **kwargs)
+        return machine.up(name, extra_packages=STAGE_PACKAGES, **kwargs)
 
     yield _make
     for name in made:
-        host.down(name)
+        machine.down(name)
 
 
 def ssh(sandbox: Sandbox, command: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -68,7 +70,7 @@ def traces(sandbox: Sandbox) -> dict[str, object]:
         "layers": Path((rt / "layers").read_text().strip()),
         "cgroups": cgroups,
         "pids": pids,
-        "netns": host.netns_name(sandbox.name),
+        "netns": network.netns_name(sandbox.name),
         "host_if": f"sfsb-{sandbox.address.split('.')[2]}",
     }
 
@@ -83,7 +85,7 @@ def leftovers(found: dict[str, object]) -> list[str]:
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
     left += [f"link {found['host_if']}"] if f" {found['host_if']}@" in links or f" {found['host_if']}:" in links else []
     left += [f"cgroup {folder}" for folder in found["cgroups"] if folder.exists()]
-    left += [f"pid {pid}" for pid in found["pids"] if host._alive(pid)]
+    left += [f"pid {pid}" for pid in found["pids"] if system.alive(pid)]
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             root = os.readlink(proc / "root")
@@ -92,7 +94,7 @@ def leftovers(found: dict[str, object]) -> list[str]:
             continue  # gone, or a zombie (this machine's PID 1 reaps orphans lazily)
         if root.startswith(str(rt)) or str(rt) in cmdline:
             left.append(f"process {proc.name}: {cmdline!r}")
-    left += [str(p) for p in (rt, layers, host.NSPAWN_RUN / "propagate" / f"sfsb-{rt.name}") if p.exists()]
+    left += [str(p) for p in (rt, layers, nspawn.NSPAWN_RUN / "propagate" / f"sfsb-{rt.name}") if p.exists()]
     return left
 
 
@@ -122,8 +124,8 @@ def test_up_boots_real_systemd_reachable_by_ssh(make_sandbox: Callable[..., Sand
     assert ssh(sandbox, "touch /mnt/shared/x", check=False).returncode != 0  # bound read-only
     with serving(sandbox.host_address, tmp_path) as port:  # the guest reaches this machine's services
         assert ssh(sandbox, f"curl -sf http://{sandbox.host_address}:{port}/hello.txt").stdout == "from the host\n"
-    assert host.status(sandbox.name)["state"] in ("running", "degraded")
-    assert sandbox.name in host.names()
+    assert machine.status(sandbox.name)["state"] in ("running", "degraded")
+    assert sandbox.name in registry.names()
 
 
 def test_strict_host_key_checking(make_sandbox: Callable[..., Sandbox], tmp_path: Path) -> None:
@@ -145,13 +147,13 @@ def test_two_sandboxes_run_at_once(make_sandbox: Callable[..., Sandbox]) -> None
     assert first.address != second.address
     for sandbox in (first, second):
         assert ssh(sandbox, "hostname").stdout.strip() == sandbox.name
-        assert sandbox.name in host.names()
+        assert sandbox.name in registry.names()
 
 
 def test_up_of_a_name_that_is_up_is_an_error(make_sandbox: Callable[..., Sandbox]) -> None:
     sandbox = make_sandbox()
     with pytest.raises(SandboxError, match="already up"):
-        host.up(sandbox.name)
+        machine.up(sandbox.name)
     assert ssh(sandbox, "true").returncode == 0
 
 
@@ -160,22 +162,22 @@ def test_down_leaves_nothing(make_sandbox: Callable[..., Sandbox]) -> None:
     ssh(sandbox, "true")  # a control master runs now
     found = traces(sandbox)
     started = time.monotonic()
-    host.down(sandbox.name)
+    machine.down(sandbox.name)
     print(f"down took {time.monotonic() - started:.2f} s")
     assert leftovers(found) == []
-    assert sandbox.name not in host.names()
-    assert host.status(sandbox.name)["up"] is False
-    host.down(sandbox.name)  # again: a no-op
-    host.down("never-was-up")
+    assert sandbox.name not in registry.names()
+    assert machine.status(sandbox.name)["up"] is False
+    machine.down(sandbox.name)  # again: a no-op
+    machine.down("never-was-up")
 
 
 def test_down_after_nspawn_was_killed_leaves_nothing(make_sandbox: Callable[..., Sandbox]) -> None:
     sandbox = make_sandbox()
     found = traces(sandbox)
-    os.kill(host.status(sandbox.name)["pid"], signal.SIGKILL)
+    os.kill(machine.status(sandbox.name)["pid"], signal.SIGKILL)
     time.sleep(0.2)
-    assert host.status(sandbox.name)["up"] is False
-    host.down(sandbox.name)
+    assert machine.status(sandbox.name)["up"] is False
+    machine.down(sandbox.name)
     assert leftovers(found) == []
 
 
@@ -183,10 +185,10 @@ def test_reboot_brings_the_same_sandbox_back(make_sandbox: Callable[..., Sandbox
     sandbox = make_sandbox()
     ssh(sandbox, "echo before-reboot > /root/marker")
     host_key = ssh(sandbox, "cat /etc/ssh/ssh_host_ed25519_key.pub").stdout
-    pid_before = host.status(sandbox.name)["pid"]
-    seconds = host.reboot(sandbox.name)
+    pid_before = machine.status(sandbox.name)["pid"]
+    seconds = machine.reboot(sandbox.name)
     print(f"reboot took {seconds:.2f} s")
-    after = host.status(sandbox.name)
+    after = machine.status(sandbox.name)
     assert after["up"] and after["pid"] != pid_before and after["address"] == sandbox.address
     # Strict host key checking passes with the known_hosts written at `up`: same host key.
     assert ssh(sandbox, "cat /etc/ssh/ssh_host_ed25519_key.pub", "-o", "ControlPath=none").stdout == host_key
@@ -204,9 +206,9 @@ def test_reboot_waits_for_the_boot_s_start_jobs_and_names_the_one_it_outlasts(
                  "'WantedBy=multi-user.target' > /etc/systemd/system/slow-start.service "
                  "&& systemctl enable slow-start.service")
     with pytest.raises(SandboxError, match=r"systemd still starting units; jobs: .*slow-start\.service") as err:
-        host.reboot(sandbox.name, timeout=10)
+        machine.reboot(sandbox.name, timeout=10)
     print(err.value)
-    seconds = host.reboot(sandbox.name)
+    seconds = machine.reboot(sandbox.name)
     assert seconds >= 30, f"reboot returned after {seconds:.1f} s, before slow-start.service finished"
     finished = ssh(sandbox, "systemctl show -P ExecMainExitTimestampMonotonic slow-start.service").stdout.strip()
     assert int(finished) > 0, "slow-start.service had not finished when reboot() returned"
@@ -214,9 +216,9 @@ def test_reboot_waits_for_the_boot_s_start_jobs_and_names_the_one_it_outlasts(
 
 def test_memory_max_is_enforced_once_the_controller_is_writable(make_sandbox: Callable[..., Sandbox]) -> None:
     sandbox = make_sandbox()
-    host.memory_controller_writable(sandbox.name)
+    machine.memory_controller_writable(sandbox.name)
     assert_memory_max_kills(sandbox)
-    host.reboot(sandbox.name)  # mounts the controller read-only again; reboot() makes it writable again
+    machine.reboot(sandbox.name)  # mounts the controller read-only again; reboot() makes it writable again
     assert_memory_max_kills(sandbox)
 
 
@@ -231,7 +233,7 @@ def assert_memory_max_kills(sandbox: Sandbox) -> None:
 def test_apt_mirror_reads_both_source_formats(tmp_path: Path) -> None:
     (tmp_path / "sources.list.d").mkdir()
     with pytest.raises(SandboxError, match="no apt source"):
-        host.apt_mirror(apt_dir=tmp_path)
+        apt_mirror(apt_dir=tmp_path)
     (tmp_path / "sources.list").write_text(
         "# deb http://old.example/debian bookworm main\n"
         "deb [arch=amd64 signed-by=/k.gpg] http://one.example/debian bookworm-updates main\n"
@@ -241,12 +243,12 @@ def test_apt_mirror_reads_both_source_formats(tmp_path: Path) -> None:
         "Types: deb deb-src\n# a comment\nURIs: http://two.example/debian\n"
         "Suites: bookworm bookworm-updates\nComponents: main\n"
     )
-    assert host.apt_mirror(apt_dir=tmp_path) == "http://two.example/debian"
+    assert apt_mirror(apt_dir=tmp_path) == "http://two.example/debian"
     (tmp_path / "sources.list").write_text("deb http://one.example/debian bookworm main contrib\n")
-    assert host.apt_mirror(apt_dir=tmp_path) == "http://one.example/debian"
+    assert apt_mirror(apt_dir=tmp_path) == "http://one.example/debian"
 
 
 def test_rootfs_key_depends_on_the_package_list() -> None:
-    base = host.rootfs_key(host.BASE_PACKAGES)
-    assert host.rootfs_key(reversed(host.BASE_PACKAGES)) == base
-    assert host.rootfs_key([*host.BASE_PACKAGES, "jq"]) != base
+    base = rootfs_key(BASE_PACKAGES)
+    assert rootfs_key(reversed(BASE_PACKAGES)) == base
+    assert rootfs_key([*BASE_PACKAGES, "jq"]) != base

@@ -13,7 +13,8 @@ import pytest
 
 from sparkform import parsers
 from sparkform.hostrecord import LIVE_VERSIONS_COMMAND, parse_live_versions
-from sparkform.sandbox import host, stage
+from sparkform.sandbox import stage
+from sparkform.sandbox.system import SandboxError
 
 SCRIPT = stage.NVIDIA_SMI_SOURCE
 CAPTURED = Path(__file__).resolve().parent.parent / "fixtures" / "captured"
@@ -117,7 +118,7 @@ def test_script_passes_shellcheck():
 
 
 class LocalBox:
-    """Stands in for host.Sandbox: the remote command runs in a local bash."""
+    """Stands in for machine.Sandbox: the remote command runs in a local bash."""
 
     name = "local"
 
@@ -153,5 +154,5 @@ def test_install_then_set_driver(guest_paths):
 
 
 def test_guest_command_failure_names_the_step(guest_paths):
-    with pytest.raises(host.SandboxError, match="read the stand-in's env file"):
+    with pytest.raises(SandboxError, match="read the stand-in's env file"):
         stage.set_driver(LocalBox(), "580.126.09")
