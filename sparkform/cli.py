@@ -207,7 +207,7 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
 
 
 def field_table() -> str:
-    """The README's table of inventory fields, from the schema's own descriptions."""
+    """The table of inventory fields in docs/fields.md, from the schema's own descriptions."""
     sections = [("host", HostConfig), ("compile_caps.", CompileCaps), ("engines[].", Engine),
                 ("engines[].checkpoint.", Checkpoint), ("engines[].measured.", Measured)]
     lines = ["| field | default | meaning |", "|---|---|---|"]
