@@ -70,7 +70,7 @@ last_cold = hostrecord.last_cold_starts(record, {e.name: e.measured.cold_start_s
 drift_lines = hostrecord.drift_report(drift, last_cold)
 for line in drift_lines:
     logger.warning(f"[{host.name}] since the last converge: {line}")
-# The boot chain: an edge to a unit that is not enabled orders nothing (2026-08-18).
+# The boot chain: an edge to a unit that is not enabled orders nothing (docs/incidents.md#boot-chain-hole).
 changed_units = {f.path.rsplit("/", 1)[-1] for f in rendered if f.is_unit and f.path in changed}
 for unit, dep, state in bootchain.holes({u: s.after for u, s in snapshot.engines.items()
                                          if s.unit_file_state == "enabled"}, snapshot.unit_files):

@@ -176,7 +176,7 @@ def test_rendered_file_list_and_modes(seed_files):
 # --- systemd-analyze verify ------------------------------------------------------------------------
 
 VARIANT = {
-    # Everything the seed does not exercise: three engines in a chain, a disabled one, other caps
+    # Everything the owner's pair does not exercise: three engines in a chain, a disabled one, other caps
     # and folders, a CPU-style pinned pool, MTP on an engine without vision.
     "engine_user": "sparkvllm",
     "lib_dir": "/srv/sparkform/lib",
@@ -372,7 +372,7 @@ def test_scripts_parse_with_bash(seed_files, script, tmp_path):
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
 
 
-# --- key content of the seed's units ------------------------------------------------------------------
+# --- key content of the owner's units -----------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["nemotron", "q38"])
 def test_unit_restart_start_limits_and_timeouts(seed_files, name):
@@ -644,7 +644,7 @@ class Box:
         return env, (self.record / f"{name}.args").read_text().splitlines()
 
     def env(self, **extra: str) -> dict[str, str]:
-        # A hand run from an interactive shell without the caps (the 2026-08-18 incident).
+        # A hand run from an interactive shell without the caps (docs/incidents.md#hand-run-storm).
         base = {"PATH": "/usr/bin:/bin", "HOME": str(self.root), "LANG": "C.UTF-8", "MAX_JOBS": "20",
                 "NVCC_THREADS": "8", "FLASHINFER_NVCC_THREADS": "8", "TORCHINDUCTOR_COMPILE_THREADS": "16",
                 "VLLM_CACHE_ROOT": "/tmp/elsewhere", "CUDA_HOME": "/nowhere"}
