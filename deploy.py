@@ -39,6 +39,7 @@ plan = converge.plan(config, snapshot)
 
 for line in plan.drift_lines:
     logger.warning(f"[{host.name}] since the last converge: {line}")
+# The boot chain: an edge to a unit that is not enabled orders nothing (docs/incidents.md#boot-chain-hole).
 for hole in plan.holes:
     logger.warning(f"[{host.name}] boot chain: {hole.unit} waits for {hole.waits_for}, which is {hole.state}: "
                    + ("this run repairs it" if hole.repaired else "fix that unit by hand"))

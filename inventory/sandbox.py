@@ -1,4 +1,4 @@
-"""The sandbox: the seed's pair scaled down, on a local real-systemd host (`sparkform sandbox up`).
+"""The sandbox: the Spark's pair scaled down, on a local real-systemd host (`sparkform sandbox up`).
 
 Same deploy.py, same unit, launch script and readiness helper as on a Spark; what differs is
 what cannot exist here: vLLM's CPU build (from an offline wheelhouse, hashed lock), tiny

@@ -1,11 +1,11 @@
-"""The seed's DGX Spark: two engines resident at once, q38 started after nemotron is ready.
+"""The owner's DGX Spark: two engines resident at once, q38 started after nemotron is ready.
 
     pyinfra inventory/spark.py deploy.py --dry --diff   # look first
     pyinfra inventory/spark.py deploy.py                # converge
     sparkform plan inventory/spark.py                   # memory plan, no connection
 
-SPARK_HOST and SPARK_USER pick the box and the SSH user; every other value is the served pair
-of the seed's appendix ("The served pair, as configured"). The pair serves the LAN, so the
+SPARK_HOST and SPARK_USER pick the box and the SSH user; every other value is the owner's served
+pair (docs/incidents.md#the-served-pair). The pair serves the LAN, so the
 front requires an API key: write one before the first run (README, "Security"):
 
     mkdir -p ~/.config/sparkform && (umask 077; openssl rand -hex 32 > ~/.config/sparkform/spark-api-key)
@@ -52,13 +52,13 @@ spark = hosts(
                     "served_names": ["nemotron"],
                     "tool_call_parser": TOOL_PARSER,
                     "reasoning_parser": "nemotron_v3",
-                    # Boot log of 2026-08-20, window 262,144.
+                    # Boot log at the 262,144 window (docs/incidents.md#kv-pool-ledger).
                     "measured": {"gpu_memory_utilization": 0.25, "kv_cache_gib": 8.26,
                                  "kv_pool_tokens": 2_703_604, "cold_start_s": 200},
                 },
                 {
                     # The careful "eyes": dense attention, ~31K KV tokens per GiB; it answers
-                    # to the vision alias, so it cannot run MTP (seed Act 4).
+                    # to the vision alias, so it cannot run MTP (docs/incidents.md#mtp-vs-vision).
                     "name": "q38",
                     "port": 8011,
                     "checkpoint": {"repo": "RedHatAI/Qwen3.8-27B-NVFP4", "revision": "main"},

@@ -3,8 +3,8 @@ what is wrong with an inventory's chain, the holes a host's units have, and whet
 one. Render (After= lines), validation, the deploy and `tests/verify` all take it from here.
 
 After= orders only units in the same boot transaction, so an edge to a unit that is not enabled
-orders nothing and both engines start at once: the compile storm of two cold starts (the hole of
-2026-08-18).
+orders nothing and both engines start at once: the compile storm of two cold starts
+(docs/incidents.md#boot-chain-hole).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def chain_problems(host: Host) -> list[Problem]:
                 problems.append(Problem(
                     host.name, "after", target,
                     "no engine of that name: the After= edge would order against nothing, "
-                    "the boot chain's hole of 2026-08-18 (two cold starts in the same second)",
+                    "the boot chain's hole (two cold starts in the same second: docs/incidents.md#boot-chain-hole)",
                     f"name one of: {', '.join(sorted(by_name)) or '(no engines)'}", engine.name))
     if not problems:
         try:
@@ -79,8 +79,8 @@ def chain_problems(host: Host) -> list[Problem]:
 
 def holes(after: dict[str, tuple[str, ...]], unit_files: dict[str, str]) -> list[tuple[str, str, str]]:
     """Edges of the boot chain that order an enabled unit after an engine unit that is not
-    enabled (the 2026-08-18 hole: After= orders only units in the same boot transaction, so
-    such an edge orders nothing and both start at once).
+    enabled (docs/incidents.md#boot-chain-hole: After= orders only units in the same boot
+    transaction, so such an edge orders nothing and both start at once).
 
     + after: each enabled unit's After= list, by unit
     + unit_files: the file state (enabled, disabled, ...) of every engine unit on the host

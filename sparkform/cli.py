@@ -263,7 +263,7 @@ def _add_sandbox_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def field_table() -> str:
-    """The README's table of inventory fields, from the schema's own descriptions."""
+    """The table of inventory fields in docs/fields.md, from the schema's own descriptions."""
     sections = [("host", HostConfig), ("compile_caps.", CompileCaps), ("engines[].", Engine),
                 ("engines[].checkpoint.", Checkpoint), ("engines[].measured.", Measured)]
     lines = ["| field | default | meaning |", "|---|---|---|"]

@@ -2,7 +2,7 @@
 
 Only layers that keep per-token KV (full attention) cost memory per token; Mamba and linear
 attention layers keep a constant state per sequence instead. That is why a Mamba hybrid gets
-ten times the tokens per GiB of a dense-attention model (the seed's Act 2).
+ten times the tokens per GiB of a dense-attention model (docs/incidents.md#even-split).
 """
 
 from __future__ import annotations

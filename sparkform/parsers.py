@@ -1,6 +1,6 @@
 """Parsers for what a DGX Spark prints: vLLM boot logs, /proc/meminfo, nvidia-smi, systemctl show.
 
-Pure functions over lists of lines, no I/O, so the pyinfra facts stay thin and every format
+Pure functions over lists of lines, no I/O, so the snapshot fact and the verify suite stay thin and every format
 can be tested against captured output. They never raise on unexpected input: lines that do
 not match are skipped, and a field that cannot be read becomes None.
 """
@@ -214,7 +214,7 @@ def cuda_version_from_nvidia_smi(lines: list[str]) -> str | None:
 
 
 def parse_gpu_report(lines: list[str]) -> GpuReport:
-    """Parse query rows and the banner line printed together (the GpuInfo fact's output)."""
+    """Parse query rows and the banner line printed together (one `nvidia-smi --query-gpu` call followed by `nvidia-smi`)."""
     return GpuReport(
         gpus=tuple(parse_nvidia_smi_csv(lines)),
         cuda_version=cuda_version_from_nvidia_smi(lines),

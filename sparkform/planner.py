@@ -1,10 +1,11 @@
 """Memory planner: what each engine's share of unified memory buys in KV cache and concurrency.
 
 vLLM sizes an engine's KV pool at boot from its utilization: pool = share - weights - non-KV
-workspace. Context length is a per-request ceiling, not a reservation (the seed's Act 2), so
-concurrency at the window is pool tokens / max_model_len. Tokens per GiB is architectural and
-differs tenfold between a Mamba hybrid and a dense-attention model, so an even split starves
-one engine; the recommended split equalises concurrency at each engine's window instead.
+workspace. Context length is a per-request ceiling, not a reservation
+(docs/incidents.md#window-raise), so concurrency at the window is pool tokens / max_model_len.
+Tokens per GiB is architectural and differs tenfold between a Mamba hybrid and a dense-attention
+model, so an even split starves one engine; the recommended split equalises concurrency at each
+engine's window instead (docs/incidents.md#even-split).
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def engine_plan(host: Host, engine: Engine) -> EnginePlan:
 
 def state_block_problems(host: Host) -> list[Problem]:
     """max_num_seqs above the state blocks a hybrid's pool holds: vLLM refuses CUDA graph
-    capture ("max_num_seqs (256) exceeds available Mamba cache blocks (147)", seed appendix)."""
+    capture ("max_num_seqs (256) exceeds available Mamba cache blocks (147)",
+    docs/incidents.md#mamba-max-num-seqs)."""
     problems = []
     for engine in host.config.enabled_engines:
         blocks = engine_plan(host, engine).state_blocks

@@ -1,9 +1,9 @@
 """Inventory schema: the host data a Spark (or the sandbox) is converged from.
 
-Every field has a default taken from the seed's served pair (or is marked required) and a
-one-line description; the README's field table is generated from these descriptions
-(`sparkform fields`), so the two cannot drift apart. Unknown keys are errors: a typo in an
-inventory must never be silently ignored.
+Every field has a default taken from the owner's served pair (docs/incidents.md#the-served-pair)
+(or is marked required) and a one-line description; the table of docs/fields.md is generated from
+these descriptions (`sparkform fields`), so the two cannot drift apart. Unknown keys are errors: a
+typo in an inventory must never be silently ignored.
 """
 
 from __future__ import annotations
@@ -122,9 +122,9 @@ class Strict(BaseModel):
 
 
 class CompileCaps(Strict):
-    """Compile parallelism caps exported on every launch path (the seed's compile storm)."""
+    """Compile parallelism caps exported on every launch path (docs/incidents.md#compile-storm)."""
 
-    max_jobs: int = Field(4, ge=1, description="MAX_JOBS: ninja -j for FlashInfer/CUTLASS JIT builds (seed: 4 held the 2026-06-07 storm to 74 GiB).")
+    max_jobs: int = Field(4, ge=1, description="MAX_JOBS: ninja -j for FlashInfer/CUTLASS JIT builds (4 held a Spark's compile storm to 74 GiB: docs/incidents.md#compile-storm).")
     nvcc_threads: int = Field(1, ge=1, description="NVCC_THREADS: nvcc threads per compiler (source builds).")
     flashinfer_nvcc_threads: int = Field(1, ge=1, description="FLASHINFER_NVCC_THREADS: the variable FlashInfer's JIT actually reads.")
     torchinductor_compile_threads: int = Field(4, ge=1, description="TORCHINDUCTOR_COMPILE_THREADS (vLLM forces 1 on import; exported for other launch paths).")
@@ -207,7 +207,7 @@ class Engine(Strict):
     kv_cache_dtype: str = Field("auto", description="`--kv-cache-dtype`: auto, fp8, fp8_e4m3, fp8_e5m2, nvfp4, ...")
     max_model_len: int = Field(262_144, ge=256, description="Per-request window (prompt + output); a ceiling, not a reservation.")
     max_num_seqs: int = Field(128, ge=1, description="Concurrent sequences; on Mamba hybrids at most the Mamba cache blocks.")
-    enable_prefix_caching: bool = Field(True, description="Prefix caching (costs ~7 % of the pool, seed 2026-08-19).")
+    enable_prefix_caching: bool = Field(True, description="Prefix caching (costs ~7 % of the pool: docs/incidents.md#kv-pool-ledger).")
     tool_call_parser: str | None = Field(None, pattern=PARSER_PATTERN, description="`--tool-call-parser` (also turns on `--enable-auto-tool-choice`).")
     reasoning_parser: str | None = Field(None, pattern=PARSER_PATTERN, description="`--reasoning-parser`, e.g. nemotron_v3.")
     generation_config: str = Field("auto", description="`--generation-config`: auto, vllm (ignore the checkpoint's sampling defaults) or a folder.")
@@ -221,7 +221,7 @@ class Engine(Strict):
     memory_max_gib: float | None = Field(None, gt=0, description="MemoryMax= of this engine's unit; None takes the host's.")
     model_config_path: str | None = Field(None, description="config.json of the checkpoint (path relative to the inventory) for the planner.")
     weights_gib: float | None = Field(None, gt=0, description="Size of the weights in memory, GiB, for the planner when no KV figure was measured.")
-    non_kv_overhead_gib: float = Field(2.5, ge=0, description="Activations, CUDA graphs and workspace besides weights and KV, GiB (seed: ~2.3 for Qwen3.8).")
+    non_kv_overhead_gib: float = Field(2.5, ge=0, description="Activations, CUDA graphs and workspace besides weights and KV, GiB (~2.3 for Qwen3.8: docs/incidents.md#kv-pool-ledger).")
     measured: Measured = Field(default_factory=Measured, description="Figures from this engine's boot log; they override estimates.")
 
     @field_validator("served_names")
@@ -318,7 +318,7 @@ class HostConfig(Strict):
     engine_user: str = Field("vllm", pattern=r"^[a-z_][a-z0-9_-]{0,31}$", description="System user the engines run as: a user of its own, never root or another service's.")
     cuda_home: str = Field("/usr/local/cuda", description="CUDA_HOME; `<cuda_home>/bin` goes first on PATH (FlashInfer needs nvcc at init).")
     compile_caps: CompileCaps = Field(default_factory=CompileCaps, description="Compile parallelism caps, exported by the unit, the launch script and login shells.")
-    compiler_peak_gib: float = Field(3.3, gt=0, description="Host RAM one JIT compiler process peaks at (seed: ~3.3 GiB per cicc).")
+    compiler_peak_gib: float = Field(3.3, gt=0, description="Host RAM one JIT compiler process peaks at (~3.3 GiB per cicc: docs/incidents.md#compile-storm).")
     memory_total_gib: float = Field(121.0, gt=0, description="Unified memory the OS sees (a 128 GB Spark shows 121 GiB).")
     memory_headroom_gib: float = Field(20.0, ge=0, description="Memory left outside every engine's share for the OS, compilers and the desktop.")
     memory_high_gib: float = Field(105.0, gt=0, description="MemoryHigh= of each engine unit (soft cap: throttles and reclaims).")

@@ -204,8 +204,8 @@ def _mtp_and_vision(host: Host) -> list[Problem]:
                 host.name, "language_model_only", True,
                 f"the engine answers to {', '.join(vision_names) or 'image requests'} "
                 "(multimodal), and --language-model-only disables the vision tower, so image "
-                "requests would fail. The seed's Act 4: MTP was 2.13x faster on code but needs "
-                "this flag, and the vision alias won",
+                "requests would fail. On the owner's Spark MTP was 2.13x faster on code but needs "
+                "this flag, and the vision alias won (docs/incidents.md#mtp-vs-vision)",
                 "choose one: drop language_model_only (and MTP), or drop the vision alias and "
                 "multimodal and serve vision from another engine", engine.name))
     return problems
@@ -219,7 +219,7 @@ def _timeouts(host: Host) -> list[Problem]:
         host.name, "timeout_start_s", cfg.timeout_start_s,
         f"TimeoutStartSec must exceed the readiness budget ({cfg.readiness_budget_s} s), or "
         "systemd kills the start before the helper can report why it failed",
-        f"set timeout_start_s above {cfg.readiness_budget_s} (seed: 1200 against 1080)")]
+        f"set timeout_start_s above {cfg.readiness_budget_s} (the shipped Spark inventory: 1200 against 1080)")]
 
 
 def _cgroup_caps(host: Host) -> list[Problem]:
@@ -243,7 +243,7 @@ def _cgroup_caps(host: Host) -> list[Problem]:
             problems.append(Problem(
                 host.name, "memory_max_gib", highest,
                 f"above the {cfg.memory_total_gib} GiB the host has, so the kernel's global OOM "
-                "killer would act before the unit's cap (how 2026-08-18 escaped every protection)",
+                "killer would act before the unit's cap (docs/incidents.md#memory-ceiling)",
                 f"set memory_max_gib below memory_total_gib ({cfg.memory_total_gib})", name))
     return problems
 
@@ -258,7 +258,7 @@ def _compile_storm(host: Host) -> list[Problem]:
         host.name, "compile_caps.max_jobs", cfg.compile_caps.max_jobs,
         f"{cfg.compile_caps.max_jobs} compilers x {cfg.compiler_peak_gib} GiB = {peak:.1f} GiB "
         f"exceeds the {cfg.memory_headroom_gib} GiB headroom: a cold JIT cache would OOM the "
-        "box (the compile storm of 2026-06-07 and 2026-08-18)",
+        "box (docs/incidents.md#compile-storm)",
         f"set compile_caps.max_jobs to at most {safe}")]
 
 

@@ -1,7 +1,7 @@
 """Shared fixtures for sparkform's unit tests.
 
-`seed_data` is the seed's served pair (the appendix's "The served pair, as configured") as host
-data; `make_host` validates host data the way an inventory does (config.json paths resolve
+`seed_data` is the owner's served pair (docs/incidents.md#the-served-pair; "seed" in test names:
+the pair sparkform was first built for) as host data; `make_host` validates host data the way an inventory does (config.json paths resolve
 against tests/fixtures/model_configs); `problems_of` returns every Problem of invalid data.
 """
 
@@ -75,7 +75,7 @@ def pytest_configure(config):
 
 @pytest.fixture
 def seed_data() -> dict[str, Any]:
-    """A fresh, valid copy of the seed pair's host data (mutate it freely)."""
+    """A fresh, valid copy of the served pair's host data (mutate it freely)."""
     return copy.deepcopy(SEED_PAIR)
 
 

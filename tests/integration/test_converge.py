@@ -100,7 +100,8 @@ def test_broken_inventory_fails_before_connecting(box, tmp_path):
 
 # --- the front: nothing runs the models without the key (from outside the host) ----------------
 
-# vLLM answers these without its own key check (REFERENCE §8); the front must not pass them.
+# vLLM's --api-key guards only /v1, /v2, /inference and /cohere, so it answers these without a key
+# (docs/incidents.md#open-lan-api); the front must not pass them.
 UNGUARDED = ("/invocations", "/generative_scoring", "/tokenize", "/detokenize", "/metrics", "/docs",
              "/openapi.json", "/scale_elastic_ep", "/version", "/load", "/ping", "/v1/responses")
 OPENAI = ("/v1/models", "/v1/completions", "/v1/chat/completions")

@@ -1,8 +1,10 @@
-"""The seed's incident ledger, reproduced on the sandbox with the real engine, and survived.
+"""Incidents of docs/incidents.md, reproduced on the sandbox with the real engine, and survived.
 
-Each test makes a failure happen for real (REFERENCE §7 lists how the CPU build can be made to
-fail) and asserts what systemd, the journal and the endpoints report. One sandbox for the
-module; tests run in file order and each leaves the pair converged and serving.
+Each test makes a failure happen for real on vLLM's CPU build (a kill -9 of the EngineCore, a
+SIGSTOP of the API server, a KV pool too small to start, a broken config.json, a MemoryMax below
+the footprint, a unit without nvcc, a deploy killed halfway) and asserts what systemd, the
+journal and the endpoints report. One sandbox for the module; tests run in file order and each
+leaves the pair converged and serving.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def converge_back(box: machine.Sandbox) -> None:
     assert serving(box, "vllm-nemotron.service") and serving(box, "vllm-q38.service")
 
 
-# --- 9. a deploy killed halfway -------------------------------------------------------------------
+# --- a deploy killed halfway (docs/incidents.md#deploy-cut-halfway) --------------------------------
 
 def test_deploy_killed_during_the_venv_install_leaves_no_venv_taken_as_complete(box):
     deploy = start_pyinfra()
@@ -100,7 +102,7 @@ def test_the_next_run_converges_and_verifies(box):
     assert result.returncode == 0, result.stdout[-4000:]
 
 
-# --- 5, 6 and 9: hand runs, caps on every launch path, an incomplete checkpoint ----------------------
+# --- hand runs, caps on every launch path, an incomplete checkpoint (docs/incidents.md#hand-run-storm) -
 
 def test_hand_run_beside_a_running_engine_is_refused_with_how_to_stop_it(box):
     result = hand_run(box, "nemotron")
@@ -167,7 +169,7 @@ def test_login_shells_get_the_caps(box):
     assert out == ["4", "1", "/usr/local/cuda"]
 
 
-# --- 4. an engine that never becomes ready ---------------------------------------------------------
+# --- an engine that never becomes ready (docs/incidents.md#readiness-gate-exit-0) --------------------
 
 def timed_helper(box: machine.Sandbox, args: str, mainpid: str) -> tuple[int, float]:
     """(exit code, wall seconds) of the readiness helper run on the host."""
@@ -178,7 +180,8 @@ def timed_helper(box: machine.Sandbox, args: str, mainpid: str) -> tuple[int, fl
 
 def test_helper_gives_up_at_the_budget_on_a_stalled_engine(box):
     """SIGSTOP the API server: connections are accepted and never answered (the curl stall that
-    doubled the seed's budget). The helper still exits 1 at its budget."""
+    doubled the owner's budget: docs/incidents.md#readiness-gate-exit-0). The helper still exits 1
+    at its budget."""
     pid = main_pids(box)["vllm-nemotron.service"]
     ssh(box, f"kill -STOP {pid}")
     try:
@@ -200,7 +203,7 @@ def test_helper_exits_1_within_2_s_of_the_engine_dying(box):
     assert rc == 1 and elapsed <= 1 + 2, (rc, elapsed)
 
 
-# --- 2. a fatal engine error at run time, API server exits 0 (2026-08-23) ----------------------------
+# --- a fatal engine error at run time, API server exits 0 (docs/incidents.md#exit-0-crash) -----------
 
 def test_engine_core_killed_at_run_time_exits_0_and_systemd_restarts_it(box):
     before = main_pids(box)
@@ -213,7 +216,7 @@ def test_engine_core_killed_at_run_time_exits_0_and_systemd_restarts_it(box):
     wait_for(lambda: int(unit_properties(box, "vllm-nemotron.service", "NRestarts")["NRestarts"]) > restarts,
              60, "systemd restarting nemotron")
     journal = ssh(box, f"journalctl -u vllm-nemotron --since @{since} --no-pager -o cat").stdout
-    # The seed's words: a clean exit ("Deactivated successfully"), which on-failure ignores.
+    # As on the owner's Spark: a clean exit ("Deactivated successfully"), which on-failure ignores.
     assert "EngineDeadError" in journal and "vllm-nemotron.service: Deactivated successfully." in journal, \
         journal[-3000:]
     assert "Main process exited, code=exited, status=1" not in journal
@@ -225,7 +228,7 @@ def test_engine_core_killed_at_run_time_exits_0_and_systemd_restarts_it(box):
     assert main_pids(box)["vllm-q38.service"] == before["vllm-q38.service"]
 
 
-# --- 1 and 3. engines that die at start ------------------------------------------------------------
+# --- engines that die at start (docs/incidents.md#restart-loop, #cuda-missing-under-systemd) --------
 
 def test_engine_that_dies_at_every_start_stops_at_the_start_limit_and_the_deploy_says_why(box, tmp_path):
     nemotron_pid = main_pids(box)["vllm-nemotron.service"]
@@ -265,8 +268,9 @@ def test_unusable_checkpoint_fails_the_start_and_is_never_reported_active(box):
 
 
 def test_nvcc_missing_from_the_units_path_is_refused_at_launch(box):
-    """2026-08-19: a compiler on PATH in a shell and absent under systemd. With device cuda the
-    launch script looks for nvcc before it starts anything (the sandbox has none)."""
+    """A compiler on PATH in a shell and absent under systemd
+    (docs/incidents.md#cuda-missing-under-systemd). With device cuda the launch script looks for
+    nvcc before it starts anything (the sandbox has none)."""
     ssh(box, f"sed -i 's/^SPARKFORM_DEVICE=cpu$/SPARKFORM_DEVICE=cuda/' {PATHS.engine_settings('q38')[0]}")
     since = ssh(box, "date +%s.%N").stdout.strip()
     assert ssh(box, "systemctl restart vllm-q38", check=False).returncode != 0
@@ -276,7 +280,7 @@ def test_nvcc_missing_from_the_units_path_is_refused_at_launch(box):
     converge_back(box)  # the deploy puts the rendered file back and restarts q38
 
 
-# --- 6. a memory ceiling, not a crash --------------------------------------------------------------
+# --- a memory ceiling, not a crash (docs/incidents.md#memory-ceiling) --------------------------------
 
 def test_memory_max_below_the_footprint_kills_inside_the_unit_only(box, tmp_path):
     machine.memory_controller_writable(box.name)
@@ -292,7 +296,7 @@ def test_memory_max_below_the_footprint_kills_inside_the_unit_only(box, tmp_path
     converge_back(box)
 
 
-# --- 7. the boot chain with a hole (2026-08-18) -----------------------------------------------------
+# --- the boot chain with a hole (docs/incidents.md#boot-chain-hole) ----------------------------------
 
 def q38_after(box: machine.Sandbox) -> list[str]:
     return unit_properties(box, "vllm-q38.service", "After")["After"].split()

@@ -2,7 +2,8 @@
 engine at a time, and `sparkform rebuild` (issue: rebuild after a firmware reboot).
 
 One sandbox for the module, tests in file order. The stand-in nvidia-smi plays the driver: a
-new version plus a reboot is the seed's "driver bump an hour after a firmware reboot".
+new version plus a reboot is the owner's "driver bump an hour after a firmware reboot"
+(docs/incidents.md#cache-invalidated).
 """
 
 from __future__ import annotations

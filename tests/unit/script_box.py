@@ -85,7 +85,7 @@ class Box:
         return env, (self.record / f"{name}.args").read_text().splitlines()
 
     def env(self, **extra: str) -> dict[str, str]:
-        # A hand run from an interactive shell without the caps (the 2026-08-18 incident).
+        # A hand run from an interactive shell without the caps (docs/incidents.md#hand-run-storm).
         base = {"PATH": "/usr/bin:/bin", "HOME": str(self.root), "LANG": "C.UTF-8", "MAX_JOBS": "20",
                 "NVCC_THREADS": "8", "FLASHINFER_NVCC_THREADS": "8", "TORCHINDUCTOR_COMPILE_THREADS": "16",
                 "VLLM_CACHE_ROOT": "/tmp/elsewhere", "CUDA_HOME": "/nowhere"}

@@ -311,7 +311,7 @@ def test_render_never_writes_outside_its_out_folder(tmp_path):
     assert not (tmp_path / "outside").exists() and not out.exists()
 
 
-# --- the seed inventory --------------------------------------------------------------------------------
+# --- the Spark's inventory (the owner's pair) ---------------------------------------------------------
 
 def test_seed_inventory_plan_exits_0_and_prints_both_engines(tmp_path):
     result, elapsed = sparkform("plan", str(SEED_INVENTORY), cwd=tmp_path)

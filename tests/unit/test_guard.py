@@ -113,6 +113,14 @@ echo >> "{out}"
 """
 
 
+
+def replace_text(path: Path, text: str) -> None:
+    """Write a file the guard polls meanwhile as a new file renamed over the old one: it never
+    reads one half-written (as /proc/meminfo and systemctl's answers never are)."""
+    staged = path.with_name(f".{path.name}.new")
+    staged.write_text(text)
+    staged.replace(path)
+
 class Guard:
     """The rendered guard with its config, stand-ins and receivers, all under `root`."""
 
@@ -165,10 +173,10 @@ class Guard:
         self.daemon: subprocess.Popen | None = None
 
     def set_available_gib(self, gib: float) -> None:
-        self.meminfo.write_text(f"MemTotal:       125000000 kB\nMemAvailable:   {int(gib * 2**20)} kB\n")
+        replace_text(self.meminfo, f"MemTotal:       125000000 kB\nMemAvailable:   {int(gib * 2**20)} kB\n")
 
     def set_state(self, unit: str, state: str) -> None:
-        (self.states / unit).write_text(f"{state}\n")
+        replace_text(self.states / unit, f"{state}\n")
 
     def run(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, str(self.script), *args], env=self.env, capture_output=True,

@@ -1,4 +1,4 @@
-"""The shipped inventories: spark.py is the seed's pair exactly; sandbox.py is that pair scaled down."""
+"""The shipped inventories: spark.py is the owner's pair exactly; sandbox.py is that pair scaled down."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def test_spark_inventory_is_the_seeds_pair(monkeypatch, seed_data):
                 assert engine[key] | value == engine[key], (expected["name"], key)
             else:
                 assert engine[key] == value, (expected["name"], key)
-    # The seed's unit values, all defaults: budget, timeout, burst, caps, cgroup ceilings.
+    # The owner's unit values (docs/incidents.md#the-served-pair), all defaults: budget, timeout,
+    # burst, caps, cgroup ceilings.
     config = spark.config
     assert (config.readiness_budget_s, config.timeout_start_s) == (1080, 1200)
     assert (config.start_limit_interval_s, config.start_limit_burst) == (3600, 3)

@@ -1,9 +1,9 @@
 """The memory planner and the KV geometry it is built on.
 
-Expected values are computed by hand here from the formula in sparkform/modelconfig.py and
-REFERENCE §1 (bytes per token = full-attention layers x KV heads x 2 (K and V) x head_dim x
-dtype bytes; tokens per GiB = 2^30 / that), and checked against the seed's KV pool ledger
-(the appendix of the seed notes): the measured pools at a 131,072 window reproduce the
+Expected values are computed by hand here from the formula in sparkform/modelconfig.py, vLLM's
+page rules (bytes per token = full-attention layers x KV heads x 2 (K and V) x head_dim x
+dtype bytes; tokens per GiB = 2^30 / that), and checked against the owner's KV pool ledger
+(docs/incidents.md#kv-pool-ledger): the measured pools at a 131,072 window reproduce the
 concurrency vLLM printed, and the config.json arithmetic lands near the measured tokens per GiB.
 """
 
@@ -66,10 +66,10 @@ def test_qwen35_like_layer_types_count_only_full_attention_layers():
     assert geo.is_hybrid
     assert geo.native_max_len == 262144
     # fp8: 16 x 4 x 2 x 256 x 1 = 32,768 bytes per token -> 2^30 / 2^15 = 32,768 tokens per GiB,
-    # next to the seed's ~31-32K per GiB measured for Qwen3.8.
+    # next to the ~31-32K per GiB measured for Qwen3.8 on the owner's Spark.
     assert geo.bytes_per_token(1) == 16 * 4 * 2 * 256 == 32768
     assert geo.tokens_per_gib(modelconfig.kv_dtype_bytes("fp8", cfg)) == 32768
-    assert within(geo.tokens_per_gib(1), 953_661 / 30.33, rel=0.05)  # the seed's 31,443 per GiB
+    assert within(geo.tokens_per_gib(1), 953_661 / 30.33, rel=0.05)  # the owner's 31,443 per GiB
     # auto: the model's bf16, half as many.
     assert geo.tokens_per_gib(modelconfig.kv_dtype_bytes("auto", cfg)) == 16384
 
@@ -81,9 +81,9 @@ def test_nemotron_h_like_pattern_counts_only_star_layers():
     assert (geo.num_layers, geo.kv_layers, geo.state_layers) == (52, 6, pattern.count("M"))
     assert geo.state_layers == 23
     assert (geo.kv_heads, geo.head_dim) == (2, 128)
-    assert geo.native_max_len == 1_048_576  # the seed: "native 1,048,576"
+    assert geo.native_max_len == 1_048_576  # the owner's pair: "native 1,048,576"
     # fp8: 6 x 2 x 2 x 128 = 3,072 bytes per token -> 349,525 tokens per GiB: the same order as
-    # the seed's measured ~305-327K (the Mamba state blocks take the rest).
+    # the owner's measured ~305-327K (the Mamba state blocks take the rest).
     assert geo.bytes_per_token(1) == 6 * 2 * 2 * 128 == 3072
     assert int(geo.tokens_per_gib(1)) == 349_525
     measured_low, measured_high = 2_777_998 / 9.12, 2_703_604 / 8.26
@@ -91,7 +91,7 @@ def test_nemotron_h_like_pattern_counts_only_star_layers():
 
 
 @pytest.mark.parametrize(("fixture", "kib_per_token", "kv_layers"), [
-    ("qwen3_next_80b.json", 12, 12),   # seed 2026-06-07: "Qwen3-Next-80B 12 KB (12 of 48 layers full attention)"
+    ("qwen3_next_80b.json", 12, 12),   # kv-pool-ledger, 2026-06-07: "Qwen3-Next-80B 12 KB (12 of 48 layers full attention)"
     ("qwen3_6_35b.json", 10, 10),      # "Qwen3.6-35B 10 KB (10 of 40)"
     ("qwen3_32b_dense.json", 128, 64),  # "Qwen3-32B dense 128 KB"
 ])
@@ -102,7 +102,7 @@ def test_seed_per_token_kv_with_fp8(fixture, kib_per_token, kv_layers):
 
 
 def test_the_hybrid_gets_ten_times_the_tokens_per_gib_of_dense_attention():
-    # The seed's Act 2: ~305K against ~31K, "the ratio is ten times either way".
+    # docs/incidents.md#even-split: ~305K against ~31K, "the ratio is ten times either way".
     hybrid = modelconfig.geometry(config("nemotron_h.json")).tokens_per_gib(1)
     dense = modelconfig.geometry(config("qwen3_5_hybrid.json")).tokens_per_gib(1)
     assert 9.5 < hybrid / dense < 11.5
@@ -140,7 +140,7 @@ def test_kv_dtype_bytes():
     assert modelconfig.kv_dtype_bytes("auto", {}) == 2  # bfloat16 when the config says nothing
 
 
-# --- the seed's KV pool ledger --------------------------------------------------------------------------
+# --- the owner's KV pool ledger (docs/incidents.md#kv-pool-ledger) -------------------------------------
 
 def seed_at_131k(seed_data: dict[str, Any], measured: dict[str, tuple[float, int]]) -> dict[str, Any]:
     for name, (kv_gib, tokens) in measured.items():
@@ -209,9 +209,10 @@ def test_every_ledger_row_comes_back_exactly(seed_data, make_host, kv_gib, token
 
 
 def test_window_is_a_ceiling_not_a_reservation(seed_data, make_host):
-    # The seed's 2026-08-20 prediction: the 131K pools at a 262,144 window give 10.6x and 3.6x
-    # ("allocates nothing"). The restart measured 10.31x and 3.27x: non-KV workspace grows with
-    # the window, which the planner cannot know before the boot log says so.
+    # The owner's 2026-08-20 prediction (docs/incidents.md#window-raise): the 131K pools at a
+    # 262,144 window give 10.6x and 3.6x ("allocates nothing"). The restart measured 10.31x and
+    # 3.27x: non-KV workspace grows with the window, which the planner cannot know before the boot
+    # log says so.
     data = seed_at_131k(seed_data, {"nemotron": (9.12, 2_777_998), "q38": (30.33, 953_661)})
     for name in ("nemotron", "q38"):
         eng(data, name)["max_model_len"] = 262_144
@@ -238,12 +239,12 @@ def test_seed_inventory_plan(monkeypatch):
 # --- estimates from config.json and weights ------------------------------------------------------------
 
 def test_estimate_from_weights_and_config(seed_data, make_host):
-    # q38 from the seed's own numbers: 21.81 GiB weights, ~2.3 GiB other non-KV, util 0.45.
+    # q38 from the owner's own numbers: 21.81 GiB weights, ~2.3 GiB other non-KV, util 0.45.
     e = eng(seed_data, "q38")
     e.update(weights_gib=21.81, non_kv_overhead_gib=2.31, kv_cache_dtype="fp8",
              model_config_path="qwen3_5_hybrid.json", max_model_len=131_072)
     q38 = by_name(planner.plan(make_host(seed_data)))["q38"]
-    kv = 0.45 * 121 - 21.81 - 2.31  # 30.33 GiB: the seed's measured pool
+    kv = 0.45 * 121 - 21.81 - 2.31  # 30.33 GiB: the owner's measured pool
     assert q38.kv_gib == pytest.approx(kv)
     assert q38.non_kv_gib == pytest.approx(21.81 + 2.31)
     assert q38.kv_source == "share - weights - overhead"
@@ -317,7 +318,7 @@ def test_disabled_engines_are_not_planned(seed_data, make_host):
 # --- the recommended split -----------------------------------------------------------------------------
 
 def seed_pair_by_weights(seed_data: dict[str, Any], util: tuple[float, float]) -> dict[str, Any]:
-    """The seed pair at 131,072 with fixed non-KV costs taken from the systemd rows (nemotron
+    """The owner's pair at 131,072 with fixed non-KV costs taken from the systemd rows (nemotron
     30.25 - 9.12 = 21.13 GiB, q38 54.45 - 30.33 = 24.12 GiB) and tokens per GiB from config.json,
     so the pool follows the utilization."""
     eng(seed_data, "nemotron").update(gpu_memory_utilization=util[0], weights_gib=18.63, non_kv_overhead_gib=2.5,

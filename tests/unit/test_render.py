@@ -167,7 +167,7 @@ def test_rendered_file_list_and_modes(seed_files):
 # --- systemd-analyze verify ------------------------------------------------------------------------
 
 VARIANT = {
-    # Everything the seed does not exercise: three engines in a chain, a disabled one, other caps
+    # Everything the owner's pair does not exercise: three engines in a chain, a disabled one, other caps
     # and folders, a CPU-style pinned pool, MTP on an engine without vision.
     "engine_user": "sparkvllm",
     "lib_dir": "/srv/sparkform/lib",
@@ -363,7 +363,7 @@ def test_scripts_parse_with_bash(seed_files, script, tmp_path):
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
 
 
-# --- key content of the seed's units ------------------------------------------------------------------
+# --- key content of the owner's units -----------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["nemotron", "q38"])
 def test_unit_restart_start_limits_and_timeouts(seed_files, name):

@@ -2,7 +2,7 @@
 
 Each rule has at least one invalid case (the Problem must name the host, the engine when there is
 one, the field and a fix) and one valid case at or near its boundary. Host data starts from the
-seed's served pair (tests/conftest.py) and is changed by one "mutator" per case.
+owner's served pair (tests/conftest.py) and is changed by one "mutator" per case.
 """
 
 from __future__ import annotations
@@ -344,7 +344,7 @@ def test_start_order_follows_the_after_edges(seed_data, make_host):
 
 
 def test_a_disabled_engine_in_the_chain_is_bridged_not_a_hole(seed_data, make_host):
-    """2026-08-18: an After= edge to a disabled unit orders nothing. Disabling the middle of a
+    """docs/incidents.md#boot-chain-hole: an After= edge to a disabled unit orders nothing. Disabling the middle of a
     chain must leave the ends ordered; disabling the head leaves the next engine unordered."""
     seed_data["engines"].append({"name": "embed", "port": 8004, "gpu_memory_utilization": 0.05,
                                  "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"}, "after": ["q38"]})

@@ -56,7 +56,7 @@ def test_unit_enabled_and_active(remote, engine):
 
 def test_restart_policy_and_burst_limit(remote, engine, config):
     props = remote.service(engine.unit).systemd_properties
-    assert props["Restart"] == "always", "an engine can die with exit 0 (2026-08-23)"
+    assert props["Restart"] == "always", "an engine can die with exit 0 (docs/incidents.md#exit-0-crash)"
     assert int(props["StartLimitBurst"]) == config.start_limit_burst
     assert _seconds(props["StartLimitIntervalUSec"]) == config.start_limit_interval_s
 
@@ -97,7 +97,7 @@ def test_after_edges_point_at_enabled_units(remote, engine, config):
               for unit in after if unit.startswith(UNIT_PREFIX)}
     for unit, dep, state in bootchain.holes({engine.unit: after}, states):
         pytest.fail(f"{unit} is ordered after {dep}, which is not enabled ({state}): the boot chain has a "
-                    f"hole (2026-08-18); enable {dep} or remove the edge")
+                    f"hole (docs/incidents.md#boot-chain-hole); enable {dep} or remove the edge")
     assert set(bootchain.after_units(config, engine)) <= set(after), "an edge of the inventory is missing"
 
 
@@ -177,7 +177,8 @@ def test_api_key_guards_the_api(remote, engine, config):
     assert _curl(remote, config, engine, "/v1/models", key=False, status_only=True) == "401"
 
 
-# Routes vLLM serves that the front must not pass (REFERENCE: vLLM's key check guards /v1 only).
+# Routes vLLM serves that the front must not pass: vLLM's own key check guards only /v1, /v2,
+# /inference and /cohere (docs/incidents.md#open-lan-api).
 NOT_PASSED = ("/invocations", "/generative_scoring", "/tokenize", "/detokenize", "/metrics", "/docs",
               "/openapi.json", "/scale_elastic_ep", "/version", "/load", "/ping")
 
