@@ -1,11 +1,11 @@
 # The README's two commands. Both install what they need on a fresh Debian machine (as root).
 #   make sandbox   boot the local sandbox, converge it with inventory/sandbox.py, verify it
-#   make test      the whole test suite, unit and integration (what CI runs)
+#   make test      lint, then the whole test suite, unit and integration (what CI runs)
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 SPARKFORM := $(VENV)/bin/sparkform
 
-.PHONY: sandbox sandbox-down test system-deps venv
+.PHONY: sandbox sandbox-down test lint system-deps venv
 
 # shellcheck and systemd-analyze check rendered files; debootstrap, systemd-nspawn, iproute2 and
 # ssh boot and reach the sandbox; strace shows which argv a secret-handling command exposes; nginx
@@ -39,5 +39,10 @@ sandbox: system-deps venv
 sandbox-down: venv
 	$(SPARKFORM) sandbox down
 
-test: system-deps venv
+test: system-deps venv lint
 	$(PYTHON) -m pytest -q
+
+# ruff's lint rules and format (pyproject.toml): a finding fails `make test` before any test runs.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .

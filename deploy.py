@@ -41,26 +41,40 @@ for line in plan.drift_lines:
     logger.warning(f"[{host.name}] since the last converge: {line}")
 # The boot chain: an edge to a unit that is not enabled orders nothing (docs/incidents.md#boot-chain-hole).
 for hole in plan.holes:
-    logger.warning(f"[{host.name}] boot chain: {hole.unit} waits for {hole.waits_for}, which is {hole.state}: "
-                   + ("this run repairs it" if hole.repaired else "fix that unit by hand"))
+    logger.warning(
+        f"[{host.name}] boot chain: {hole.unit} waits for {hole.waits_for}, which is {hole.state}: "
+        + ("this run repairs it" if hole.repaired else "fix that unit by hand")
+    )
 
 system.packages_present(name="Install prerequisites", packages=request["packages"], snapshot=snapshot)
-system.system_user(name=f"Engine user {config.engine_user}", user=config.engine_user,
-                   home=config.paths.engine_home, snapshot=snapshot)
+system.system_user(
+    name=f"Engine user {config.engine_user}", user=config.engine_user, home=config.paths.engine_home, snapshot=snapshot
+)
 for spec in converge.folders(config):
     system.folder(name=f"Folder {spec.path}", spec=spec, snapshot=snapshot)
 for secret in plan.secrets:
-    files.managed_file(name=f"Secret {secret.path}", path=secret.path, content=secret.content,
-                       mode=secret.mode, group=secret.group, current=snapshot.paths.get(secret.path),
-                       secret=True)
+    files.managed_file(
+        name=f"Secret {secret.path}",
+        path=secret.path,
+        content=secret.content,
+        mode=secret.mode,
+        group=secret.group,
+        current=snapshot.paths.get(secret.path),
+        secret=True,
+    )
 for path in plan.unwanted:
     files.removed(name=f"No {path}", path=path, current=snapshot.paths.get(path))
 
 
 def put_files(selected: list) -> None:
     for file in selected:
-        files.managed_file(name=f"File {file.path}", path=file.path, content=file.content,
-                           mode=file.mode, current=snapshot.paths.get(file.path))
+        files.managed_file(
+            name=f"File {file.path}",
+            path=file.path,
+            content=file.content,
+            mode=file.mode,
+            current=snapshot.paths.get(file.path),
+        )
 
 
 # Shared scripts first (the checkpoint fetch is one of them). Each engine's unit and settings
@@ -69,46 +83,81 @@ def put_files(selected: list) -> None:
 put_files(plan.shared_files)
 # A human hears of the drift even if a start below fails.
 if plan.drift_lines:
-    guard.alerted(name="Alert: drift since the last converge", guard_script=config.paths.guard, event="drift",
-                  message="; ".join(plan.drift_lines))
+    guard.alerted(
+        name="Alert: drift since the last converge",
+        guard_script=config.paths.guard,
+        event="drift",
+        message="; ".join(plan.drift_lines),
+    )
 venv.wheelhouse_synced(name="Wheelhouse on the host", config=config, snapshot=snapshot)
 venv.vllm_venv(name=f"vLLM venv {venv.pin(config)}", config=config, snapshot=snapshot)
 for engine in config.enabled_engines:
-    checkpoints.checkpoint(name=f"Checkpoint of {engine.name}: {engine.checkpoint.repo} "
-                                f"{engine.checkpoint.revision} -> {config.commit(engine)}",
-                           config=config, engine=engine, snapshot=snapshot)
+    checkpoints.checkpoint(
+        name=f"Checkpoint of {engine.name}: {engine.checkpoint.repo} "
+        f"{engine.checkpoint.revision} -> {config.commit(engine)}",
+        config=config,
+        engine=engine,
+        snapshot=snapshot,
+    )
 put_files(plan.engine_files)
 
 for leftover in plan.leftovers:
-    engines.engine_removed(name=f"Remove engine {leftover.name} (no longer in the inventory)",
-                           unit_path=leftover.unit_path, settings=list(leftover.settings))
+    engines.engine_removed(
+        name=f"Remove engine {leftover.name} (no longer in the inventory)",
+        unit_path=leftover.unit_path,
+        settings=list(leftover.settings),
+    )
 engines.daemon_reload(name="Reload systemd units", needed=plan.daemon_reload)
 for engine in plan.disabled:
-    engines.engine_stopped(name=f"Stop disabled engine {engine.name}", engine=engine,
-                           current=snapshot.engines.get(engine.unit))
+    engines.engine_stopped(
+        name=f"Stop disabled engine {engine.name}", engine=engine, current=snapshot.engines.get(engine.unit)
+    )
 # Stale caches aside before any engine starts: no cold start beside another one.
 for step in plan.steps:
     if step.stale:
-        jit.cache_moved_aside(name=f"JIT caches of {step.engine.name} aside (stale)", config=config,
-                              engine=step.engine, snapshot=snapshot)
+        jit.cache_moved_aside(
+            name=f"JIT caches of {step.engine.name} aside (stale)", config=config, engine=step.engine, snapshot=snapshot
+        )
 # One at a time, in `after` order: each `systemctl start` returns when its engine serves.
 for step in plan.steps:
-    engines.engine_running(name=f"Engine {step.engine.name} serving", engine=step.engine, current=step.current,
-                           restart=step.restart)
-    jit.cache_keyed(name=f"JIT caches of {step.engine.name} keyed", config=config, engine=step.engine,
-                    key=plan.cache_key, snapshot=snapshot, rebuilt=step.stale)
+    engines.engine_running(
+        name=f"Engine {step.engine.name} serving", engine=step.engine, current=step.current, restart=step.restart
+    )
+    jit.cache_keyed(
+        name=f"JIT caches of {step.engine.name} keyed",
+        config=config,
+        engine=step.engine,
+        key=plan.cache_key,
+        snapshot=snapshot,
+        rebuilt=step.stale,
+    )
 # The front last: an engine that moved behind it has freed the port nginx takes over. nginx and
 # the guard restart (or reload) when the files they run with differ from what they last loaded.
-front.front_serving(name="Front (nginx) serving", address=config.listen_address,
-                    ports=[step.engine.port for step in plan.steps], current=snapshot.engines.get(layout.FRONT_UNIT),
-                    applied=snapshot.markers.get(config.paths.stamp("nginx")), stamp=config.paths.stamp("nginx"),
-                    wanted=plan.front_wanted)
-guard.guard_running(name="Guard (watchdog, memory guard, alerts) running", unit=layout.GUARD_UNIT,
-                    current=snapshot.engines.get(layout.GUARD_UNIT), applied=snapshot.markers.get(config.paths.stamp("guard")),
-                    wanted=plan.guard_wanted, stamp=config.paths.stamp("guard"))
+front.front_serving(
+    name="Front (nginx) serving",
+    address=config.listen_address,
+    ports=[step.engine.port for step in plan.steps],
+    current=snapshot.engines.get(layout.FRONT_UNIT),
+    applied=snapshot.markers.get(config.paths.stamp("nginx")),
+    stamp=config.paths.stamp("nginx"),
+    wanted=plan.front_wanted,
+)
+guard.guard_running(
+    name="Guard (watchdog, memory guard, alerts) running",
+    unit=layout.GUARD_UNIT,
+    current=snapshot.engines.get(layout.GUARD_UNIT),
+    applied=snapshot.markers.get(config.paths.stamp("guard")),
+    wanted=plan.guard_wanted,
+    stamp=config.paths.stamp("guard"),
+)
 if plan.steps:
-    engines.target_reached(name=f"{layout.ENGINES_TARGET} reached", unit=layout.ENGINES_TARGET,
-                           current=snapshot.engines.get(layout.ENGINES_TARGET), engines_started=bool(plan.started))
+    engines.target_reached(
+        name=f"{layout.ENGINES_TARGET} reached",
+        unit=layout.ENGINES_TARGET,
+        current=snapshot.engines.get(layout.ENGINES_TARGET),
+        engines_started=bool(plan.started),
+    )
 checkpoints.old_revisions_removed(name="Remove old checkpoint revisions", config=config, snapshot=snapshot)
-host_record.host_recorded(name="Host record", config=config, current=snapshot.record, started=plan.started,
-                          planned=plan.record)
+host_record.host_recorded(
+    name="Host record", config=config, current=snapshot.record, started=plan.started, planned=plan.record
+)

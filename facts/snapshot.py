@@ -60,8 +60,9 @@ for folder in glob.glob(os.path.join(sys.argv[1], "*@*")):
 def _plain_files(words: str) -> str:
     """Print `path:line` for each line of each plain file among `words` (paths or a glob); a
     symbolic link is named after LINK, never followed (it could point at a secret)."""
-    return (f'for f in {words}; do if [ -L "$f" ]; then echo "{LINK}$f"; '
-            f'elif [ -f "$f" ]; then grep -H . -- "$f"; fi; done')
+    return (
+        f'for f in {words}; do if [ -L "$f" ]; then echo "{LINK}$f"; elif [ -f "$f" ]; then grep -H . -- "$f"; fi; done'
+    )
 
 
 def _section(name: str, command: str) -> str:
@@ -93,26 +94,48 @@ class HostSnapshot(FactBase):
 
     default = Snapshot
 
-    def command(self, packages: list[str], users: list[str], paths: list[str],
-                markers: list[str], units: list[str], unit_glob: str, models_dir: str,
-                pins_dir: str, cache_root: str, cache_keys_dir: str, record_path: str) -> str:
+    def command(
+        self,
+        packages: list[str],
+        users: list[str],
+        paths: list[str],
+        markers: list[str],
+        units: list[str],
+        unit_glob: str,
+        models_dir: str,
+        pins_dir: str,
+        cache_root: str,
+        cache_keys_dir: str,
+        record_path: str,
+    ) -> str:
         quoted_paths = " ".join(shlex.quote(p) for p in paths)
         sections = [
-            _section("packages", "dpkg-query -W -f='${Package} ${db:Status-Status}\\n' "
-                     + " ".join(shlex.quote(p) for p in packages)),
+            _section(
+                "packages",
+                "dpkg-query -W -f='${Package} ${db:Status-Status}\\n' " + " ".join(shlex.quote(p) for p in packages),
+            ),
             _section("users", " ; ".join(f"getent passwd {shlex.quote(u)}" for u in users)),
             _section("stat", f"stat -c '%F|%a|%U|%G|%n' {quoted_paths}"),
             _section("sha256", f"sha256sum {quoted_paths}"),
             _section("markers", _plain_files(" ".join(shlex.quote(m) for m in markers)) if markers else "true"),
-            _section("units", f"systemctl show --timestamp=unix -p {SYSTEMCTL_SHOW_PROPERTIES} "
-                     + " ".join(shlex.quote(u) for u in units)),
+            _section(
+                "units",
+                f"systemctl show --timestamp=unix -p {SYSTEMCTL_SHOW_PROPERTIES} "
+                + " ".join(shlex.quote(u) for u in units),
+            ),
             _section("rendered_units", f"grep -l '^# Rendered by sparkform' {unit_glob}"),
-            _section("unit_files", f"systemctl list-unit-files --no-legend --no-pager {shlex.quote(unit_glob.rsplit('/', 1)[-1])}"),
+            _section(
+                "unit_files",
+                f"systemctl list-unit-files --no-legend --no-pager {shlex.quote(unit_glob.rsplit('/', 1)[-1])}",
+            ),
             _section("checkpoints", f"python3 -c {shlex.quote(CHECKPOINT_SCAN)} {shlex.quote(models_dir)}"),
             _section("pins", _plain_files(f"{shlex.quote(pins_dir)}/*")),
             _section("versions", LIVE_VERSIONS_COMMAND),
-            _section("record", f"if [ -L {shlex.quote(record_path)} ]; then echo {LINK}{shlex.quote(record_path)}; "
-                               f"else cat {shlex.quote(record_path)}; fi"),
+            _section(
+                "record",
+                f"if [ -L {shlex.quote(record_path)} ]; then echo {LINK}{shlex.quote(record_path)}; "
+                f"else cat {shlex.quote(record_path)}; fi",
+            ),
             _section("boot", "systemctl show --timestamp=unix -p UserspaceTimestamp --value"),
             _section("cache_keys", _plain_files(f"{shlex.quote(cache_keys_dir)}/*")),
             _section("caches_aside", f"ls -d {shlex.quote(cache_root)}/*{STALE_MARK}*"),
@@ -125,26 +148,30 @@ class HostSnapshot(FactBase):
         snapshot = Snapshot()
         for line in output:
             if line.startswith(SECTION):
-                current = sections.setdefault(line[len(SECTION):], [])
+                current = sections.setdefault(line[len(SECTION) :], [])
             elif line.startswith(LINK):
-                snapshot.untrusted.append(f"{line[len(LINK):]} is a symbolic link: sparkform writes a plain file "
-                                          "there, and root follows no link")
+                snapshot.untrusted.append(
+                    f"{line[len(LINK) :]} is a symbolic link: sparkform writes a plain file "
+                    "there, and root follows no link"
+                )
             else:
                 current.append(line)
         for line in sections.get("packages", []):
             name, _, status = line.partition(" ")
             if status == "installed":
                 snapshot.installed_packages.add(name)
-        snapshot.users = {fields[0]: fields[5] for fields in (line.split(":") for line in sections.get("users", []))
-                          if len(fields) == 7}
+        snapshot.users = {
+            fields[0]: fields[5]
+            for fields in (line.split(":") for line in sections.get("users", []))
+            if len(fields) == 7
+        }
         digests = {}
         for line in sections.get("sha256", []):
             digest, _, path = line.partition("  ")
             digests[path] = digest
         for line in sections.get("stat", []):
             kind, mode, user, group, path = line.split("|", 4)
-            snapshot.paths[path] = RemoteFile(None if kind == "directory" else digests.get(path),
-                                              mode, user, group)
+            snapshot.paths[path] = RemoteFile(None if kind == "directory" else digests.get(path), mode, user, group)
         untrusted = snapshot.untrusted
 
         def shaped(pattern: re.Pattern, value: str, where: str, what: str) -> bool:
@@ -158,8 +185,11 @@ class HostSnapshot(FactBase):
             if shaped(STAMP, content, path, "a stamp sparkform writes"):
                 snapshot.markers[path] = content
         snapshot.engines = engine_states(sections.get("units", []))
-        snapshot.rendered_units = {path for path in sections.get("rendered_units", [])
-                                   if shaped(UNIT_FILE, path.rsplit("/", 1)[-1], path, "a unit file name")}
+        snapshot.rendered_units = {
+            path
+            for path in sections.get("rendered_units", [])
+            if shaped(UNIT_FILE, path.rsplit("/", 1)[-1], path, "a unit file name")
+        }
         for line in sections.get("unit_files", []):
             unit, *state = line.split()
             if shaped(UNIT_FILE, unit, unit, "a unit file name"):
@@ -167,15 +197,21 @@ class HostSnapshot(FactBase):
         for line in sections.get("checkpoints", []):
             folder, mtime, marker, verdict = line.rsplit("|", 3)
             drift = None if verdict == "-" else [] if verdict == "ok" else verdict.split(",")
-            if (shaped(REPO_AT, folder.rsplit("/", 1)[-1], folder, "a checkpoint folder name (repo@commit)")
-                    and (not marker or shaped(COMMIT_ID, marker, f"{folder}/{COMPLETE_MARKER}", "a commit id"))
-                    and all(shaped(MANIFEST_PATH, path, f"{folder}/{CHECKPOINT_MANIFEST}", "a checkpoint file")
-                            for path in drift or [])):
+            if (
+                shaped(REPO_AT, folder.rsplit("/", 1)[-1], folder, "a checkpoint folder name (repo@commit)")
+                and (not marker or shaped(COMMIT_ID, marker, f"{folder}/{COMPLETE_MARKER}", "a commit id"))
+                and all(
+                    shaped(MANIFEST_PATH, path, f"{folder}/{CHECKPOINT_MANIFEST}", "a checkpoint file")
+                    for path in drift or []
+                )
+            ):
                 snapshot.checkpoints[folder] = CheckpointFolder(marker or None, drift, float(mtime))
         for line in sections.get("pins", []):
             path, _, commit = line.partition(":")
             name = path.rsplit("/", 1)[-1]
-            if shaped(REPO_AT, name, path, "a pin name (repo@revision)") and shaped(COMMIT_ID, commit, path, "a commit id"):
+            if shaped(REPO_AT, name, path, "a pin name (repo@revision)") and shaped(
+                COMMIT_ID, commit, path, "a commit id"
+            ):
                 snapshot.pins[name] = commit
         snapshot.live_versions = sections.get("versions", [])
         try:
@@ -187,8 +223,9 @@ class HostSnapshot(FactBase):
         for line in sections.get("cache_keys", []):
             path, _, key = line.partition(":")
             engine = path.rsplit("/", 1)[-1]
-            if (shaped(ENGINE_NAME_PATTERN, engine, path, "a cache key file of an engine")
-                    and shaped(CACHE_KEY_PATTERN, key, path, "a cache key")):
+            if shaped(ENGINE_NAME_PATTERN, engine, path, "a cache key file of an engine") and shaped(
+                CACHE_KEY_PATTERN, key, path, "a cache key"
+            ):
                 snapshot.cache_keys[engine] = key
         for path in sections.get("caches_aside", []):
             if shaped(CACHE_KEY_PATTERN, path.rsplit(STALE_MARK, 1)[-1], path, "a cache folder moved aside"):

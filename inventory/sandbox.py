@@ -25,20 +25,24 @@ try:
 except SandboxError:
     box = None  # `sparkform plan` works without it; pyinfra says it cannot connect
 
-connection = {} if box is None else {
-    "ssh_hostname": box.address,
-    "ssh_user": "root",
-    "ssh_key": str(box.ssh_key),
-    "ssh_known_hosts_file": str(box.known_hosts),
-    "ssh_strict_host_key_checking": "yes",
-    "hf_endpoint": stage.hub_url(box),
-    "hf_token_file": str(stage.secret_file(box.runtime_dir, "hf_token")),
-    "api_key_file": str(stage.secret_file(box.runtime_dir, "api_key")),
-    # The host's own LAN address, as on a Spark that serves its LAN: the front listens there.
-    "listen_address": box.address,
-    # The alert receiver on this machine (stage.alerts_file has what it got).
-    "alert_webhook_file": str(stage.secret_file(box.runtime_dir, "alert_webhook")),
-}
+connection = (
+    {}
+    if box is None
+    else {
+        "ssh_hostname": box.address,
+        "ssh_user": "root",
+        "ssh_key": str(box.ssh_key),
+        "ssh_known_hosts_file": str(box.known_hosts),
+        "ssh_strict_host_key_checking": "yes",
+        "hf_endpoint": stage.hub_url(box),
+        "hf_token_file": str(stage.secret_file(box.runtime_dir, "hf_token")),
+        "api_key_file": str(stage.secret_file(box.runtime_dir, "api_key")),
+        # The host's own LAN address, as on a Spark that serves its LAN: the front listens there.
+        "listen_address": box.address,
+        # The alert receiver on this machine (stage.alerts_file has what it got).
+        "alert_webhook_file": str(stage.secret_file(box.runtime_dir, "alert_webhook")),
+    }
+)
 
 CPU_ENGINE = {
     "gpu_memory_utilization": 0.05,

@@ -53,8 +53,12 @@ spark = hosts(
                     "tool_call_parser": TOOL_PARSER,
                     "reasoning_parser": "nemotron_v3",
                     # Boot log at the 262,144 window (docs/incidents.md#kv-pool-ledger).
-                    "measured": {"gpu_memory_utilization": 0.25, "kv_cache_gib": 8.26,
-                                 "kv_pool_tokens": 2_703_604, "cold_start_s": 200},
+                    "measured": {
+                        "gpu_memory_utilization": 0.25,
+                        "kv_cache_gib": 8.26,
+                        "kv_pool_tokens": 2_703_604,
+                        "cold_start_s": 200,
+                    },
                 },
                 {
                     # The careful "eyes": dense attention, ~31K KV tokens per GiB; it answers
@@ -73,8 +77,12 @@ spark = hosts(
                     "generation_config": "vllm",
                     "after": ["nemotron"],
                     "weights_gib": 21.81,
-                    "measured": {"gpu_memory_utilization": 0.45, "kv_cache_gib": 26.8,
-                                 "kv_pool_tokens": 858_483, "cold_start_s": 335},
+                    "measured": {
+                        "gpu_memory_utilization": 0.45,
+                        "kv_cache_gib": 26.8,
+                        "kv_pool_tokens": 858_483,
+                        "cold_start_s": 335,
+                    },
                 },
             ],
         },

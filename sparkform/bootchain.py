@@ -59,21 +59,36 @@ def chain_problems(host: Host) -> list[Problem]:
     for engine in host.config.enabled_engines:
         for target in engine.after:
             if target == engine.name:
-                problems.append(Problem(host.name, "after", target, "an engine cannot wait for itself",
-                                        "remove the edge", engine.name))
+                problems.append(
+                    Problem(
+                        host.name, "after", target, "an engine cannot wait for itself", "remove the edge", engine.name
+                    )
+                )
             elif target not in by_name:
-                problems.append(Problem(
-                    host.name, "after", target,
-                    "no engine of that name: the After= edge would order against nothing, "
-                    "the boot chain's hole (two cold starts in the same second: docs/incidents.md#boot-chain-hole)",
-                    f"name one of: {', '.join(sorted(by_name)) or '(no engines)'}", engine.name))
+                problems.append(
+                    Problem(
+                        host.name,
+                        "after",
+                        target,
+                        "no engine of that name: the After= edge would order against nothing, "
+                        "the boot chain's hole (two cold starts in the same second: docs/incidents.md#boot-chain-hole)",
+                        f"name one of: {', '.join(sorted(by_name)) or '(no engines)'}",
+                        engine.name,
+                    )
+                )
     if not problems:
         try:
             start_order(host.config)
         except ValueError:
-            problems.append(Problem(host.name, "after", {e.name: e.after for e in host.config.engines},
-                                    "the after edges form a cycle, so no engine could start first",
-                                    "break the cycle"))
+            problems.append(
+                Problem(
+                    host.name,
+                    "after",
+                    {e.name: e.after for e in host.config.engines},
+                    "the after edges form a cycle, so no engine could start first",
+                    "break the cycle",
+                )
+            )
     return problems
 
 
@@ -86,13 +101,15 @@ def holes(after: dict[str, tuple[str, ...]], unit_files: dict[str, str]) -> list
     + unit_files: the file state (enabled, disabled, ...) of every engine unit on the host
     Returns (unit, the unit it waits for, that unit's state or "missing").
     """
-    return [(unit, dep, unit_files.get(dep, "missing"))
-            for unit, deps in sorted(after.items()) for dep in deps
-            if dep.startswith(UNIT_PREFIX) and unit_files.get(dep) != "enabled"]
+    return [
+        (unit, dep, unit_files.get(dep, "missing"))
+        for unit, deps in sorted(after.items())
+        for dep in deps
+        if dep.startswith(UNIT_PREFIX) and unit_files.get(dep) != "enabled"
+    ]
 
 
 def hole_repaired(unit: str, dep: str, order: list[Engine], changed_units: set[str]) -> bool:
     """Whether this run repairs the hole `unit` -> `dep`: it rewrites the unit, or enables and
     starts `dep`, or `unit` is no engine this run keeps (it is disabled or removed)."""
-    return (unit in changed_units or any(e.unit == dep for e in order)
-            or not any(e.unit == unit for e in order))
+    return unit in changed_units or any(e.unit == dep for e in order) or not any(e.unit == unit for e in order)

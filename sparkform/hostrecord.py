@@ -118,11 +118,11 @@ def cache_key(versions: HostVersions) -> str:
 
     Kernel and firmware are left out: they do not invalidate compiled kernels.
     """
+
     def part(value: str | None) -> str:
         return _UNSAFE_KEY_CHARS_RE.sub("_", value) if value else UNKNOWN
 
-    return (f"driver{part(versions.driver)}-cuda{part(versions.cuda)}-{part(versions.vllm)}"
-            f"-sm{part(versions.gpu_arch)}")
+    return f"driver{part(versions.driver)}-cuda{part(versions.cuda)}-{part(versions.vllm)}-sm{part(versions.gpu_arch)}"
 
 
 # --- the record --------------------------------------------------------------------------------
@@ -166,8 +166,12 @@ class HostRecord:
             versions = _checked(data["versions"], dict)
             engines = _checked(data["engines"], dict)
             return cls(
-                versions=HostVersions(**{name: _shaped(_optional(versions[name], str), VERSION_TEXT_PATTERN,
-                                                       f"versions.{name}") for name in VERSION_FIELDS}),
+                versions=HostVersions(
+                    **{
+                        name: _shaped(_optional(versions[name], str), VERSION_TEXT_PATTERN, f"versions.{name}")
+                        for name in VERSION_FIELDS
+                    }
+                ),
                 engines={
                     _shaped(name, ENGINE_NAME_PATTERN, "an engine name"): EngineRecord(
                         cache_key=_shaped(_checked(engine["cache_key"], str), CACHE_KEY_PATTERN, "cache_key"),
@@ -228,8 +232,12 @@ class Drift:
     stale_engines: list[str]
 
 
-def drift(record: HostRecord | None, live: HostVersions, engine_keys: dict[str, str | None],
-          moved_aside: set[str] = frozenset()) -> Drift:
+def drift(
+    record: HostRecord | None,
+    live: HostVersions,
+    engine_keys: dict[str, str | None],
+    moved_aside: set[str] = frozenset(),
+) -> Drift:
     """Compare the record with the live versions, and each engine's cache key with the live key.
 
     `engine_keys` maps each engine (in start order) to the key in its cache folder: None when
@@ -237,14 +245,17 @@ def drift(record: HostRecord | None, live: HostVersions, engine_keys: dict[str, 
     caches moved aside by a run whose warm start did not finish: still stale. Without a record
     (first converge) no version has changed.
     """
-    changes = [] if record is None else [
-        (name, getattr(record.versions, name), getattr(live, name))
-        for name in VERSION_FIELDS
-        if getattr(record.versions, name) != getattr(live, name)
-    ]
+    changes = (
+        []
+        if record is None
+        else [
+            (name, getattr(record.versions, name), getattr(live, name))
+            for name in VERSION_FIELDS
+            if getattr(record.versions, name) != getattr(live, name)
+        ]
+    )
     live_key = cache_key(live)
-    stale = [name for name, key in engine_keys.items()
-             if (key is not None and key != live_key) or name in moved_aside]
+    stale = [name for name, key in engine_keys.items() if (key is not None and key != live_key) or name in moved_aside]
     return Drift(changes=changes, stale_engines=stale)
 
 
@@ -252,8 +263,10 @@ def last_cold_starts(record: HostRecord | None, measured: dict[str, float | None
     """Each engine's last cold start in seconds: what the record measured on this host, else
     the inventory's `measured.cold_start_s` (`measured`, by engine; None: never measured)."""
     recorded = record.engines if record else {}
-    return {name: (recorded[name].cold_start_s if name in recorded else None) or seconds
-            for name, seconds in measured.items()}
+    return {
+        name: (recorded[name].cold_start_s if name in recorded else None) or seconds
+        for name, seconds in measured.items()
+    }
 
 
 def _and_list(items: list[str]) -> str:
@@ -270,8 +283,10 @@ def _cold_start_note(engines: list[str], cold_start_s: dict[str, float | None]) 
     if len(measured) == len(seconds):
         return f"(cold start, about {_and_list([f'{s:.0f} s' for s in measured.values()])})"
     unmeasured = [name for name in engines if name not in measured]
-    return (f"(cold start, about {_and_list([f'{s:.0f} s for {name}' for name, s in measured.items()])}; "
-            f"{_and_list(unmeasured)} not yet measured)")
+    return (
+        f"(cold start, about {_and_list([f'{s:.0f} s for {name}' for name, s in measured.items()])}; "
+        f"{_and_list(unmeasured)} not yet measured)"
+    )
 
 
 def _caches_note(engines: list[str], cold_start_s: dict[str, float | None]) -> str:

@@ -27,8 +27,7 @@ class HubError(RuntimeError):
 
 def resolve_revision(endpoint: str, repo: str, revision: str, token: str | None = None) -> str:
     """The commit id `revision` (a branch, tag or commit) names in `repo`, per the hub's API."""
-    url = (f"{endpoint.rstrip('/')}/api/models/{repo}/revision/"
-           f"{urllib.parse.quote(revision, safe='')}")
+    url = f"{endpoint.rstrip('/')}/api/models/{repo}/revision/{urllib.parse.quote(revision, safe='')}"
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
@@ -55,8 +54,9 @@ def resolve_pins(host: str, config: HostConfig, recorded: dict[str, str]) -> dic
         commit = config.commit(engine) or recorded.get(checkpoint.pin_name)
         if commit is None:
             try:
-                commit = resolve_revision(config.hf_endpoint or DEFAULT_ENDPOINT, checkpoint.repo,
-                                          checkpoint.revision, _token(config))
+                commit = resolve_revision(
+                    config.hf_endpoint or DEFAULT_ENDPOINT, checkpoint.repo, checkpoint.revision, _token(config)
+                )
             except HubError as err:
                 problems.append(_unresolved(host, engine, str(err)))
                 continue
@@ -71,7 +71,11 @@ def _token(config: HostConfig) -> str | None:
 
 
 def _unresolved(host: str, engine: Engine, why: str) -> Problem:
-    return Problem(host, "checkpoint.revision", engine.checkpoint.revision,
-                   f"cannot resolve {engine.checkpoint.repo}@{engine.checkpoint.revision} to a commit: {why}",
-                   "check hf_endpoint, hf_token_file and the repo/revision, or pin a 40-hex commit id",
-                   engine=engine.name)
+    return Problem(
+        host,
+        "checkpoint.revision",
+        engine.checkpoint.revision,
+        f"cannot resolve {engine.checkpoint.repo}@{engine.checkpoint.revision} to a commit: {why}",
+        "check hf_endpoint, hf_token_file and the repo/revision, or pin a 40-hex commit id",
+        engine=engine.name,
+    )

@@ -34,8 +34,10 @@ def exit_untrusted(host: str, findings: list[str]) -> NoReturn:
     print(f"sparkform: {host} holds values sparkform never writes; nothing was changed:", file=sys.stderr)
     for finding in findings:
         print(f"  - {host}: {finding}", file=sys.stderr)
-    print("  Fix: find out what wrote them (an engine user, a hand edit), remove those files, and run "
-          "the deploy again.", file=sys.stderr)
+    print(
+        "  Fix: find out what wrote them (an engine user, a hand edit), remove those files, and run the deploy again.",
+        file=sys.stderr,
+    )
     raise SystemExit(EXIT_UNTRUSTED)
 
 
@@ -77,8 +79,17 @@ def load_inventory(path: Path) -> list[Host]:
     """Every host of a pyinfra inventory module, validated."""
     found = raw_inventory(path)
     if not found:
-        raise InventoryError([Problem(str(path), "hosts", None, "the inventory defines no host",
-                                      "define a list of (name, data) tuples, e.g. with sparkform.inventory.hosts()")])
+        raise InventoryError(
+            [
+                Problem(
+                    str(path),
+                    "hosts",
+                    None,
+                    "the inventory defines no host",
+                    "define a list of (name, data) tuples, e.g. with sparkform.inventory.hosts()",
+                )
+            ]
+        )
     loaded, problems = [], []
     for name, data in found.items():
         try:

@@ -157,9 +157,16 @@ def hash_local_wheels(text: str, folders: Sequence[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def make_lock(version: str, device: str, package: str | None = None, pins: Path | None = None,
-              find_links: Sequence[Path] = (), out: Path | None = None, uv_args: Sequence[str] = (),
-              command_line: str = "sparkform lock") -> Path:
+def make_lock(
+    version: str,
+    device: str,
+    package: str | None = None,
+    pins: Path | None = None,
+    find_links: Sequence[Path] = (),
+    out: Path | None = None,
+    uv_args: Sequence[str] = (),
+    command_line: str = "sparkform lock",
+) -> Path:
     """Write the hashed lock of `package==version` for the host of `device` (default: into
     `locks/`) and return its path.
 
@@ -175,17 +182,36 @@ def make_lock(version: str, device: str, package: str | None = None, pins: Path 
         raise LockError(f"uv is missing beside {sys.executable}: {Path(sys.executable).with_name('pip')} install uv")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)[1])
-    command = [str(uv), "pip", "compile", str(pins) if pins else "-", "--quiet", "--no-python-downloads",
-               "--python-platform", target.platform, "--python-version", target.python,
-               "--generate-hashes", "--only-binary", ":all:", "--custom-compile-command", command_line,
-               "--output-file", str(staging)]
+    command = [
+        str(uv),
+        "pip",
+        "compile",
+        str(pins) if pins else "-",
+        "--quiet",
+        "--no-python-downloads",
+        "--python-platform",
+        target.platform,
+        "--python-version",
+        target.python,
+        "--generate-hashes",
+        "--only-binary",
+        ":all:",
+        "--custom-compile-command",
+        command_line,
+        "--output-file",
+        str(staging),
+    ]
     command += ["--no-deps"] if pins else []
     command += [arg for folder in find_links for arg in ("--find-links", str(folder))]
     command += [arg for name in CPU_EXCLUDED for arg in ("--no-emit-package", name)] if device == "cpu" else []
     try:
         # UV_NO_CONFIG: the lock follows from its command line, not from this machine's uv.toml.
-        result = subprocess.run([*command, *uv_args], input="" if pins else f"{package}=={version}\n",
-                                text=True, env={**os.environ, "UV_NO_CONFIG": "1"})
+        result = subprocess.run(
+            [*command, *uv_args],
+            input="" if pins else f"{package}=={version}\n",
+            text=True,
+            env={**os.environ, "UV_NO_CONFIG": "1"},
+        )
         if result.returncode:
             raise LockError(f"uv pip compile exited {result.returncode}")
         text = hash_local_wheels(staging.read_text(), find_links)

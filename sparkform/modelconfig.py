@@ -16,8 +16,16 @@ from typing import Any
 GIB = 1024**3
 
 DTYPE_BYTES = {
-    "float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
-    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "nvfp4": 0.5,
+    "float32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "half": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "fp8_inc": 1,
+    "nvfp4": 0.5,
 }
 
 
@@ -98,8 +106,16 @@ def geometry(config: dict[str, Any]) -> KvGeometry:
     if kv_layers == 0:
         raise ModelConfigError(f"config.json of {arch} has no full-attention layer")
     native = cfg.get("max_position_embeddings")
-    return KvGeometry(arch, num_layers, kv_layers, state_layers, kv_heads, head_dim,
-                      int(native) if native else None, _state_bytes_per_layer(cfg))
+    return KvGeometry(
+        arch,
+        num_layers,
+        kv_layers,
+        state_layers,
+        kv_heads,
+        head_dim,
+        int(native) if native else None,
+        _state_bytes_per_layer(cfg),
+    )
 
 
 def _state_bytes_per_layer(cfg: dict[str, Any]) -> int | None:

@@ -96,13 +96,15 @@ def parse_kv_pool(lines: list[str]) -> KvPool | None:
             pending_available_gib = float(available["gib"])
         size = _KV_SIZE_RE.search(line)
         if size:
-            pools.append(KvPool(
-                device=size["device"],
-                tokens=_grouped_int(size["tokens"]),
-                max_model_len=None,
-                concurrency=None,
-                available_gib=pending_available_gib,
-            ))
+            pools.append(
+                KvPool(
+                    device=size["device"],
+                    tokens=_grouped_int(size["tokens"]),
+                    max_model_len=None,
+                    concurrency=None,
+                    available_gib=pending_available_gib,
+                )
+            )
             pending_available_gib = None
         concurrency = _KV_CONCURRENCY_RE.search(line)
         # The concurrency belongs to the pool logged just before it (same line from 0.28 on).
@@ -194,13 +196,15 @@ def parse_nvidia_smi_csv(lines: list[str]) -> list[Gpu]:
         if len(fields) != 5 or not _COMPUTE_CAP_RE.match(fields[4]):
             continue
         name, driver_version, memory_total, memory_used, compute_cap = fields
-        gpus.append(Gpu(
-            name=name,
-            driver_version=driver_version,
-            memory_total_mib=_mib_or_none(memory_total),
-            memory_used_mib=_mib_or_none(memory_used),
-            compute_cap=compute_cap,
-        ))
+        gpus.append(
+            Gpu(
+                name=name,
+                driver_version=driver_version,
+                memory_total_mib=_mib_or_none(memory_total),
+                memory_used_mib=_mib_or_none(memory_used),
+                compute_cap=compute_cap,
+            )
+        )
     return gpus
 
 
@@ -214,7 +218,8 @@ def cuda_version_from_nvidia_smi(lines: list[str]) -> str | None:
 
 
 def parse_gpu_report(lines: list[str]) -> GpuReport:
-    """Parse query rows and the banner line printed together (one `nvidia-smi --query-gpu` call followed by `nvidia-smi`)."""
+    """Parse query rows and the banner line printed together (`nvidia-smi --query-gpu`, then
+    `nvidia-smi`)."""
     return GpuReport(
         gpus=tuple(parse_nvidia_smi_csv(lines)),
         cuda_version=cuda_version_from_nvidia_smi(lines),

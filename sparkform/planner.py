@@ -73,11 +73,14 @@ class Plan:
 
     def as_dict(self) -> dict:
         return {
-            "host": self.host, "memory_total_gib": self.memory_total_gib,
-            "headroom_gib": self.headroom_gib, "used_gib": self.used_gib, "free_gib": self.free_gib,
-            "engines": [asdict(e) | {"pool_tokens": e.pool_tokens, "concurrency": e.concurrency}
-                        for e in self.engines],
-            "split": asdict(self.split) if self.split else None, "split_note": self.split_note,
+            "host": self.host,
+            "memory_total_gib": self.memory_total_gib,
+            "headroom_gib": self.headroom_gib,
+            "used_gib": self.used_gib,
+            "free_gib": self.free_gib,
+            "engines": [asdict(e) | {"pool_tokens": e.pool_tokens, "concurrency": e.concurrency} for e in self.engines],
+            "split": asdict(self.split) if self.split else None,
+            "split_note": self.split_note,
         }
 
 
@@ -102,8 +105,11 @@ def _kv_gib(engine: Engine, share_gib: float) -> tuple[float | None, float | Non
         measured_util = measured.gpu_memory_utilization or engine.gpu_memory_utilization
         # Weights and workspace do not move with the utilization; the pool takes the difference.
         non_kv = share_gib / engine.gpu_memory_utilization * measured_util - measured.kv_cache_gib
-        source = "measured" if measured_util == engine.gpu_memory_utilization else \
-            f"measured at {measured_util:.2f}, re-derived"
+        source = (
+            "measured"
+            if measured_util == engine.gpu_memory_utilization
+            else f"measured at {measured_util:.2f}, re-derived"
+        )
         return max(share_gib - non_kv, 0.0), non_kv, source
     if engine.weights_gib is not None:
         non_kv = engine.weights_gib + engine.non_kv_overhead_gib
@@ -116,16 +122,28 @@ def _state_blocks(host: Host, engine: Engine, kv_gib: float | None) -> int | Non
     if config is None or kv_gib is None:
         return None
     return modelconfig.geometry(config).state_blocks(
-        kv_gib * GIB, modelconfig.kv_dtype_bytes(engine.kv_cache_dtype, config))
+        kv_gib * GIB, modelconfig.kv_dtype_bytes(engine.kv_cache_dtype, config)
+    )
 
 
 def engine_plan(host: Host, engine: Engine) -> EnginePlan:
     share = engine.gpu_memory_utilization * host.config.memory_total_gib
     kv_gib, non_kv, kv_source = _kv_gib(engine, share)
     per_gib, tokens_source = _tokens_per_gib(host, engine)
-    return EnginePlan(engine.name, engine.gpu_memory_utilization, share, engine.weights_gib,
-                      non_kv, kv_gib, kv_source, per_gib, tokens_source, engine.max_model_len,
-                      engine.max_num_seqs, _state_blocks(host, engine, kv_gib))
+    return EnginePlan(
+        engine.name,
+        engine.gpu_memory_utilization,
+        share,
+        engine.weights_gib,
+        non_kv,
+        kv_gib,
+        kv_source,
+        per_gib,
+        tokens_source,
+        engine.max_model_len,
+        engine.max_num_seqs,
+        _state_blocks(host, engine, kv_gib),
+    )
 
 
 def state_block_problems(host: Host) -> list[Problem]:
@@ -136,11 +154,17 @@ def state_block_problems(host: Host) -> list[Problem]:
     for engine in host.config.enabled_engines:
         blocks = engine_plan(host, engine).state_blocks
         if blocks is not None and engine.max_num_seqs > blocks:
-            problems.append(Problem(
-                host.name, "max_num_seqs", engine.max_num_seqs,
-                f"above the {blocks} Mamba cache blocks the planner predicts for this pool (each "
-                "decoding sequence holds one); vLLM would refuse CUDA graph capture at start",
-                f"lower max_num_seqs to at most {blocks} or raise gpu_memory_utilization", engine.name))
+            problems.append(
+                Problem(
+                    host.name,
+                    "max_num_seqs",
+                    engine.max_num_seqs,
+                    f"above the {blocks} Mamba cache blocks the planner predicts for this pool (each "
+                    "decoding sequence holds one); vLLM would refuse CUDA graph capture at start",
+                    f"lower max_num_seqs to at most {blocks} or raise gpu_memory_utilization",
+                    engine.name,
+                )
+            )
     return problems
 
 
@@ -164,8 +188,7 @@ def recommend_split(plans: list[EnginePlan], total_gib: float) -> tuple[Split | 
     def concurrency_at(p: EnginePlan, util: float) -> float:
         return (util * total_gib - p.non_kv_gib) / gib_per_request[p.name]
 
-    utilization = {p.name: round((p.non_kv_gib + target * gib_per_request[p.name]) / total_gib, 2)
-                   for p in plans}
+    utilization = {p.name: round((p.non_kv_gib + target * gib_per_request[p.name]) / total_gib, 2) for p in plans}
     # Rounding must not grow the total: take the excess from whoever keeps the most concurrency.
     while sum(utilization.values()) > budget / total_gib + 1e-9:
         richest = max(plans, key=lambda p: concurrency_at(p, utilization[p.name] - 0.01))
@@ -185,28 +208,59 @@ def _fmt(value: float | int | None, spec: str) -> str:
     return "?" if value is None else format(value, spec)
 
 
+def _aligned(row: list[str], widths: list[int]) -> list[str]:
+    """The first cell left-aligned, the figures right-aligned."""
+    return [cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))]
+
+
 def format_plan(result: Plan) -> str:
-    header = ("engine", "util", "share GiB", "weights GiB", "non-KV GiB", "KV GiB", "tok/GiB",
-              "KV pool tok", "window", "concurrency")
+    header = (
+        "engine",
+        "util",
+        "share GiB",
+        "weights GiB",
+        "non-KV GiB",
+        "KV GiB",
+        "tok/GiB",
+        "KV pool tok",
+        "window",
+        "concurrency",
+    )
     rows = [header]
     for e in result.engines:
-        rows.append((e.name, f"{e.utilization:.2f}", f"{e.share_gib:.2f}", _fmt(e.weights_gib, ".2f"),
-                     _fmt(e.non_kv_gib, ".2f"), _fmt(e.kv_gib, ".2f"), _fmt(e.tokens_per_gib, ",.0f"),
-                     _fmt(e.pool_tokens, ","), f"{e.max_model_len:,}",
-                     "?" if e.concurrency is None else f"{e.concurrency:.2f}x"))
+        rows.append(
+            (
+                e.name,
+                f"{e.utilization:.2f}",
+                f"{e.share_gib:.2f}",
+                _fmt(e.weights_gib, ".2f"),
+                _fmt(e.non_kv_gib, ".2f"),
+                _fmt(e.kv_gib, ".2f"),
+                _fmt(e.tokens_per_gib, ",.0f"),
+                _fmt(e.pool_tokens, ","),
+                f"{e.max_model_len:,}",
+                "?" if e.concurrency is None else f"{e.concurrency:.2f}x",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [f"host {result.host}: {result.memory_total_gib:.1f} GiB unified memory"]
-    lines += ["  " + "  ".join(cell.rjust(w) if i else cell.ljust(w)
-                               for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
-    lines.append(f"  engines take {result.used_gib:.2f} GiB; {result.free_gib:.2f} GiB stays free "
-                 f"(headroom asked: {result.headroom_gib:.1f} GiB)")
+    lines += ["  " + "  ".join(_aligned(row, widths)) for row in rows]
+    lines.append(
+        f"  engines take {result.used_gib:.2f} GiB; {result.free_gib:.2f} GiB stays free "
+        f"(headroom asked: {result.headroom_gib:.1f} GiB)"
+    )
     for e in result.engines:
-        blocks = "" if e.state_blocks is None else \
-            f"; {e.state_blocks:,} Mamba cache blocks for max_num_seqs {e.max_num_seqs}"
+        blocks = (
+            ""
+            if e.state_blocks is None
+            else f"; {e.state_blocks:,} Mamba cache blocks for max_num_seqs {e.max_num_seqs}"
+        )
         lines.append(f"  {e.name}: KV from {e.kv_source}; tokens/GiB from {e.tokens_source}{blocks}")
     if result.split:
-        parts = ", ".join(f"{name} {util:.2f} ({result.split.concurrency[name]:.2f}x)"
-                          for name, util in result.split.utilization.items())
+        parts = ", ".join(
+            f"{name} {util:.2f} ({result.split.concurrency[name]:.2f}x)"
+            for name, util in result.split.utilization.items()
+        )
         lines.append(f"  recommended split ({result.split_note}): {parts}")
     else:
         lines.append(f"  recommended split: none ({result.split_note})")

@@ -80,8 +80,7 @@ def prerequisite_packages(device: str) -> list[str]:
     vLLM's JIT paths compile with (torch inductor's C++ kernels, Triton's launcher, FlashInfer's
     nvcc host compiler): without them one request to such a path kills the engine. vLLM's CPU
     build loads libnuma."""
-    packages = ["python3", "python3-venv", "python3-dev", "curl", "util-linux", "gawk", "iproute2",
-                "nginx", "g++"]
+    packages = ["python3", "python3-venv", "python3-dev", "curl", "util-linux", "gawk", "iproute2", "nginx", "g++"]
     return packages + ["libnuma1"] if device == "cpu" else packages
 
 
@@ -129,16 +128,23 @@ def engine_environment(config: HostConfig, engine: Engine) -> dict[str, str]:
 def engine_args(config: HostConfig, engine: Engine) -> list[str]:
     """Arguments of the API server, one token each (the args file holds one per line)."""
     args = [
-        "--model", config.checkpoint_dir(engine),
-        "--served-model-name", *engine.names,
+        "--model",
+        config.checkpoint_dir(engine),
+        "--served-model-name",
+        *engine.names,
         # Behind the front: only nginx (and the readiness helper) reach the engine itself.
-        "--host", "127.0.0.1",
-        "--port", str(config.internal_port(engine)),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(config.internal_port(engine)),
         # /docs and /openapi.json describe every route, guarded or not.
         "--disable-fastapi-docs",
-        "--max-model-len", str(engine.max_model_len),
-        "--max-num-seqs", str(engine.max_num_seqs),
-        "--generation-config", engine.generation_config,
+        "--max-model-len",
+        str(engine.max_model_len),
+        "--max-num-seqs",
+        str(engine.max_num_seqs),
+        "--generation-config",
+        engine.generation_config,
     ]
     if engine.kv_cache_memory_bytes:
         args += ["--kv-cache-memory-bytes", str(engine.kv_cache_memory_bytes)]
@@ -182,16 +188,35 @@ def guard_settings(config: HostConfig) -> dict:
     """What sparkform-guard knows about the host (no secret: the webhook URL stays in its file)."""
     return {
         # need_gib: the MemAvailable the launch script wants before it starts the engine.
-        "engines": [{"name": e.name, "unit": e.unit, "port": config.internal_port(e), "names": e.names,
-                     "priority": e.priority, "need_gib": round(min_available_kib(config, e) / 2**20, 2)}
-                    for e in config.enabled_engines],
+        "engines": [
+            {
+                "name": e.name,
+                "unit": e.unit,
+                "port": config.internal_port(e),
+                "names": e.names,
+                "priority": e.priority,
+                "need_gib": round(min_available_kib(config, e) / 2**20, 2),
+            }
+            for e in config.enabled_engines
+        ],
         "state_dir": record_dir(config.state_dir),
         "webhook_file": config.paths.alert_webhook if config.alert_webhook_file else None,
         "alert_command": config.alert_command,
-        **{key: getattr(config, key) for key in (
-            "recover_cooldown_s", "recover_backoff_max_s", "watchdog_interval_s", "watchdog_deadline_s",
-            "watchdog_failures", "memory_warn_gib", "memory_critical_gib", "memory_margin_gib")},
-        "memory_poll_s": 2, "memory_settle_s": 10,
+        **{
+            key: getattr(config, key)
+            for key in (
+                "recover_cooldown_s",
+                "recover_backoff_max_s",
+                "watchdog_interval_s",
+                "watchdog_deadline_s",
+                "watchdog_failures",
+                "memory_warn_gib",
+                "memory_critical_gib",
+                "memory_margin_gib",
+            )
+        },
+        "memory_poll_s": 2,
+        "memory_settle_s": 10,
     }
 
 
@@ -211,50 +236,92 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
     """Every file sparkform puts on the host, with its path and mode."""
     paths = config.paths
     files = [
-        RenderedFile(paths.launch,
-                     _render("sparkform-launch.sh.j2", config=config, complete_marker=COMPLETE_MARKER), "755"),
+        RenderedFile(
+            paths.launch, _render("sparkform-launch.sh.j2", config=config, complete_marker=COMPLETE_MARKER), "755"
+        ),
         RenderedFile(paths.wait_ready, _render("sparkform-wait-ready.sh.j2", config=config), "755"),
         # Run by the venv's python (it needs huggingface_hub), so not executable on its own.
-        RenderedFile(paths.checkpoint,
-                     _render("sparkform-checkpoint.py.j2", complete_marker=COMPLETE_MARKER,
-                             manifest=CHECKPOINT_MANIFEST), "644"),
+        RenderedFile(
+            paths.checkpoint,
+            _render("sparkform-checkpoint.py.j2", complete_marker=COMPLETE_MARKER, manifest=CHECKPOINT_MANIFEST),
+            "644",
+        ),
         # Run by the system's python3 at the end of a converge.
         RenderedFile(paths.record, _render("sparkform-record.py.j2"), "644"),
-        RenderedFile(PROFILE_CAPS,
-                     _render("profile-caps.sh.j2", config=config, caps=config.compile_caps.as_env()), "644"),
+        RenderedFile(
+            PROFILE_CAPS, _render("profile-caps.sh.j2", config=config, caps=config.compile_caps.as_env()), "644"
+        ),
     ]
     if config.enabled_engines:
-        files.append(RenderedFile(unit_path(ENGINES_TARGET),
-                                  _render("sparkform-engines.target.j2", config=config), "644"))
+        files.append(
+            RenderedFile(unit_path(ENGINES_TARGET), _render("sparkform-engines.target.j2", config=config), "644")
+        )
     guard_config, guard_script, guard_unit, recover_unit = guard_files(config)
     files += [
-        RenderedFile(guard_script, _render("sparkform-guard.py.j2", guard_config=guard_config,
-                                                       message_id=ALERT_MESSAGE_ID), "644"),
+        RenderedFile(
+            guard_script,
+            _render("sparkform-guard.py.j2", guard_config=guard_config, message_id=ALERT_MESSAGE_ID),
+            "644",
+        ),
         RenderedFile(guard_config, json.dumps(guard_settings(config), indent=2) + "\n", "644"),
-        RenderedFile(guard_unit, _render("sparkform-guard.service.j2", config=config, guard_config=guard_config,
-                             state_folder=record_dir(config.state_dir)), "644"),
-        RenderedFile(recover_unit, _render("sparkform-recover@.service.j2", config=config, guard_config=guard_config), "644"),
+        RenderedFile(
+            guard_unit,
+            _render(
+                "sparkform-guard.service.j2",
+                config=config,
+                guard_config=guard_config,
+                state_folder=record_dir(config.state_dir),
+            ),
+            "644",
+        ),
+        RenderedFile(
+            recover_unit, _render("sparkform-recover@.service.j2", config=config, guard_config=guard_config), "644"
+        ),
     ]
     listen, listen_options = front_listen(config)
     files += [
-        RenderedFile(FRONT_CONFIG, _render("nginx-front.conf.j2", config=config, routes=FRONT_ROUTES,
-                                           key=config.api_key_file is not None, listen=listen,
-                                           listen_options=listen_options), "644"),
+        RenderedFile(
+            FRONT_CONFIG,
+            _render(
+                "nginx-front.conf.j2",
+                config=config,
+                routes=FRONT_ROUTES,
+                key=config.api_key_file is not None,
+                listen=listen,
+                listen_options=listen_options,
+            ),
+            "644",
+        ),
         RenderedFile(FRONT_DROP_IN, _render("nginx-hardening.conf.j2"), "644"),
     ]
     for engine in config.engines:
         environment = engine_environment(config, engine)
         env_file, args_file = config.paths.engine_settings(engine.name)
         files += [
-            RenderedFile(unit_path(engine.unit),
-                         _render("engine.service.j2", config=config, engine=engine, environment=environment,
-                                 after_units=bootchain.after_units(config, engine)),
-                         "644", engine.name),
-            RenderedFile(env_file,
-                         _render("engine.env.j2", config=config, engine=engine, environment=environment,
-                                 min_available_kib=min_available_kib(config, engine)),
-                         "644", engine.name),
-            RenderedFile(args_file,
-                         _render("engine.args.j2", args=engine_args(config, engine)), "644", engine.name),
+            RenderedFile(
+                unit_path(engine.unit),
+                _render(
+                    "engine.service.j2",
+                    config=config,
+                    engine=engine,
+                    environment=environment,
+                    after_units=bootchain.after_units(config, engine),
+                ),
+                "644",
+                engine.name,
+            ),
+            RenderedFile(
+                env_file,
+                _render(
+                    "engine.env.j2",
+                    config=config,
+                    engine=engine,
+                    environment=environment,
+                    min_available_kib=min_available_kib(config, engine),
+                ),
+                "644",
+                engine.name,
+            ),
+            RenderedFile(args_file, _render("engine.args.j2", args=engine_args(config, engine)), "644", engine.name),
         ]
     return files

@@ -16,9 +16,16 @@ def alias(host_name: str) -> str:
 def write_config(host_name: str, data: dict[str, Any], folder: Path) -> Path:
     """An ssh_config for the host from its pyinfra data (ssh_hostname, ssh_user, ssh_port,
     ssh_key, ssh_known_hosts_file, ssh_strict_host_key_checking); connections share a master."""
-    lines = [f"Host {alias(host_name)}", f"  HostName {data.get('ssh_hostname', host_name)}",
-             f"  User {data.get('ssh_user', 'root')}", "  BatchMode yes", "  ConnectTimeout 10",
-             "  ControlMaster auto", f"  ControlPath {folder}/cm-%C", "  ControlPersist 60"]
+    lines = [
+        f"Host {alias(host_name)}",
+        f"  HostName {data.get('ssh_hostname', host_name)}",
+        f"  User {data.get('ssh_user', 'root')}",
+        "  BatchMode yes",
+        "  ConnectTimeout 10",
+        "  ControlMaster auto",
+        f"  ControlPath {folder}/cm-%C",
+        "  ControlPersist 60",
+    ]
     if data.get("ssh_port"):
         lines.append(f"  Port {data['ssh_port']}")
     if data.get("ssh_key"):
@@ -35,5 +42,6 @@ def write_config(host_name: str, data: dict[str, Any], folder: Path) -> Path:
 
 def run(config: Path, host_name: str, command: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run `command` on the host; the result carries its exit code and output (255: no connection)."""
-    return subprocess.run(["ssh", "-F", str(config), alias(host_name), command], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        ["ssh", "-F", str(config), alias(host_name), command], capture_output=True, text=True, timeout=timeout
+    )

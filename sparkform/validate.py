@@ -74,8 +74,16 @@ def _model_configs(host: str, config: HostConfig, base_dir: Path) -> tuple[dict,
             modelconfig.geometry(configs[engine.name])
         except modelconfig.ModelConfigError as err:
             configs.pop(engine.name, None)
-            problems.append(Problem(host, "model_config_path", engine.model_config_path, str(err),
-                                    "point it at the checkpoint's config.json", engine.name))
+            problems.append(
+                Problem(
+                    host,
+                    "model_config_path",
+                    engine.model_config_path,
+                    str(err),
+                    "point it at the checkpoint's config.json",
+                    engine.name,
+                )
+            )
     return configs, problems
 
 
@@ -91,8 +99,14 @@ def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Ho
     Relative local paths (secret files, the wheelhouse source, the lock, model configs) resolve against `base_dir`, the
     inventory's folder, whatever the current directory is.
     """
-    data = {**data, **{key: str((base_dir / Path(data[key]).expanduser()).resolve())
-                       for key in LOCAL_PATH_FIELDS if isinstance(data.get(key), str)}}
+    data = {
+        **data,
+        **{
+            key: str((base_dir / Path(data[key]).expanduser()).resolve())
+            for key in LOCAL_PATH_FIELDS
+            if isinstance(data.get(key), str)
+        },
+    }
     try:
         config = HostConfig.model_validate(data)
     except ValidationError as err:
@@ -114,18 +128,39 @@ def _host_key_problems(name: str, data: dict[str, Any], base_dir: Path) -> list[
         return []
     if (base_dir / Path(known_hosts).expanduser()).is_file():
         return []
-    return [Problem(name, "ssh_known_hosts_file", known_hosts,
-                    "no such file, and strict host key checking trusts no key it does not hold",
-                    f"record the host's key once (README, \"Pinned host keys\"): ssh-keyscan -t ed25519 "
-                    f"{data.get('ssh_hostname', name)} >> {known_hosts}, after comparing its fingerprint with "
-                    "the one the host's console shows")]
+    return [
+        Problem(
+            name,
+            "ssh_known_hosts_file",
+            known_hosts,
+            "no such file, and strict host key checking trusts no key it does not hold",
+            f'record the host\'s key once (README, "Pinned host keys"): ssh-keyscan -t ed25519 '
+            f"{data.get('ssh_hostname', name)} >> {known_hosts}, after comparing its fingerprint with "
+            "the one the host's console shows",
+        )
+    ]
 
 
 def host_problems(host: Host) -> list[Problem]:
     problems: list[Problem] = []
-    for rule in (_root_folders_apart, _memory_pool, _unique, _front, _memory_floors, bootchain.chain_problems, _mtp_and_vision, _timeouts, _cgroup_caps,
-                 _compile_storm, _cpu_pool, _native_window, _secret_files, _wheelhouse, _lock,
-                 state_block_problems):
+    for rule in (
+        _root_folders_apart,
+        _memory_pool,
+        _unique,
+        _front,
+        _memory_floors,
+        bootchain.chain_problems,
+        _mtp_and_vision,
+        _timeouts,
+        _cgroup_caps,
+        _compile_storm,
+        _cpu_pool,
+        _native_window,
+        _secret_files,
+        _wheelhouse,
+        _lock,
+        state_block_problems,
+    ):
         problems += rule(host)
     return problems
 
@@ -138,9 +173,15 @@ def _root_folders_apart(host: Host) -> list[Problem]:
     for field_name in ("state_dir", "models_dir", "config_dir", "lib_dir", "venv_root"):
         path = getattr(cfg, field_name)
         if f"{path}/".startswith(f"{cfg.cache_root}/"):
-            problems.append(Problem(host.name, field_name, path,
-                                    f"lies inside cache_root ({cfg.cache_root}), where the engines write",
-                                    "give it a folder outside cache_root, e.g. the default"))
+            problems.append(
+                Problem(
+                    host.name,
+                    field_name,
+                    path,
+                    f"lies inside cache_root ({cfg.cache_root}), where the engines write",
+                    "give it a folder outside cache_root, e.g. the default",
+                )
+            )
     return problems
 
 
@@ -152,14 +193,18 @@ def _memory_pool(host: Host) -> list[Problem]:
     if share * cfg.memory_total_gib <= budget + 1e-9:
         return []
     terms = " + ".join(f"{e.gpu_memory_utilization:.2f} ({e.name})" for e in engines)
-    return [Problem(
-        host.name, "gpu_memory_utilization", {e.name: e.gpu_memory_utilization for e in engines},
-        f"{terms} = {share:.2f} of {cfg.memory_total_gib:.1f} GiB is "
-        f"{share * cfg.memory_total_gib:.1f} GiB, over the {budget:.1f} GiB left after "
-        f"{cfg.memory_headroom_gib:.1f} GiB of headroom",
-        f"lower the utilizations so they sum to at most {budget / cfg.memory_total_gib:.2f} "
-        f"(`sparkform plan` recommends a split), or lower memory_headroom_gib knowingly",
-    )]
+    return [
+        Problem(
+            host.name,
+            "gpu_memory_utilization",
+            {e.name: e.gpu_memory_utilization for e in engines},
+            f"{terms} = {share:.2f} of {cfg.memory_total_gib:.1f} GiB is "
+            f"{share * cfg.memory_total_gib:.1f} GiB, over the {budget:.1f} GiB left after "
+            f"{cfg.memory_headroom_gib:.1f} GiB of headroom",
+            f"lower the utilizations so they sum to at most {budget / cfg.memory_total_gib:.2f} "
+            f"(`sparkform plan` recommends a split), or lower memory_headroom_gib knowingly",
+        )
+    ]
 
 
 def _unique(host: Host) -> list[Problem]:
@@ -169,21 +214,42 @@ def _unique(host: Host) -> list[Problem]:
     served: dict[str, str] = {}
     for engine in host.config.engines:
         if engine.name in seen_names:
-            problems.append(Problem(host.name, "name", engine.name, "two engines share this name",
-                                    "give each engine its own name", engine.name))
+            problems.append(
+                Problem(
+                    host.name,
+                    "name",
+                    engine.name,
+                    "two engines share this name",
+                    "give each engine its own name",
+                    engine.name,
+                )
+            )
         seen_names.add(engine.name)
         if engine.port in ports:
-            problems.append(Problem(host.name, "port", engine.port,
-                                    f"engine {ports[engine.port]} already listens on it",
-                                    "give each engine its own port", engine.name))
+            problems.append(
+                Problem(
+                    host.name,
+                    "port",
+                    engine.port,
+                    f"engine {ports[engine.port]} already listens on it",
+                    "give each engine its own port",
+                    engine.name,
+                )
+            )
         ports.setdefault(engine.port, engine.name)
         for alias in engine.names:
             if alias in served and served[alias] != engine.name:
-                problems.append(Problem(
-                    host.name, "served_names", alias,
-                    f"engine {served[alias]} already answers to this name, so clients could "
-                    f"not tell which model serves them", "serve each name from one engine only",
-                    engine.name))
+                problems.append(
+                    Problem(
+                        host.name,
+                        "served_names",
+                        alias,
+                        f"engine {served[alias]} already answers to this name, so clients could "
+                        f"not tell which model serves them",
+                        "serve each name from one engine only",
+                        engine.name,
+                    )
+                )
             served.setdefault(alias, engine.name)
     return problems
 
@@ -194,20 +260,31 @@ def _mtp_and_vision(host: Host) -> list[Problem]:
         spec = engine.speculative_config or {}
         vision_names = [name for name in engine.names if "vision" in name.lower()]
         if spec.get("method") == "mtp" and not engine.language_model_only:
-            problems.append(Problem(
-                host.name, "speculative_config", spec,
-                "MTP speculative decoding needs language_model_only: true on these checkpoints",
-                "set language_model_only: true (this drops the vision tower) or remove "
-                "speculative_config", engine.name))
+            problems.append(
+                Problem(
+                    host.name,
+                    "speculative_config",
+                    spec,
+                    "MTP speculative decoding needs language_model_only: true on these checkpoints",
+                    "set language_model_only: true (this drops the vision tower) or remove speculative_config",
+                    engine.name,
+                )
+            )
         if engine.language_model_only and (engine.multimodal or vision_names):
-            problems.append(Problem(
-                host.name, "language_model_only", True,
-                f"the engine answers to {', '.join(vision_names) or 'image requests'} "
-                "(multimodal), and --language-model-only disables the vision tower, so image "
-                "requests would fail. On the owner's Spark MTP was 2.13x faster on code but needs "
-                "this flag, and the vision alias won (docs/incidents.md#mtp-vs-vision)",
-                "choose one: drop language_model_only (and MTP), or drop the vision alias and "
-                "multimodal and serve vision from another engine", engine.name))
+            problems.append(
+                Problem(
+                    host.name,
+                    "language_model_only",
+                    True,
+                    f"the engine answers to {', '.join(vision_names) or 'image requests'} "
+                    "(multimodal), and --language-model-only disables the vision tower, so image "
+                    "requests would fail. On the owner's Spark MTP was 2.13x faster on code but needs "
+                    "this flag, and the vision alias won (docs/incidents.md#mtp-vs-vision)",
+                    "choose one: drop language_model_only (and MTP), or drop the vision alias and "
+                    "multimodal and serve vision from another engine",
+                    engine.name,
+                )
+            )
     return problems
 
 
@@ -215,11 +292,16 @@ def _timeouts(host: Host) -> list[Problem]:
     cfg = host.config
     if cfg.timeout_start_s > cfg.readiness_budget_s:
         return []
-    return [Problem(
-        host.name, "timeout_start_s", cfg.timeout_start_s,
-        f"TimeoutStartSec must exceed the readiness budget ({cfg.readiness_budget_s} s), or "
-        "systemd kills the start before the helper can report why it failed",
-        f"set timeout_start_s above {cfg.readiness_budget_s} (the shipped Spark inventory: 1200 against 1080)")]
+    return [
+        Problem(
+            host.name,
+            "timeout_start_s",
+            cfg.timeout_start_s,
+            f"TimeoutStartSec must exceed the readiness budget ({cfg.readiness_budget_s} s), or "
+            "systemd kills the start before the helper can report why it failed",
+            f"set timeout_start_s above {cfg.readiness_budget_s} (the shipped Spark inventory: 1200 against 1080)",
+        )
+    ]
 
 
 def _cgroup_caps(host: Host) -> list[Problem]:
@@ -234,17 +316,29 @@ def _cgroup_caps(host: Host) -> list[Problem]:
             continue
         name = engine.name if engine else None
         if highest <= high:
-            problems.append(Problem(
-                host.name, "memory_max_gib", highest,
-                f"MemoryMax must be above MemoryHigh ({high} GiB): MemoryHigh throttles first, "
-                "MemoryMax kills the unit last",
-                f"raise memory_max_gib above {high} or lower memory_high_gib", name))
+            problems.append(
+                Problem(
+                    host.name,
+                    "memory_max_gib",
+                    highest,
+                    f"MemoryMax must be above MemoryHigh ({high} GiB): MemoryHigh throttles first, "
+                    "MemoryMax kills the unit last",
+                    f"raise memory_max_gib above {high} or lower memory_high_gib",
+                    name,
+                )
+            )
         if highest > cfg.memory_total_gib:
-            problems.append(Problem(
-                host.name, "memory_max_gib", highest,
-                f"above the {cfg.memory_total_gib} GiB the host has, so the kernel's global OOM "
-                "killer would act before the unit's cap (docs/incidents.md#memory-ceiling)",
-                f"set memory_max_gib below memory_total_gib ({cfg.memory_total_gib})", name))
+            problems.append(
+                Problem(
+                    host.name,
+                    "memory_max_gib",
+                    highest,
+                    f"above the {cfg.memory_total_gib} GiB the host has, so the kernel's global OOM "
+                    "killer would act before the unit's cap (docs/incidents.md#memory-ceiling)",
+                    f"set memory_max_gib below memory_total_gib ({cfg.memory_total_gib})",
+                    name,
+                )
+            )
     return problems
 
 
@@ -254,21 +348,34 @@ def _compile_storm(host: Host) -> list[Problem]:
     if peak <= cfg.memory_headroom_gib:
         return []
     safe = max(1, int(cfg.memory_headroom_gib // cfg.compiler_peak_gib))
-    return [Problem(
-        host.name, "compile_caps.max_jobs", cfg.compile_caps.max_jobs,
-        f"{cfg.compile_caps.max_jobs} compilers x {cfg.compiler_peak_gib} GiB = {peak:.1f} GiB "
-        f"exceeds the {cfg.memory_headroom_gib} GiB headroom: a cold JIT cache would OOM the "
-        "box (docs/incidents.md#compile-storm)",
-        f"set compile_caps.max_jobs to at most {safe}")]
+    return [
+        Problem(
+            host.name,
+            "compile_caps.max_jobs",
+            cfg.compile_caps.max_jobs,
+            f"{cfg.compile_caps.max_jobs} compilers x {cfg.compiler_peak_gib} GiB = {peak:.1f} GiB "
+            f"exceeds the {cfg.memory_headroom_gib} GiB headroom: a cold JIT cache would OOM the "
+            "box (docs/incidents.md#compile-storm)",
+            f"set compile_caps.max_jobs to at most {safe}",
+        )
+    ]
 
 
 def _cpu_pool(host: Host) -> list[Problem]:
     if host.config.device != "cpu":
         return []
-    return [Problem(host.name, "kv_cache_memory_bytes", None,
-                    "vLLM's CPU build cannot size its KV pool from a utilization and fails at start",
-                    "set kv_cache_memory_bytes (e.g. 268435456)", engine.name)
-            for engine in host.config.engines if engine.kv_cache_memory_bytes is None]
+    return [
+        Problem(
+            host.name,
+            "kv_cache_memory_bytes",
+            None,
+            "vLLM's CPU build cannot size its KV pool from a utilization and fails at start",
+            "set kv_cache_memory_bytes (e.g. 268435456)",
+            engine.name,
+        )
+        for engine in host.config.engines
+        if engine.kv_cache_memory_bytes is None
+    ]
 
 
 def _native_window(host: Host) -> list[Problem]:
@@ -279,11 +386,17 @@ def _native_window(host: Host) -> list[Problem]:
             continue
         native = modelconfig.geometry(config).native_max_len
         if native and engine.max_model_len > native:
-            problems.append(Problem(
-                host.name, "max_model_len", engine.max_model_len,
-                f"above the checkpoint's native maximum of {native:,} tokens "
-                "(max_position_embeddings); vLLM refuses to start",
-                f"set max_model_len to at most {native}", engine.name))
+            problems.append(
+                Problem(
+                    host.name,
+                    "max_model_len",
+                    engine.max_model_len,
+                    f"above the checkpoint's native maximum of {native:,} tokens "
+                    "(max_position_embeddings); vLLM refuses to start",
+                    f"set max_model_len to at most {native}",
+                    engine.name,
+                )
+            )
     return problems
 
 
@@ -295,17 +408,31 @@ def _secret_files(host: Host) -> list[Problem]:
             continue
         file = Path(path).expanduser()
         if not file.is_file():
-            problems.append(Problem(host.name, field_name, path, "no such file on this machine",
-                                    "write the secret to that file (chmod 600) or unset the field"))
+            problems.append(
+                Problem(
+                    host.name,
+                    field_name,
+                    path,
+                    "no such file on this machine",
+                    "write the secret to that file (chmod 600) or unset the field",
+                )
+            )
         elif file.stat().st_mode & 0o077:
-            problems.append(Problem(host.name, field_name, path,
-                                    "the secret file is readable by other users",
-                                    f"chmod 600 {path}"))
+            problems.append(
+                Problem(host.name, field_name, path, "the secret file is readable by other users", f"chmod 600 {path}")
+            )
         elif field_name == "api_key_file":
             problems += _api_key_shape(host.name, path, file.read_text().strip())
         elif field_name == "alert_webhook_file" and not WEBHOOK_URL.fullmatch(file.read_text().strip()):
-            problems.append(Problem(host.name, field_name, path, "the file does not hold one http(s) URL",
-                                    f"write the webhook's URL alone into {path}, e.g. https://ntfy.sh/TOPIC"))
+            problems.append(
+                Problem(
+                    host.name,
+                    field_name,
+                    path,
+                    "the file does not hold one http(s) URL",
+                    f"write the webhook's URL alone into {path}, e.g. https://ntfy.sh/TOPIC",
+                )
+            )
     return problems
 
 
@@ -313,10 +440,16 @@ def _memory_floors(host: Host) -> list[Problem]:
     cfg = host.config
     if cfg.memory_critical_gib < cfg.memory_warn_gib:
         return []
-    return [Problem(host.name, "memory_critical_gib", cfg.memory_critical_gib,
-                    f"the critical floor must lie below the warning floor ({cfg.memory_warn_gib} GiB): "
-                    "the alert comes first, stopping an engine last",
-                    f"set memory_critical_gib below {cfg.memory_warn_gib}")]
+    return [
+        Problem(
+            host.name,
+            "memory_critical_gib",
+            cfg.memory_critical_gib,
+            f"the critical floor must lie below the warning floor ({cfg.memory_warn_gib} GiB): "
+            "the alert comes first, stopping an engine last",
+            f"set memory_critical_gib below {cfg.memory_warn_gib}",
+        )
+    ]
 
 
 def _api_key_shape(host: str, path: str, key: str) -> list[Problem]:
@@ -324,10 +457,16 @@ def _api_key_shape(host: str, path: str, key: str) -> list[Problem]:
     checked here (the message never shows the key)."""
     if API_KEY_PATTERN.fullmatch(key) and len(key) >= API_KEY_MIN_LENGTH:
         return []
-    return [Problem(host, "api_key_file", path,
-                    f"the key must be a bearer token of at least {API_KEY_MIN_LENGTH} characters from "
-                    "A-Z a-z 0-9 . _ ~ + / - (and = at the end), on one line",
-                    f"write a new key: openssl rand -hex 32 > {path}")]
+    return [
+        Problem(
+            host,
+            "api_key_file",
+            path,
+            f"the key must be a bearer token of at least {API_KEY_MIN_LENGTH} characters from "
+            "A-Z a-z 0-9 . _ ~ + / - (and = at the end), on one line",
+            f"write a new key: openssl rand -hex 32 > {path}",
+        )
+    ]
 
 
 def _front(host: Host) -> list[Problem]:
@@ -335,21 +474,32 @@ def _front(host: Host) -> list[Problem]:
     cfg = host.config
     problems = []
     if cfg.serves_lan and cfg.api_key_file is None and not cfg.open_lan_api_without_key:
-        problems.append(Problem(
-            host.name, "listen_address", cfg.listen_address,
-            "serves every engine to the LAN without an API key: anyone who reaches the box "
-            "runs the models", "set api_key_file to a file holding the key, or listen_address: "
-            "127.0.0.1 to keep the models on the host; to serve the LAN without a key on "
-            "purpose, set open_lan_api_without_key: true"))
+        problems.append(
+            Problem(
+                host.name,
+                "listen_address",
+                cfg.listen_address,
+                "serves every engine to the LAN without an API key: anyone who reaches the box runs the models",
+                "set api_key_file to a file holding the key, or listen_address: "
+                "127.0.0.1 to keep the models on the host; to serve the LAN without a key on "
+                "purpose, set open_lan_api_without_key: true",
+            )
+        )
     public = {engine.port: engine.name for engine in cfg.engines}
     for engine in cfg.engines:
         internal = cfg.internal_port(engine)
         if internal > 65535 or internal in public:
-            problems.append(Problem(
-                host.name, "internal_port_offset", cfg.internal_port_offset,
-                f"the engine's internal port {engine.port} + {cfg.internal_port_offset} = {internal} "
-                + ("is past 65535" if internal > 65535 else f"is engine {public[internal]}'s port"),
-                "pick an offset that lands every engine on a free port below 65536", engine.name))
+            problems.append(
+                Problem(
+                    host.name,
+                    "internal_port_offset",
+                    cfg.internal_port_offset,
+                    f"the engine's internal port {engine.port} + {cfg.internal_port_offset} = {internal} "
+                    + ("is past 65535" if internal > 65535 else f"is engine {public[internal]}'s port"),
+                    "pick an offset that lands every engine on a free port below 65536",
+                    engine.name,
+                )
+            )
     return problems
 
 
@@ -358,13 +508,25 @@ def _wheelhouse(host: Host) -> list[Problem]:
     if source is None:
         return []
     if host.config.wheelhouse is None:
-        return [Problem(host.name, "wheelhouse_source", source,
-                        "there is no host folder to copy the wheels into",
-                        "set wheelhouse to a folder on the host, e.g. /var/cache/sparkform/wheelhouse")]
+        return [
+            Problem(
+                host.name,
+                "wheelhouse_source",
+                source,
+                "there is no host folder to copy the wheels into",
+                "set wheelhouse to a folder on the host, e.g. /var/cache/sparkform/wheelhouse",
+            )
+        ]
     if not any(Path(source).expanduser().glob("*.whl")):
-        return [Problem(host.name, "wheelhouse_source", source, "no wheel (*.whl) in that folder on this machine",
-                        "download them first: pip download --require-hashes --no-deps --only-binary=:all: "
-                        "-d FOLDER -r LOCK")]
+        return [
+            Problem(
+                host.name,
+                "wheelhouse_source",
+                source,
+                "no wheel (*.whl) in that folder on this machine",
+                "download them first: pip download --require-hashes --no-deps --only-binary=:all: -d FOLDER -r LOCK",
+            )
+        ]
     return []
 
 
@@ -372,8 +534,10 @@ def _lock(host: Host) -> list[Problem]:
     """The venv installs exactly a complete hashed lock of the pinned vLLM: no lock, no venv."""
     cfg = host.config
     pin = f"{cfg.vllm_package}=={cfg.vllm_version}"
-    fix = (f"make it with `{locks.lock_command(cfg.vllm_package, cfg.vllm_version, cfg.device)}` (README, Locks), "
-           f"or point lock_file at a hashed lock of {pin}")
+    fix = (
+        f"make it with `{locks.lock_command(cfg.vllm_package, cfg.vllm_version, cfg.device)}` (README, Locks), "
+        f"or point lock_file at a hashed lock of {pin}"
+    )
     path = Path(cfg.lock)
     if not path.is_file():
         missing = f"the repo has no lock for {pin} on {cfg.device}" if cfg.lock_file is None else "no such file"

@@ -57,8 +57,10 @@ def _fetch(config: HostConfig, engine: Engine, folder: str, drifted: bool):
     # A deploy cut off mid-download can leave its fetch running: stop it first.
     yield f"pkill -f -- {shlex.quote(own_pattern(f'{script} {engine.checkpoint.repo} '))} || true"
     # Shell assignments, not `env NAME=value`: env's own argv would show the token in `ps`.
-    yield (f"{' '.join(env)} {shlex.quote(config.venv)}/bin/python {shlex.quote(script)} "
-           f"{shlex.quote(engine.checkpoint.repo)} {shlex.quote(config.commit(engine))} {shlex.quote(folder)}{includes}")
+    yield (
+        f"{' '.join(env)} {shlex.quote(config.venv)}/bin/python {shlex.quote(script)} "
+        f"{shlex.quote(engine.checkpoint.repo)} {shlex.quote(config.commit(engine))} {shlex.quote(folder)}{includes}"
+    )
 
 
 def stale_revisions(config: HostConfig, snapshot: Snapshot) -> list[str]:
@@ -69,9 +71,12 @@ def stale_revisions(config: HostConfig, snapshot: Snapshot) -> list[str]:
     pinned = {config.checkpoint_dir(engine) for engine in config.engines}
     stale = []
     for prefix in sorted({f"{config.models_dir}/{e.checkpoint.folder_prefix}" for e in config.engines}):
-        older = sorted((path for path in snapshot.checkpoints if path.startswith(prefix) and path not in pinned),
-                       key=lambda path: snapshot.checkpoints[path].mtime, reverse=True)
-        stale += older[config.keep_revisions:]
+        older = sorted(
+            (path for path in snapshot.checkpoints if path.startswith(prefix) and path not in pinned),
+            key=lambda path: snapshot.checkpoints[path].mtime,
+            reverse=True,
+        )
+        stale += older[config.keep_revisions :]
     return stale
 
 

@@ -19,8 +19,10 @@ WHY = r"(Error|error:|exceeds|refus|sparkform-|Failed with result|start request 
 def _explained(command: str, unit: str) -> str:
     """Run a systemctl command; on failure print why from the unit's journal since then, and fail."""
     journal = f"journalctl -u {shlex.quote(unit)} --since @$since --no-pager -o cat"
-    return (f"since=$(date +%s); {command} || {{ rc=$?; echo 'sparkform: {unit} failed to start; "
-            f"its journal:' >&2; {journal} | grep -E '{WHY}' | tail -n {JOURNAL_LINES} >&2; exit $rc; }}")
+    return (
+        f"since=$(date +%s); {command} || {{ rc=$?; echo 'sparkform: {unit} failed to start; "
+        f"its journal:' >&2; {journal} | grep -E '{WHY}' | tail -n {JOURNAL_LINES} >&2; exit $rc; }}"
+    )
 
 
 @operation()

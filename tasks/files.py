@@ -19,13 +19,22 @@ def replaced_file(path: str, line: str) -> str:
     rename: never through a link planted at either name (mktemp creates its file exclusively;
     a rename replaces a link, not what it points at)."""
     target = shlex.quote(path)
-    return (f"temp=$(mktemp {target}.XXXXXX) && printf '%s\\n' {shlex.quote(line)} > \"$temp\" "
-            f"&& chmod 644 \"$temp\" && mv -fT \"$temp\" {target}")
+    return (
+        f"temp=$(mktemp {target}.XXXXXX) && printf '%s\\n' {shlex.quote(line)} > \"$temp\" "
+        f'&& chmod 644 "$temp" && mv -fT "$temp" {target}'
+    )
 
 
 @operation()
-def managed_file(path: str, content: str, mode: str, current: RemoteFile | None,
-                 user: str = "root", group: str = "root", secret: bool = False):
+def managed_file(
+    path: str,
+    content: str,
+    mode: str,
+    current: RemoteFile | None,
+    user: str = "root",
+    group: str = "root",
+    secret: bool = False,
+):
     """
     Put `content` at `path` when the host's copy differs; with --diff show what changes.
 

@@ -22,8 +22,9 @@ def _listening(ports: list[int]) -> str:
 
 
 @operation()
-def front_serving(address: str, ports: list[int], current: EngineState | None, applied: str | None,
-                  wanted: str, stamp: str):
+def front_serving(
+    address: str, ports: list[int], current: EngineState | None, applied: str | None, wanted: str, stamp: str
+):
     """
     Enable and start nginx, restart it when its unit drop-in changed, or reload it when its
     configuration (or the API key it includes) changed since it last loaded them; `nginx -t`
@@ -54,7 +55,9 @@ def front_serving(address: str, ports: list[int], current: EngineState | None, a
     yield f"nginx -t -q && systemctl {verb} nginx.service"
     if ports:
         check = _listening(ports)
-        yield (f"for _ in $(seq {LISTEN_CHECKS}); do {{ {check} ; }} && exit 0; sleep {LISTEN_CHECK_PAUSE_S}; done; "
-               f"echo 'sparkform: nginx does not listen on every engine port ({address}: "
-               f"{' '.join(map(str, ports))}); see: journalctl -u nginx.service, /var/log/nginx/error.log' >&2; exit 1")
+        yield (
+            f"for _ in $(seq {LISTEN_CHECKS}); do {{ {check} ; }} && exit 0; sleep {LISTEN_CHECK_PAUSE_S}; done; "
+            f"echo 'sparkform: nginx does not listen on every engine port ({address}: "
+            f"{' '.join(map(str, ports))}); see: journalctl -u nginx.service, /var/log/nginx/error.log' >&2; exit 1"
+        )
     yield replaced_file(stamp, wanted)

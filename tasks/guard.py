@@ -44,5 +44,4 @@ def alerted(guard_script: str, event: str, message: str):
     + event: what happened (e.g. drift)
     + message: the alert's text (no secret)
     """
-    yield (f"python3 {shlex.quote(guard_script)} alert {shlex.quote(event)} - "
-           f"{shlex.quote(message)}")
+    yield (f"python3 {shlex.quote(guard_script)} alert {shlex.quote(event)} - {shlex.quote(message)}")

@@ -12,8 +12,7 @@ from sparkform.schema import HostConfig
 
 
 @operation()
-def host_recorded(config: HostConfig, planned: HostRecord, current: HostRecord | None,
-                  started: dict[str, bool]):
+def host_recorded(config: HostConfig, planned: HostRecord, current: HostRecord | None, started: dict[str, bool]):
     """
     Write the host record (root's, 0644) unless it already says what this run found and the
     run started no engine. Comes last: a failed converge leaves the previous record, so the
@@ -29,5 +28,7 @@ def host_recorded(config: HostConfig, planned: HostRecord, current: HostRecord |
         return
     units = {engine.name: engine.unit for engine in config.engines}
     measured = " ".join(f"{name}={units[name]}{':cold' if cold else ''}" for name, cold in started.items())
-    yield (f"python3 {shlex.quote(config.paths.record)} {shlex.quote(config.paths.host_record)} "
-           f"{shlex.quote(planned.to_json())} {measured}")
+    yield (
+        f"python3 {shlex.quote(config.paths.record)} {shlex.quote(config.paths.host_record)} "
+        f"{shlex.quote(planned.to_json())} {measured}"
+    )

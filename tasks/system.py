@@ -23,8 +23,9 @@ def packages_present(packages: list[str], snapshot: Snapshot):
     if not missing:
         host.noop("packages already installed")
         return
-    install = ("DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "
-               + " ".join(shlex.quote(name) for name in missing))
+    install = "DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends " + " ".join(
+        shlex.quote(name) for name in missing
+    )
     yield f"{install} || {{ apt-get update && {install} ; }}"
 
 
@@ -44,8 +45,10 @@ def system_user(user: str, home: str, snapshot: Snapshot):
         # Its home moved out of the (now root's) state folder.
         yield f"usermod --home {shlex.quote(home)} {shlex.quote(user)}"
         return
-    yield (f"useradd --system --user-group --home-dir {shlex.quote(home)} --no-create-home "
-           f"--shell /usr/sbin/nologin {shlex.quote(user)}")
+    yield (
+        f"useradd --system --user-group --home-dir {shlex.quote(home)} --no-create-home "
+        f"--shell /usr/sbin/nologin {shlex.quote(user)}"
+    )
 
 
 @operation()

@@ -35,7 +35,7 @@ def own_cgroups() -> list[Path]:
         mount = mounts.get(controllers.split(",")[0])
         if mount is None or not (path + "/").startswith(mount[0].rstrip("/") + "/"):
             continue  # hierarchy not mounted here, or our cgroup lies outside the mounted part
-        folders.append(Path(mount[1] + "/" + path[len(mount[0].rstrip("/")):].lstrip("/")))
+        folders.append(Path(mount[1] + "/" + path[len(mount[0].rstrip("/")) :].lstrip("/")))
     return folders
 
 

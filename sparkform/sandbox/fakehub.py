@@ -102,6 +102,7 @@ class FakeHub(HubStore):
 
 # --- HTTP ---------------------------------------------------------------------------------------
 
+
 def handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
     """A request handler class bound to `hub`."""
 
@@ -138,13 +139,15 @@ class HubHandler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client went away mid-body (an aborted download)
         finally:
-            self.hub.record({
-                "method": self.command,
-                "path": self.path,
-                "status": self._status,
-                "authorization": "Authorization" in self.headers,  # presence only, never the value
-                "range": self.headers.get("Range"),
-            })
+            self.hub.record(
+                {
+                    "method": self.command,
+                    "path": self.path,
+                    "status": self._status,
+                    "authorization": "Authorization" in self.headers,  # presence only, never the value
+                    "range": self.headers.get("Range"),
+                }
+            )
 
     def route(self, send_body: bool) -> None:
         """Dispatch on the path (segments are split before unquoting: revisions may hold %2F)."""
@@ -170,8 +173,15 @@ class HubHandler(BaseHTTPRequestHandler):
         """/api/models/{id}/revision/{rev}: the id, the commit, and (for older clients) siblings."""
         commit = self.hub.resolve(repo_id, revision)
         siblings = [{"rfilename": path} for path in self.hub.files(repo_id, commit)]
-        return {"id": repo_id, "modelId": repo_id, "sha": commit, "private": False, "gated": False,
-                "disabled": False, "siblings": siblings}
+        return {
+            "id": repo_id,
+            "modelId": repo_id,
+            "sha": commit,
+            "private": False,
+            "gated": False,
+            "disabled": False,
+            "siblings": siblings,
+        }
 
     def tree(self, repo_id: str, revision: str, folder: str, recursive: bool) -> list[dict[str, Any]]:
         """/api/models/{id}/tree/{rev}[/{path}]: files (and folders) under `folder`."""
@@ -181,13 +191,15 @@ class HubHandler(BaseHTTPRequestHandler):
         for path, meta in self.hub.files(repo_id, commit).items():
             if not path.startswith(prefix):
                 continue
-            below = path[len(prefix):].split("/")
+            below = path[len(prefix) :].split("/")
             # Folders on the way to the file: all of them when recursive, the first one otherwise.
             for depth in range(1, len(below) if recursive else min(len(below), 2)):
                 folder_path = prefix + "/".join(below[:depth])
                 # A stand-in oid: clients only use directory entries to tell them from files.
-                entries.setdefault(folder_path, {"type": "directory", "path": folder_path, "size": 0,
-                                                 "oid": git_blob_sha1(folder_path.encode())})
+                entries.setdefault(
+                    folder_path,
+                    {"type": "directory", "path": folder_path, "size": 0, "oid": git_blob_sha1(folder_path.encode())},
+                )
             if recursive or len(below) == 1:
                 entries[path] = meta.tree_entry()
         if prefix and not entries:
@@ -200,8 +212,12 @@ class HubHandler(BaseHTTPRequestHandler):
         meta = self.hub.files(repo_id, commit).get(path)
         if meta is None:
             raise HubError(404, "EntryNotFound", f"{path} does not exist on {revision}")
-        headers = {"X-Repo-Commit": commit, "ETag": meta.etag, "Accept-Ranges": "bytes",
-                   "Content-Type": "application/octet-stream"}
+        headers = {
+            "X-Repo-Commit": commit,
+            "ETag": meta.etag,
+            "Accept-Ranges": "bytes",
+            "Content-Type": "application/octet-stream",
+        }
         try:
             span = byte_range(self.headers.get("Range"), meta.size)
         except HubError as err:
@@ -254,7 +270,7 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
     Raises HubError 416 for a range that starts past the end."""
     if not header or not header.startswith("bytes=") or "," in header:
         return None
-    first_text, _, last_text = header[len("bytes="):].strip().partition("-")
+    first_text, _, last_text = header[len("bytes=") :].strip().partition("-")
     try:
         if first_text == "":  # a suffix range: the last N bytes
             first, last = max(size - int(last_text), 0), size - 1
@@ -286,10 +302,10 @@ def body_chunks(handle: BinaryIO, first: int, last: int, flip_at: int | None) ->
 
 # --- running as a process -------------------------------------------------------------------------
 
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m sparkform.sandbox.fakehub --root DIR [--host H] [--port P] [--log FILE]`."""
-    parser = argparse.ArgumentParser(
-        description="Serve the tiny test checkpoints as a fake Hugging Face hub.")
+    parser = argparse.ArgumentParser(description="Serve the tiny test checkpoints as a fake Hugging Face hub.")
     parser.add_argument("--root", type=Path, required=True, help="folder of the hub's repos")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: any free port (printed)")

@@ -216,5 +216,6 @@ def publish_tiny_models(store: HubStore) -> dict[str, str]:
     """Build (or reuse, by content) every TINY_MODELS checkpoint and add it to `store`.
     Returns {repo_id: commit}."""
     build_cache = store.root / ".build"  # a dot folder: never taken for an owner
-    return {repo_id: store.add_repo(repo_id, cached_checkpoint(kind, build_cache))
-            for repo_id, kind in TINY_MODELS.items()}
+    return {
+        repo_id: store.add_repo(repo_id, cached_checkpoint(kind, build_cache)) for repo_id, kind in TINY_MODELS.items()
+    }

@@ -83,9 +83,14 @@ def _sandbox(name: str, runtime_dir: Path, up_seconds: float = 0.0) -> Sandbox:
     """The Sandbox value for runtime folder `runtime_dir`."""
     host_side, guest_side = network.addresses(registry.read_index(runtime_dir))
     return Sandbox(
-        name=name, address=guest_side, host_address=host_side, runtime_dir=runtime_dir,
-        ssh_config=runtime_dir / "ssh_config", ssh_key=runtime_dir / "id_ed25519",
-        known_hosts=runtime_dir / "known_hosts", up_seconds=up_seconds,
+        name=name,
+        address=guest_side,
+        host_address=host_side,
+        runtime_dir=runtime_dir,
+        ssh_config=runtime_dir / "ssh_config",
+        ssh_key=runtime_dir / "id_ed25519",
+        known_hosts=runtime_dir / "known_hosts",
+        up_seconds=up_seconds,
     )
 
 
@@ -136,8 +141,7 @@ def up(
         raise
     (runtime_dir / "up.pid").unlink()
     box = _sandbox(name, runtime_dir, time.monotonic() - started)
-    say(f"{name} is up ({state}) at {box.address} in {box.up_seconds:.2f} s; "
-        f"ssh -F {box.ssh_config} {box.host_alias}")
+    say(f"{name} is up ({state}) at {box.address} in {box.up_seconds:.2f} s; ssh -F {box.ssh_config} {box.host_alias}")
     return box
 
 
@@ -150,10 +154,18 @@ def _start(name: str, runtime_dir: Path, rootfs: Path, binds: Sequence[tuple[str
     (runtime_dir / "layers").write_text(f"{layers}\n")
     merged = runtime_dir / "root"
     merged.mkdir()
-    run_step("mount the overlay", [
-        "mount", "-t", "overlay", registry.system_name(name), "-o",
-        f"lowerdir={rootfs},upperdir={layers / 'upper'},workdir={layers / 'work'}", str(merged),
-    ])
+    run_step(
+        "mount the overlay",
+        [
+            "mount",
+            "-t",
+            "overlay",
+            registry.system_name(name),
+            "-o",
+            f"lowerdir={rootfs},upperdir={layers / 'upper'},workdir={layers / 'work'}",
+            str(merged),
+        ],
+    )
     index = registry.read_index(runtime_dir)
     _personalize(name, runtime_dir, merged, network.addresses(index)[1])
     network.create_network(name, index)
@@ -204,11 +216,15 @@ def _wait_running(name: str, runtime_dir: Path, deadline: float) -> str:
     while time.monotonic() < deadline:
         if read_pid(runtime_dir / "supervisor.pid") and not registry.owned_pid(runtime_dir, "supervisor.pid"):
             raise SandboxError(
-                f"sandbox {name!r}: systemd-nspawn stopped while booting; {nspawn.log_tail(runtime_dir)}")
+                f"sandbox {name!r}: systemd-nspawn stopped while booting; {nspawn.log_tail(runtime_dir)}"
+            )
         try:
             answer = subprocess.run(
                 [*sandbox.ssh_args(), "systemctl", "is-system-running", "--wait"],
-                check=False, capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()),
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=max(1.0, deadline - time.monotonic()),
             )
         except subprocess.TimeoutExpired:
             last = f"systemd still starting units; {_pending_jobs(sandbox)}"
@@ -229,7 +245,10 @@ def _pending_jobs(sandbox: Sandbox) -> str:
     try:
         jobs = subprocess.run(
             [*sandbox.ssh_args(), "systemctl", "list-jobs", "--no-pager", "--no-legend"],
-            check=False, capture_output=True, text=True, timeout=10,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
     except subprocess.TimeoutExpired:
         return "`systemctl list-jobs` did not answer either"
@@ -255,13 +274,11 @@ def reboot(name: str, timeout: float = REBOOT_TIMEOUT_S) -> float:
     started = time.monotonic()
     deadline = started + timeout
     # The connection drops while the guest goes down, so ssh's own status means nothing here.
-    subprocess.run([*sandbox.ssh_args(), "systemctl", "reboot"],
-                   check=False, capture_output=True, timeout=timeout)
+    subprocess.run([*sandbox.ssh_args(), "systemctl", "reboot"], check=False, capture_output=True, timeout=timeout)
     _close_master(sandbox)
     while alive(before) or registry.owned_pid(runtime_dir, "nspawn.pid") in (None, before):
         if time.monotonic() > deadline or not registry.owned_pid(runtime_dir, "supervisor.pid"):
-            raise SandboxError(
-                f"sandbox {name!r} did not boot again after the reboot; {nspawn.log_tail(runtime_dir)}")
+            raise SandboxError(f"sandbox {name!r} did not boot again after the reboot; {nspawn.log_tail(runtime_dir)}")
         time.sleep(0.05)
     _wait_running(name, runtime_dir, deadline)
     if (runtime_dir / "memory-writable").exists():
@@ -280,16 +297,26 @@ def memory_controller_writable(name: str) -> None:
     repeats this (a reboot mounts it read-only again).
     """
     sandbox = get(name)
-    layout = run_step("read the guest's cgroup layout",
-                      [*sandbox.ssh_args(), "stat", "-fc", "%T", "/sys/fs/cgroup"], timeout=60)
+    layout = run_step(
+        "read the guest's cgroup layout", [*sandbox.ssh_args(), "stat", "-fc", "%T", "/sys/fs/cgroup"], timeout=60
+    )
     fs_type = layout.stdout.strip()
     if fs_type != "cgroup2fs":
         init = nspawn.container_init(sandbox.runtime_dir)
-        run_step("remount the guest's memory controller read-write", [
-            "nsenter", "-t", str(init), "-m", "mount", "-o", "remount,bind,rw", "/sys/fs/cgroup/memory",
-        ])
-        run_step("re-exec the guest's systemd",
-                 [*sandbox.ssh_args(), "systemctl", "daemon-reexec"], timeout=60)
+        run_step(
+            "remount the guest's memory controller read-write",
+            [
+                "nsenter",
+                "-t",
+                str(init),
+                "-m",
+                "mount",
+                "-o",
+                "remount,bind,rw",
+                "/sys/fs/cgroup/memory",
+            ],
+        )
+        run_step("re-exec the guest's systemd", [*sandbox.ssh_args(), "systemctl", "daemon-reexec"], timeout=60)
     (sandbox.runtime_dir / "memory-writable").touch()
 
 
@@ -307,7 +334,10 @@ def status(name: str) -> dict[str, object]:
         with contextlib.suppress(subprocess.TimeoutExpired):
             answer = subprocess.run(
                 [*sandbox.ssh_args(), "systemctl", "is-system-running"],
-                check=False, capture_output=True, text=True, timeout=10,
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=10,
             )
             result["state"] = answer.stdout.strip() or None
     return result

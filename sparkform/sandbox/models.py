@@ -57,12 +57,34 @@ class ModelSpec:
 
 SPECS: dict[str, ModelSpec] = {
     # The sandbox's engine is vLLM's CPU build, whose attention accepts head sizes 32, 64, 80, ...
-    "llama": ModelSpec("LlamaForCausalLM", "llama", hidden=128, intermediate=256, layers=2, heads=4,
-                       kv_heads=2, head_dim=32, vocab=1024, tie_embeddings=False, qk_norm=False,
-                       shards=1),
-    "qwen3": ModelSpec("Qwen3ForCausalLM", "qwen3", hidden=256, intermediate=512, layers=2, heads=4,
-                       kv_heads=2, head_dim=64, vocab=2048, tie_embeddings=True, qk_norm=True,
-                       shards=2),
+    "llama": ModelSpec(
+        "LlamaForCausalLM",
+        "llama",
+        hidden=128,
+        intermediate=256,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        vocab=1024,
+        tie_embeddings=False,
+        qk_norm=False,
+        shards=1,
+    ),
+    "qwen3": ModelSpec(
+        "Qwen3ForCausalLM",
+        "qwen3",
+        hidden=256,
+        intermediate=512,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        vocab=2048,
+        tie_embeddings=True,
+        qk_norm=True,
+        shards=2,
+    ),
 }
 
 TINY_MODELS: dict[str, str] = {
@@ -72,6 +94,7 @@ TINY_MODELS: dict[str, str] = {
 
 
 # --- files ------------------------------------------------------------------------------------
+
 
 def write_json(path: Path, data: Any) -> None:
     """JSON with sorted keys and a trailing newline: the same bytes on every build."""
@@ -128,8 +151,14 @@ def tokenizer_config() -> dict[str, Any]:
         "clean_up_tokenization_spaces": False,  # keeps decode(encode(text)) == text
         "chat_template": CHAT_TEMPLATE,
         "added_tokens_decoder": {
-            str(index): {"content": token, "special": True, "lstrip": False, "rstrip": False,
-                         "normalized": False, "single_word": False}
+            str(index): {
+                "content": token,
+                "special": True,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            }
             for index, token in enumerate(SPECIAL_TOKENS)
         },
     }
@@ -164,8 +193,9 @@ def corpus(lines: int = 4000) -> list[str]:
     frequencies, rich enough for a few thousand BPE merges."""
     numbers = lcg_stream(seed=20240901)
     syllables = [c + v for c in CONSONANTS for v in VOWELS]
-    words = ["".join(syllables[next(numbers) % len(syllables)] for _ in range(2 + next(numbers) % 3))
-             for _ in range(3000)]
+    words = [
+        "".join(syllables[next(numbers) % len(syllables)] for _ in range(2 + next(numbers) % 3)) for _ in range(3000)
+    ]
     sentences = FIXED_TEXT.splitlines()
     for _ in range(lines):
         # min() of two draws favours low indices: some words are common, most are rare.
@@ -194,6 +224,7 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 # --- weights ----------------------------------------------------------------------------------
+
 
 def tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every weight tensor's Hugging Face name and shape."""
@@ -249,17 +280,20 @@ def write_weights(kind: str, spec: ModelSpec, out_dir: Path) -> None:
     weight_map: dict[str, str] = {}
     total_bytes = 0
     for index, file_name in enumerate(files):
-        chunk = names[index * per_shard:(index + 1) * per_shard]
+        chunk = names[index * per_shard : (index + 1) * per_shard]
         tensors = {name: tensor_values(kind, name, shapes[name]) for name in chunk}
         save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
         weight_map |= dict.fromkeys(chunk, file_name)
         total_bytes += sum(tensor.nbytes for tensor in tensors.values())
     if len(files) > 1:
-        write_json(out_dir / "model.safetensors.index.json",
-                   {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})
+        write_json(
+            out_dir / "model.safetensors.index.json",
+            {"metadata": {"total_size": total_bytes}, "weight_map": weight_map},
+        )
 
 
 # --- checkpoints ------------------------------------------------------------------------------
+
 
 def build_checkpoint(kind: str, out_dir: Path) -> Path:
     """Build the tiny checkpoint `kind` (a key of SPECS) into `out_dir`, which must be empty or

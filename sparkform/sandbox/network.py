@@ -37,17 +37,30 @@ def create_network(name: str, index: int) -> None:
     netns, host_if = netns_name(name), f"{PREFIX}{index}"
     host_side, guest_side = addresses(index)
     run_step("create the network namespace", ["ip", "netns", "add", netns])
-    run_step("create the veth pair", [
-        "ip", "link", "add", host_if, "type", "veth", "peer", "name", GUEST_INTERFACE, "netns", netns,
-    ])
-    run_step("address the host side",
-             ["ip", "addr", "add", f"{host_side}/{LINK_PREFIX_LENGTH}", "dev", host_if])
+    run_step(
+        "create the veth pair",
+        [
+            "ip",
+            "link",
+            "add",
+            host_if,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            GUEST_INTERFACE,
+            "netns",
+            netns,
+        ],
+    )
+    run_step("address the host side", ["ip", "addr", "add", f"{host_side}/{LINK_PREFIX_LENGTH}", "dev", host_if])
     run_step("bring the host side up", ["ip", "link", "set", host_if, "up"])
     # Configured from here, so the guest needs no network configuration (and no networkd).
     guest = ["ip", "-n", netns]
     run_step("bring the guest's lo up", [*guest, "link", "set", "lo", "up"])
-    run_step("address the guest side",
-             [*guest, "addr", "add", f"{guest_side}/{LINK_PREFIX_LENGTH}", "dev", GUEST_INTERFACE])
+    run_step(
+        "address the guest side", [*guest, "addr", "add", f"{guest_side}/{LINK_PREFIX_LENGTH}", "dev", GUEST_INTERFACE]
+    )
     run_step("bring the guest side up", [*guest, "link", "set", GUEST_INTERFACE, "up"])
     run_step("route the guest via the host", [*guest, "route", "add", "default", "via", host_side])
 

@@ -46,12 +46,24 @@ done
 
 
 def start(
-    name: str, runtime_dir: Path, root: Path, binds: Sequence[tuple[str, str]], cgroups: list[Path],
+    name: str,
+    runtime_dir: Path,
+    root: Path,
+    binds: Sequence[tuple[str, str]],
+    cgroups: list[Path],
 ) -> None:
     """Start the supervisor (which runs systemd-nspawn on `root`) detached, logging to nspawn.log."""
     nspawn = [
-        "systemd-nspawn", "-q", "-b", "-D", str(root), "-M", system_name(name),
-        "--register=no", "--keep-unit", "--console=pipe",
+        "systemd-nspawn",
+        "-q",
+        "-b",
+        "-D",
+        str(root),
+        "-M",
+        system_name(name),
+        "--register=no",
+        "--keep-unit",
+        "--console=pipe",
         f"--network-namespace-path={netns_path(name)}",
         *(f"--bind-ro={host}:{guest}" for host, guest in binds),
     ]
@@ -61,7 +73,11 @@ def start(
         # neither dies with nor lingers as a zombie of the process that called `up`.
         subprocess.run(
             ["setsid", "--fork", "sh", "-c", SUPERVISOR_SH, f"{PREFIX}supervisor", str(runtime_dir), *nspawn],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, check=True,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            check=True,
         )
 
 
@@ -89,9 +105,11 @@ def guest_journal(runtime_dir: Path) -> str:
     try:
         init = container_init(runtime_dir)
         journal = subprocess.run(
-            ["nsenter", "-t", str(init), "-a",
-             "journalctl", "-b", "-n", "40", "--no-pager", "-o", "short-monotonic"],
-            check=False, capture_output=True, text=True, timeout=10,
+            ["nsenter", "-t", str(init), "-a", "journalctl", "-b", "-n", "40", "--no-pager", "-o", "short-monotonic"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
     except (SandboxError, subprocess.TimeoutExpired) as err:
         return f"(the guest's journal could not be read: {err})"

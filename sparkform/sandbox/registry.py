@@ -28,8 +28,7 @@ NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,29}")
 def check_name(name: str) -> None:
     """Reject names that do not fit a netns, a machine name and a cgroup folder."""
     if not NAME_PATTERN.fullmatch(name):
-        raise SandboxError(
-            f"bad sandbox name {name!r}: use 1-30 of a-z, 0-9 and '-', starting with a letter or digit")
+        raise SandboxError(f"bad sandbox name {name!r}: use 1-30 of a-z, 0-9 and '-', starting with a letter or digit")
 
 
 def runtime_dir(name: str) -> Path:
@@ -79,5 +78,8 @@ def owned_pid(runtime_dir: Path, filename: str) -> int | None:
 def in_use(runtime_dir: Path) -> bool:
     """Whether a live process holds the sandbox: its supervisor, its systemd-nspawn, or the `up`
     that claimed the name and is still booting it."""
-    return bool(owned_pid(runtime_dir, "nspawn.pid") or owned_pid(runtime_dir, "supervisor.pid")
-                or alive(read_pid(runtime_dir / "up.pid")))
+    return bool(
+        owned_pid(runtime_dir, "nspawn.pid")
+        or owned_pid(runtime_dir, "supervisor.pid")
+        or alive(read_pid(runtime_dir / "up.pid"))
+    )

@@ -22,19 +22,40 @@ from sparkform.sandbox.system import SandboxError, locked, remove_tree, run_step
 
 SUITE = "bookworm"
 BASE_PACKAGES = (
-    "systemd", "systemd-sysv", "dbus", "libpam-systemd", "openssh-server", "python3",
-    "python3-venv", "curl", "iproute2", "sudo", "util-linux", "gawk", "procps", "ca-certificates",
+    "systemd",
+    "systemd-sysv",
+    "dbus",
+    "libpam-systemd",
+    "openssh-server",
+    "python3",
+    "python3-venv",
+    "curl",
+    "iproute2",
+    "sudo",
+    "util-linux",
+    "gawk",
+    "procps",
+    "ca-certificates",
 )
 # Bump when the rootfs recipe (packages aside) changes, so old caches are not reused.
 ROOTFS_FORMAT = 1
 DEFAULT_CACHE = Path("/var/cache/sparkform-sandbox")
 # Units that are useless in a container or slow its boot; masked in the rootfs.
 MASKED_UNITS = (
-    "console-getty.service", "container-getty@.service", "getty@.service",
-    "serial-getty@.service", "getty.target",
-    "systemd-networkd-wait-online.service", "ifupdown-wait-online.service",
-    "apt-daily.timer", "apt-daily-upgrade.timer", "dpkg-db-backup.timer",
-    "e2scrub_all.timer", "e2scrub_reap.service", "fstrim.timer", "man-db.timer",
+    "console-getty.service",
+    "container-getty@.service",
+    "getty@.service",
+    "serial-getty@.service",
+    "getty.target",
+    "systemd-networkd-wait-online.service",
+    "ifupdown-wait-online.service",
+    "apt-daily.timer",
+    "apt-daily-upgrade.timer",
+    "dpkg-db-backup.timer",
+    "e2scrub_all.timer",
+    "e2scrub_reap.service",
+    "fstrim.timer",
+    "man-db.timer",
     "systemd-timesyncd.service",
 )
 SSHD_CONFIG = """\
@@ -152,15 +173,17 @@ def _debootstrap(target: Path, packages: Sequence[str], mirror: str, log: Path, 
     try:
         with open(log, "w") as out:
             code = subprocess.run(
-                cmd, check=False, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                cmd,
+                check=False,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 pass_fds=[lock_fd],
             ).returncode
     except FileNotFoundError:
-        raise SandboxError(
-            "build rootfs: `debootstrap` is not installed (apt-get install debootstrap)") from None
+        raise SandboxError("build rootfs: `debootstrap` is not installed (apt-get install debootstrap)") from None
     if code != 0:
-        raise SandboxError(
-            f"build rootfs failed: `{shlex.join(cmd)}` exited {code}; end of {log}:\n{tail(log)}")
+        raise SandboxError(f"build rootfs failed: `{shlex.join(cmd)}` exited {code}; end of {log}:\n{tail(log)}")
 
 
 def _bake(root: Path) -> None:

@@ -75,31 +75,59 @@ def _start_service(box: machine.Sandbox, name: str, port: int, argv: list[str]) 
     """Run `python -m argv...` in its own session, listening on this machine's side of the link
     at `port`; `name`.pid and `name`.out in the runtime folder."""
     log = (box.runtime_dir / f"{name}.out").open("w")
-    process = subprocess.Popen([sys.executable, "-m", *argv], stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", *argv], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     (box.runtime_dir / f"{name}.pid").write_text(f"{process.pid}\n")
     deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SandboxError(f"the sandbox's {name} exited {process.returncode}: "
-                                    f"{(box.runtime_dir / f'{name}.out').read_text()[-2000:]}")
+            raise SandboxError(
+                f"the sandbox's {name} exited {process.returncode}: "
+                f"{(box.runtime_dir / f'{name}.out').read_text()[-2000:]}"
+            )
         with contextlib.suppress(OSError), socket.create_connection((box.host_address, port), timeout=1):
             return
         time.sleep(0.1)
-    raise SandboxError(f"the sandbox's {name} did not listen on {box.host_address}:{port} "
-                            f"within {SERVICE_START_TIMEOUT_S:.0f} s")
+    raise SandboxError(
+        f"the sandbox's {name} did not listen on {box.host_address}:{port} within {SERVICE_START_TIMEOUT_S:.0f} s"
+    )
 
 
 def _start_hub(box: machine.Sandbox) -> None:
-    _start_service(box, "hub", HUB_PORT, [
-        "sparkform.sandbox.fakehub", "--root", str(box.runtime_dir / "hub"), "--host", box.host_address,
-        "--port", str(HUB_PORT), "--log", str(box.runtime_dir / "hub.log")])
+    _start_service(
+        box,
+        "hub",
+        HUB_PORT,
+        [
+            "sparkform.sandbox.fakehub",
+            "--root",
+            str(box.runtime_dir / "hub"),
+            "--host",
+            box.host_address,
+            "--port",
+            str(HUB_PORT),
+            "--log",
+            str(box.runtime_dir / "hub.log"),
+        ],
+    )
 
 
 def _start_alert_receiver(box: machine.Sandbox) -> None:
-    _start_service(box, "alerts", ALERTS_PORT, [
-        "sparkform.sandbox.alerts", "--host", box.host_address, "--port", str(ALERTS_PORT),
-        "--out", str(alerts_file(box.runtime_dir))])
+    _start_service(
+        box,
+        "alerts",
+        ALERTS_PORT,
+        [
+            "sparkform.sandbox.alerts",
+            "--host",
+            box.host_address,
+            "--port",
+            str(ALERTS_PORT),
+            "--out",
+            str(alerts_file(box.runtime_dir)),
+        ],
+    )
     secret = secret_file(box.runtime_dir, "alert_webhook")
     fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
@@ -117,14 +145,22 @@ def _stop_services(runtime: Path) -> None:
 def _guest(box: machine.Sandbox, step: str, command: str, stdin: str = "") -> str:
     """Run a shell command in the guest over SSH (`stdin` fed to it); returns its stdout."""
     try:
-        answer = subprocess.run([*box.ssh_args(), command], input=stdin, capture_output=True,
-                                text=True, check=False, timeout=GUEST_COMMAND_TIMEOUT_S)
+        answer = subprocess.run(
+            [*box.ssh_args(), command],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=GUEST_COMMAND_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired:
-        raise SandboxError(f"{step} in sandbox {box.name!r}: no answer within "
-                                f"{GUEST_COMMAND_TIMEOUT_S:.0f} s") from None
+        raise SandboxError(
+            f"{step} in sandbox {box.name!r}: no answer within {GUEST_COMMAND_TIMEOUT_S:.0f} s"
+        ) from None
     if answer.returncode != 0:
-        raise SandboxError(f"{step} in sandbox {box.name!r} failed: `{command}` exited "
-                                f"{answer.returncode}: {answer.stderr.strip()}")
+        raise SandboxError(
+            f"{step} in sandbox {box.name!r} failed: `{command}` exited {answer.returncode}: {answer.stderr.strip()}"
+        )
     return answer.stdout
 
 
@@ -183,8 +219,9 @@ def up(name: str = "sandbox", binds: Sequence[tuple[str, str]] = ()) -> machine.
     further (host path, guest path) pairs bound read-only, beside the wheelhouse."""
     _, wheelhouse = build()
     # The same package list as `build`'s, so this finds the rootfs just built in the cache.
-    box = machine.up(name, binds=[(str(wheelhouse), WHEELHOUSE_IN_GUEST), *binds],
-                     extra_packages=prerequisite_packages("cpu"))
+    box = machine.up(
+        name, binds=[(str(wheelhouse), WHEELHOUSE_IN_GUEST), *binds], extra_packages=prerequisite_packages("cpu")
+    )
     try:
         _write_secrets(box.runtime_dir)
         _start_hub(box)

@@ -20,7 +20,10 @@ class SandboxError(RuntimeError):
 
 
 def run_step(
-    step: str, cmd: Sequence[str], *, timeout: float | None = None,
+    step: str,
+    cmd: Sequence[str],
+    *,
+    timeout: float | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run `cmd` (check=True); a failure raises SandboxError naming the step, command and stderr."""
     try:

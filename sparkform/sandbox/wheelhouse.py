@@ -57,8 +57,19 @@ def download(lock: Path, into: Path) -> None:
     """`pip download` of exactly the lock's wheels into `into`, each checked against its hashes;
     pip's own progress goes to the terminal."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--require-hashes", "--no-deps", "--only-binary=:all:",
-         "-d", str(into), "-r", str(lock)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--require-hashes",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(into),
+            "-r",
+            str(lock),
+        ],
         check=True,
     )
 
@@ -68,8 +79,9 @@ def check_all_present(names: list[str], folder: Path) -> None:
     wheels = [normalized(path.name.split("-", 1)[0]) for path in folder.glob("*.whl")]
     missing = [name for name in names if name not in wheels]
     if missing or len(wheels) != len(names):
-        raise RuntimeError(f"wheelhouse incomplete: missing {missing or 'none'}, "
-                           f"{len(wheels)} wheels for {len(names)} pins")
+        raise RuntimeError(
+            f"wheelhouse incomplete: missing {missing or 'none'}, {len(wheels)} wheels for {len(names)} pins"
+        )
 
 
 def build_wheelhouse(dest: Path | None = None, lock: Path = LOCK) -> Path:

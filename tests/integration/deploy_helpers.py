@@ -20,24 +20,31 @@ SANDBOX_INVENTORY = ROOT / "inventory" / "sandbox.py"
 BIN = Path(sys.executable).parent
 UNITS = (layout.engine_unit("nemotron"), layout.engine_unit("q38"))
 # The sandbox inventory keeps the default folders; where sparkform puts its files in them.
-DEFAULT_FOLDERS = {name: HostConfig.model_fields[name].default
-                   for name in ("lib_dir", "config_dir", "state_dir", "models_dir", "venv_root")}
+DEFAULT_FOLDERS = {
+    name: HostConfig.model_fields[name].default
+    for name in ("lib_dir", "config_dir", "state_dir", "models_dir", "venv_root")
+}
 PATHS = layout.HostPaths(DEFAULT_FOLDERS["lib_dir"], DEFAULT_FOLDERS["config_dir"], DEFAULT_FOLDERS["state_dir"])
 
 
 def pyinfra(inventory: Path, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "pyinfra"), str(inventory), "deploy.py", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(BIN / "pyinfra"), str(inventory), "deploy.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def verify(*options: str, inventory: Path = SANDBOX_INVENTORY) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "sparkform"), "verify", str(inventory), *options], capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [str(BIN / "sparkform"), "verify", str(inventory), *options], capture_output=True, text=True, timeout=600
+    )
 
 
 def ssh(box: machine.Sandbox, command: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([*box.ssh_args(), command], capture_output=True, text=True, check=check,
-                          timeout=300)
+    return subprocess.run([*box.ssh_args(), command], capture_output=True, text=True, check=check, timeout=300)
 
 
 def unit_properties(box: machine.Sandbox, unit: str, *names: str) -> dict[str, str]:
@@ -85,8 +92,12 @@ def changed_operations(inventory: Path) -> list[str]:
     return [op["name"] for op in plan if op["hosts_with_change"]]
 
 
-def edited_inventory(folder: Path, engine_changes: dict[str, dict] | None = None,
-                     host_changes: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+def edited_inventory(
+    folder: Path,
+    engine_changes: dict[str, dict] | None = None,
+    host_changes: dict | None = None,
+    drop: tuple[str, ...] = (),
+) -> Path:
     """The sandbox inventory with some fields changed, as a user would edit it."""
     path = folder / f"edited-{time.monotonic_ns()}.py"
     path.write_text(
@@ -97,7 +108,8 @@ def edited_inventory(folder: Path, engine_changes: dict[str, dict] | None = None
         f"data['engines'] = [e for e in data['engines'] if e['name'] not in {list(drop)!r}]\n"
         f"for engine in data['engines']:\n"
         f"    engine.update({engine_changes or {}!r}.get(engine['name'], {{}}))\n"
-        f"edited = hosts({{{os.environ['SPARKFORM_SANDBOX']!r}: data}}, __file__)\n")
+        f"edited = hosts({{{os.environ['SPARKFORM_SANDBOX']!r}: data}}, __file__)\n"
+    )
     return path
 
 
@@ -106,7 +118,9 @@ def checkpoint_dir(box: machine.Sandbox, engine: str) -> str:
     return ssh(box, f"sed -n 's/^SPARKFORM_CHECKPOINT=//p' {PATHS.engine_settings(engine)[0]}").stdout.strip()
 
 
-def journal_times(box: machine.Sandbox, pattern: str, units: tuple[str, ...] = UNITS, since: str | None = None) -> list[float]:
+def journal_times(
+    box: machine.Sandbox, pattern: str, units: tuple[str, ...] = UNITS, since: str | None = None
+) -> list[float]:
     """Unix times of this boot's journal lines of `units` that match `pattern` (from `since`, a
     unix time, when given)."""
     selectors = " ".join(f"-u {unit}" for unit in units) + (f" --since @{since}" if since else "")

@@ -42,7 +42,6 @@ PORTS = {"nemotron": 8012, "q38": 8011}  # the front's, on the sandbox's LAN add
 INTERNAL_OFFSET = 10000
 
 
-
 def test_converge_from_scratch_then_verify(box):
     started = time.monotonic()
     result = pyinfra(SANDBOX_INVENTORY, "-y")
@@ -72,8 +71,12 @@ def test_dry_diff_shows_only_the_edited_file_and_changes_nothing(box, tmp_path):
     diff = re.sub(r"\x1b\[[0-9;]*m", "", out)
     assert re.search(r"^\s*-\s*4$", diff, re.M) and re.search(r"^\s*\+\s*2$", diff, re.M), diff[-3000:]
     # The restart takes the engines target with it, and the new start goes into the host record.
-    assert changed_operations(inventory) == [f"File {args_file}", "Engine q38 serving",
-                                             "sparkform-engines.target reached", "Host record"]
+    assert changed_operations(inventory) == [
+        f"File {args_file}",
+        "Engine q38 serving",
+        "sparkform-engines.target reached",
+        "Host record",
+    ]
     assert ssh(box, f"sha256sum {args_file} {PATHS.engines_dir}/* {layout.ENGINE_UNIT_GLOB}").stdout == before
 
 
@@ -102,8 +105,20 @@ def test_broken_inventory_fails_before_connecting(box, tmp_path):
 
 # vLLM's --api-key guards only /v1, /v2, /inference and /cohere, so it answers these without a key
 # (docs/incidents.md#open-lan-api); the front must not pass them.
-UNGUARDED = ("/invocations", "/generative_scoring", "/tokenize", "/detokenize", "/metrics", "/docs",
-             "/openapi.json", "/scale_elastic_ep", "/version", "/load", "/ping", "/v1/responses")
+UNGUARDED = (
+    "/invocations",
+    "/generative_scoring",
+    "/tokenize",
+    "/detokenize",
+    "/metrics",
+    "/docs",
+    "/openapi.json",
+    "/scale_elastic_ep",
+    "/version",
+    "/load",
+    "/ping",
+    "/v1/responses",
+)
 OPENAI = ("/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
@@ -111,12 +126,16 @@ def api_key(box: machine.Sandbox) -> str:
     return stage.secret_file(box.runtime_dir, "api_key").read_text().strip()
 
 
-def call(box: machine.Sandbox, engine: str, path: str, key: str | None = None, body: dict | None = None,
-         timeout: float = 60) -> tuple[int, bytes]:
+def call(
+    box: machine.Sandbox, engine: str, path: str, key: str | None = None, body: dict | None = None, timeout: float = 60
+) -> tuple[int, bytes]:
     """(status, body) of a request from this machine, outside the host, to the engine's port."""
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
-    request = urllib.request.Request(f"http://{box.address}:{PORTS[engine]}{path}", headers=headers,
-                                     data=json.dumps(body).encode() if body is not None else None)
+    request = urllib.request.Request(
+        f"http://{box.address}:{PORTS[engine]}{path}",
+        headers=headers,
+        data=json.dumps(body).encode() if body is not None else None,
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, response.read()
@@ -148,9 +167,9 @@ def test_outside_the_host_nothing_answers_without_the_key(box):
             sock.settimeout(5)
             assert sock.connect_ex((box.address, PORTS[engine] + INTERNAL_OFFSET)) != 0
         listeners = ssh(box, f"ss -Hltn 'sport = :{PORTS[engine] + INTERNAL_OFFSET}'").stdout.split()
-        assert f"127.0.0.1:{PORTS[engine] + INTERNAL_OFFSET}" in listeners and \
-            not [w for w in listeners if w.endswith(f":{PORTS[engine] + INTERNAL_OFFSET}") and
-                 not w.startswith("127.0.0.1:")], listeners
+        assert f"127.0.0.1:{PORTS[engine] + INTERNAL_OFFSET}" in listeners and not [
+            w for w in listeners if w.endswith(f":{PORTS[engine] + INTERNAL_OFFSET}") and not w.startswith("127.0.0.1:")
+        ], listeners
 
 
 def test_with_the_key_a_chat_and_a_streamed_chat_pass(box):
@@ -163,7 +182,8 @@ def test_with_the_key_a_chat_and_a_streamed_chat_pass(box):
     request = urllib.request.Request(
         f"http://{box.address}:{PORTS['nemotron']}/v1/chat/completions",
         data=json.dumps(chat("nemotron", max_tokens=400, stream=True, ignore_eos=True)).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+    )
     arrivals = []
     started = time.monotonic()
     with urllib.request.urlopen(request, timeout=120) as response:
@@ -182,8 +202,11 @@ def test_a_jit_path_through_the_internal_port_does_not_kill_the_engine(box):
     killed the engine when the host had no compiler."""
     before = unit_properties(box, "vllm-nemotron.service", "MainPID", "NRestarts")
     body = json.dumps({"model": "nemotron", "query": "hello", "items": ["a", "b"], "label_token_ids": [1, 2]})
-    status = ssh(box, f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 300 -H 'Content-Type: application/json' "
-                      f"-d '{body}' http://127.0.0.1:{PORTS['nemotron'] + INTERNAL_OFFSET}/generative_scoring").stdout
+    status = ssh(
+        box,
+        f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 300 -H 'Content-Type: application/json' "
+        f"-d '{body}' http://127.0.0.1:{PORTS['nemotron'] + INTERNAL_OFFSET}/generative_scoring",
+    ).stdout
     assert status == "200", ssh(box, "journalctl -u vllm-nemotron -n 40 --no-pager -o cat").stdout
     time.sleep(3)
     assert unit_properties(box, "vllm-nemotron.service", "MainPID", "NRestarts") == before
@@ -196,8 +219,7 @@ def test_rotating_the_key_reloads_the_front_and_restarts_no_engine(box):
     stage.secret_file(box.runtime_dir, "api_key").write_text(f"{new}\n")
     engines_before = main_pids(box)
     nginx_before = unit_properties(box, "nginx.service", "MainPID")
-    assert changed_operations(SANDBOX_INVENTORY) == [f"Secret {PATHS.front_key}",
-                                                    "Front (nginx) serving"]
+    assert changed_operations(SANDBOX_INVENTORY) == [f"Secret {PATHS.front_key}", "Front (nginx) serving"]
     result = pyinfra(SANDBOX_INVENTORY, "-y")
     assert result.returncode == 0, result.stderr[-4000:]
     assert main_pids(box) == engines_before
@@ -234,17 +256,20 @@ def test_both_live_engine_units_score_2_or_less(box):
         assert unit_properties(box, unit, "ActiveState")["ActiveState"] == "active"
 
 
-@pytest.mark.parametrize("attempt", [
-    f"mv {STATE}/models {STATE}/models.mine",  # rename a root folder out of the way
-    f"mv {layout.record_dir(STATE)} {layout.record_dir(STATE)}.mine",
-    f"mkdir {STATE}/models.mine",  # plant a folder of its own beside them
-    f"echo '$(id > /tmp/pwned)' > {STATE}/models/.pins/sparkform-test--tiny-qwen3@main",
-    f"ln -s {TOKEN_FILE} {PATHS.cache_keys}/evil",
-    f"echo x > {PATHS.host_record}",
-    f"echo x >> {PATHS.engine_settings('q38')[1]}",
-    f"touch {PATHS.lib_dir}/sparkform-evil",
-    f"echo x > {DEFAULT_FOLDERS['venv_root']}/pwned",
-])
+@pytest.mark.parametrize(
+    "attempt",
+    [
+        f"mv {STATE}/models {STATE}/models.mine",  # rename a root folder out of the way
+        f"mv {layout.record_dir(STATE)} {layout.record_dir(STATE)}.mine",
+        f"mkdir {STATE}/models.mine",  # plant a folder of its own beside them
+        f"echo '$(id > /tmp/pwned)' > {STATE}/models/.pins/sparkform-test--tiny-qwen3@main",
+        f"ln -s {TOKEN_FILE} {PATHS.cache_keys}/evil",
+        f"echo x > {PATHS.host_record}",
+        f"echo x >> {PATHS.engine_settings('q38')[1]}",
+        f"touch {PATHS.lib_dir}/sparkform-evil",
+        f"echo x > {DEFAULT_FOLDERS['venv_root']}/pwned",
+    ],
+)
 def test_the_engine_user_can_rename_or_replace_nothing_root_reads_back(box, attempt):
     result = ssh(box, f"runuser -u {ENGINE_USER} -- sh -c {shlex.quote(attempt)}", check=False)
     assert result.returncode != 0, f"the engine user could: {attempt}"
@@ -267,33 +292,58 @@ KEY_FILE = f"{STATE}/record/cache-keys/q38"
 RECORD = f"{STATE}/record/host-record.json"
 
 
-@pytest.mark.parametrize("plant, named", [
-    (f"echo '$(touch /tmp/pwned)' > {PIN}", f"{PIN} holds '$(touch /tmp/pwned)', which is not a commit id"),
-    (f"cp {KEY_FILE} {KEY_FILE}.kept && echo 'k;touch /tmp/pwned' > {KEY_FILE}",
-     f"{KEY_FILE} holds 'k;touch /tmp/pwned', which is not a cache key"),
-    (f"cp {RECORD} {RECORD}.kept && sed -i 's|\"cache_key\": \"[^\"]*\"|\"cache_key\": \"$(touch /tmp/pwned)\"|' {RECORD}",
-     "the host record: cache_key '$(touch /tmp/pwned)' is not what sparkform writes"),
-    (f"cp {KEY_FILE} {KEY_FILE}.kept && ln -sf {TOKEN_FILE} {KEY_FILE}",
-     f"{KEY_FILE} is a symbolic link: sparkform writes a plain file there"),
-])
+@pytest.mark.parametrize(
+    "plant, named",
+    [
+        (f"echo '$(touch /tmp/pwned)' > {PIN}", f"{PIN} holds '$(touch /tmp/pwned)', which is not a commit id"),
+        (
+            f"cp {KEY_FILE} {KEY_FILE}.kept && echo 'k;touch /tmp/pwned' > {KEY_FILE}",
+            f"{KEY_FILE} holds 'k;touch /tmp/pwned', which is not a cache key",
+        ),
+        (
+            f"cp {RECORD} {RECORD}.kept && "
+            f'sed -i \'s|"cache_key": "[^"]*"|"cache_key": "$(touch /tmp/pwned)"|\' {RECORD}',
+            "the host record: cache_key '$(touch /tmp/pwned)' is not what sparkform writes",
+        ),
+        (
+            f"cp {KEY_FILE} {KEY_FILE}.kept && ln -sf {TOKEN_FILE} {KEY_FILE}",
+            f"{KEY_FILE} is a symbolic link: sparkform writes a plain file there",
+        ),
+    ],
+)
 def test_a_planted_value_stops_the_deploy_before_anything_changes(box, plant, named):
     ssh(box, plant)
-    before = (main_pids(box), ssh(box, f"ls -a /var/cache/sparkform {STATE}/record {STATE}/models/.pins; "
-                                       f"sha256sum {TOKEN_FILE} {STATE}/record/* 2>/dev/null; true").stdout)
+    before = (
+        main_pids(box),
+        ssh(
+            box,
+            f"ls -a /var/cache/sparkform {STATE}/record {STATE}/models/.pins; "
+            f"sha256sum {TOKEN_FILE} {STATE}/record/* 2>/dev/null; true",
+        ).stdout,
+    )
     try:
         result = pyinfra(SANDBOX_INVENTORY, "-y")
         assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
         assert named in result.stderr, result.stderr[-3000:]
         assert "nothing was changed" in result.stderr and "Fix:" in result.stderr
         assert ssh(box, "test -e /tmp/pwned", check=False).returncode != 0
-        after = (main_pids(box), ssh(box, f"ls -a /var/cache/sparkform {STATE}/record {STATE}/models/.pins; "
-                                          f"sha256sum {TOKEN_FILE} {STATE}/record/* 2>/dev/null; true").stdout)
+        after = (
+            main_pids(box),
+            ssh(
+                box,
+                f"ls -a /var/cache/sparkform {STATE}/record {STATE}/models/.pins; "
+                f"sha256sum {TOKEN_FILE} {STATE}/record/* 2>/dev/null; true",
+            ).stdout,
+        )
         assert after == before
         token = ssh(box, f"cat {TOKEN_FILE}").stdout.strip()
         assert token not in result.stdout + result.stderr  # a link to the token was never read
     finally:
-        ssh(box, f"rm -f {PIN} /tmp/pwned; for f in {KEY_FILE} {RECORD}; do "
-                 f"if [ -e $f.kept ]; then mv -fT $f.kept $f; fi; done")
+        ssh(
+            box,
+            f"rm -f {PIN} /tmp/pwned; for f in {KEY_FILE} {RECORD}; do "
+            f"if [ -e $f.kept ]; then mv -fT $f.kept $f; fi; done",
+        )
     assert changed_operations(SANDBOX_INVENTORY) == []
 
 
@@ -320,9 +370,12 @@ def test_checkpoint_drift_is_caught_deep_verify_names_it_and_a_truncated_shard_i
     assert verify("--deep").returncode == 0
     shard = f"{checkpoint_dir(box, 'nemotron')}/{SHARD}"
     # A flipped byte, size and mtime kept: the no-op run trusts the manifest; --deep re-hashes.
-    ssh(box, "python3 -c \"import os,sys; p=sys.argv[1]; st=os.stat(p); f=open(p,'r+b'); f.seek(st.st_size//2); "
-             "b=f.read(1); f.seek(st.st_size//2); f.write(bytes([b[0]^255])); f.close(); "
-             f"os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))\" {shard}")
+    ssh(
+        box,
+        "python3 -c \"import os,sys; p=sys.argv[1]; st=os.stat(p); f=open(p,'r+b'); f.seek(st.st_size//2); "
+        "b=f.read(1); f.seek(st.st_size//2); f.write(bytes([b[0]^255])); f.close(); "
+        f'os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))" {shard}',
+    )
     assert changed_operations(SANDBOX_INVENTORY) == []
     result = verify("--deep")
     assert result.returncode != 0 and "model-00001-of-00002.safetensors" in result.stdout
@@ -350,8 +403,9 @@ def test_moved_branch_changes_nothing_and_a_new_pin_replaces_the_old_revision_on
     assert changed_operations(SANDBOX_INVENTORY) == []
 
     before = main_pids(box)
-    new_pin = edited_inventory(tmp_path, {"q38": {"checkpoint": {"repo": repo, "revision": moved}}},
-                               {"keep_revisions": 0})
+    new_pin = edited_inventory(
+        tmp_path, {"q38": {"checkpoint": {"repo": repo, "revision": moved}}}, {"keep_revisions": 0}
+    )
     # A new revision that never verifies (the hub serves a shard corrupt): the old one keeps serving.
     hub.corrupt_file(repo, "model.safetensors", revision=moved)
     try:

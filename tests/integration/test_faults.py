@@ -45,8 +45,12 @@ ENGINE_START_S = 240  # a CPU engine is ready in 30-50 s here; generous for a lo
 
 
 def start_pyinfra() -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "pyinfra"), "-y", str(SANDBOX_INVENTORY), "deploy.py"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [str(BIN / "pyinfra"), "-y", str(SANDBOX_INVENTORY), "deploy.py"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def running_on_host(box: machine.Sandbox, pattern: str) -> bool:
@@ -67,6 +71,7 @@ def converge_back(box: machine.Sandbox) -> None:
 
 # --- a deploy killed halfway (docs/incidents.md#deploy-cut-halfway) --------------------------------
 
+
 def test_deploy_killed_during_the_venv_install_leaves_no_venv_taken_as_complete(box):
     deploy = start_pyinfra()
     try:
@@ -82,8 +87,12 @@ def test_deploy_killed_during_the_download_leaves_no_checkpoint_taken_as_complet
     hub.stall()
     deploy = start_pyinfra()
     try:
-        wait_for(lambda: running_on_host(box, "sparkform-checkpoint sparkform-test/"), 600,
-                 "the checkpoint fetch on the host", 0.5)
+        wait_for(
+            lambda: running_on_host(box, "sparkform-checkpoint sparkform-test/"),
+            600,
+            "the checkpoint fetch on the host",
+            0.5,
+        )
         time.sleep(1)
         # The fetch runs with the token in its environment, never in any process's argv.
         leaks = ssh(box, f"ps -eo args | grep -cF -f {PATHS.hf_token}", check=False).stdout
@@ -104,6 +113,7 @@ def test_the_next_run_converges_and_verifies(box):
 
 # --- hand runs, caps on every launch path, an incomplete checkpoint (docs/incidents.md#hand-run-storm) -
 
+
 def test_hand_run_beside_a_running_engine_is_refused_with_how_to_stop_it(box):
     result = hand_run(box, "nemotron")
     assert result.returncode == 3, result.stderr
@@ -120,8 +130,12 @@ def test_hand_runs_while_q38_is_stopped(box):
     try:
         # Something else holds the port.
         ssh(box, "setsid -f sudo -u nobody python3 -m http.server 18011 --bind 127.0.0.1 >/dev/null 2>&1")
-        wait_for(lambda: ssh(box, "curl -s -o /dev/null http://127.0.0.1:18011/", check=False).returncode == 0,
-                 30, "the squatter on port 18011", 0.2)
+        wait_for(
+            lambda: ssh(box, "curl -s -o /dev/null http://127.0.0.1:18011/", check=False).returncode == 0,
+            30,
+            "the squatter on port 18011",
+            0.2,
+        )
         result = hand_run(box, "q38")
         assert result.returncode == 4 and "port 18011 already answers" in result.stderr, result.stderr
         ssh(box, "pkill -f '[h]ttp.server 18011'")
@@ -136,21 +150,36 @@ def test_hand_runs_while_q38_is_stopped(box):
 
         # The neighbour is starting (a cold start beside a cold start is the compile storm).
         ssh(box, "systemctl restart --no-block vllm-nemotron")
-        wait_for(lambda: unit_properties(box, "vllm-nemotron.service", "ActiveState")["ActiveState"]
-                 == "activating"
-                 and ssh(box, f"flock -n {PATHS.lock_dir}/nemotron.lock true", check=False).returncode == 1,
-                 60, "nemotron starting with its lock held", 0.2)
+        wait_for(
+            lambda: (
+                unit_properties(box, "vllm-nemotron.service", "ActiveState")["ActiveState"] == "activating"
+                and ssh(box, f"flock -n {PATHS.lock_dir}/nemotron.lock true", check=False).returncode == 1
+            ),
+            60,
+            "nemotron starting with its lock held",
+            0.2,
+        )
         # A hand run from a shell that says MAX_JOBS=20 waits its turn while nemotron loads...
-        ssh(box, f"cd / && setsid -f sudo -u vllm env -i PATH=/usr/bin:/bin MAX_JOBS=20 {LAUNCH} q38 "
-                 ">/tmp/q38-hand.log 2>&1")
-        wait_for(lambda: "q38 waits for engine nemotron, which is loading" in ssh(box, "cat /tmp/q38-hand.log").stdout,
-                 30, "the hand-run q38 waiting for nemotron", 0.2)
+        ssh(
+            box,
+            f"cd / && setsid -f sudo -u vllm env -i PATH=/usr/bin:/bin MAX_JOBS=20 {LAUNCH} q38 "
+            ">/tmp/q38-hand.log 2>&1",
+        )
+        wait_for(
+            lambda: "q38 waits for engine nemotron, which is loading" in ssh(box, "cat /tmp/q38-hand.log").stdout,
+            30,
+            "the hand-run q38 waiting for nemotron",
+            0.2,
+        )
         assert "starting q38" not in ssh(box, "cat /tmp/q38-hand.log").stdout
         wait_for(lambda: serving(box, "vllm-nemotron.service"), ENGINE_START_S, "nemotron serving again")
         nemotron_pid = main_pids(box)["vllm-nemotron.service"]
         # ... then goes ahead, and the engine runs with the caps anyway.
-        wait_for(lambda: ssh(box, "curl -fs -o /dev/null http://127.0.0.1:18011/health", check=False).returncode == 0,
-                 ENGINE_START_S, "the hand-run q38 serving")
+        wait_for(
+            lambda: ssh(box, "curl -fs -o /dev/null http://127.0.0.1:18011/health", check=False).returncode == 0,
+            ENGINE_START_S,
+            "the hand-run q38 serving",
+        )
         assert "sparkform-launch: starting q38" in ssh(box, "cat /tmp/q38-hand.log").stdout
         pid = ssh(box, f"cat {PATHS.lock_dir}/q38.lock").stdout.strip()
         environ = ssh(box, f"tr '\\0' '\\n' < /proc/{pid}/environ").stdout.splitlines()
@@ -171,10 +200,12 @@ def test_login_shells_get_the_caps(box):
 
 # --- an engine that never becomes ready (docs/incidents.md#readiness-gate-exit-0) --------------------
 
+
 def timed_helper(box: machine.Sandbox, args: str, mainpid: str) -> tuple[int, float]:
     """(exit code, wall seconds) of the readiness helper run on the host."""
-    out = ssh(box, f"date +%s.%N; MAINPID={mainpid} {HELPER} {args} >/dev/null 2>&1; echo $?; date +%s.%N",
-              check=False).stdout.split()
+    out = ssh(
+        box, f"date +%s.%N; MAINPID={mainpid} {HELPER} {args} >/dev/null 2>&1; echo $?; date +%s.%N", check=False
+    ).stdout.split()
     return int(out[1]), float(out[2]) - float(out[0])
 
 
@@ -189,8 +220,11 @@ def test_helper_gives_up_at_the_budget_on_a_stalled_engine(box):
     finally:
         ssh(box, f"kill -CONT {pid}")
     assert rc == 1 and 5 <= elapsed <= 7, (rc, elapsed)
-    wait_for(lambda: ssh(box, "curl -fs -o /dev/null http://127.0.0.1:18012/health", check=False).returncode == 0,
-             30, "nemotron answering again")
+    wait_for(
+        lambda: ssh(box, "curl -fs -o /dev/null http://127.0.0.1:18012/health", check=False).returncode == 0,
+        30,
+        "nemotron answering again",
+    )
 
 
 def test_helper_gives_up_at_the_budget_when_nothing_listens(box):
@@ -205,20 +239,26 @@ def test_helper_exits_1_within_2_s_of_the_engine_dying(box):
 
 # --- a fatal engine error at run time, API server exits 0 (docs/incidents.md#exit-0-crash) -----------
 
+
 def test_engine_core_killed_at_run_time_exits_0_and_systemd_restarts_it(box):
     before = main_pids(box)
     restarts = int(unit_properties(box, "vllm-nemotron.service", "NRestarts")["NRestarts"])
     since = ssh(box, "date +%s.%N").stdout.strip()
-    core = ssh(box, f"ps -o pid=,args= --ppid {before['vllm-nemotron.service']} | "
-                    "awk '/EngineCore/ {print $1; exit}'").stdout.strip()
+    core = ssh(
+        box, f"ps -o pid=,args= --ppid {before['vllm-nemotron.service']} | awk '/EngineCore/ {{print $1; exit}}'"
+    ).stdout.strip()
     assert core, "no EngineCore child of the nemotron API server"
     ssh(box, f"kill -9 {core}")
-    wait_for(lambda: int(unit_properties(box, "vllm-nemotron.service", "NRestarts")["NRestarts"]) > restarts,
-             60, "systemd restarting nemotron")
+    wait_for(
+        lambda: int(unit_properties(box, "vllm-nemotron.service", "NRestarts")["NRestarts"]) > restarts,
+        60,
+        "systemd restarting nemotron",
+    )
     journal = ssh(box, f"journalctl -u vllm-nemotron --since @{since} --no-pager -o cat").stdout
     # As on the owner's Spark: a clean exit ("Deactivated successfully"), which on-failure ignores.
-    assert "EngineDeadError" in journal and "vllm-nemotron.service: Deactivated successfully." in journal, \
-        journal[-3000:]
+    assert "EngineDeadError" in journal and "vllm-nemotron.service: Deactivated successfully." in journal, journal[
+        -3000:
+    ]
     assert "Main process exited, code=exited, status=1" not in journal
     assert "Scheduled restart job, restart counter is at" in journal
     wait_for(lambda: serving(box, "vllm-nemotron.service"), ENGINE_START_S, "nemotron serving again")
@@ -230,6 +270,7 @@ def test_engine_core_killed_at_run_time_exits_0_and_systemd_restarts_it(box):
 
 # --- engines that die at start (docs/incidents.md#restart-loop, #cuda-missing-under-systemd) --------
 
+
 def test_engine_that_dies_at_every_start_stops_at_the_start_limit_and_the_deploy_says_why(box, tmp_path):
     nemotron_pid = main_pids(box)["vllm-nemotron.service"]
     since = ssh(box, "date +%s.%N").stdout.strip()
@@ -239,15 +280,21 @@ def test_engine_that_dies_at_every_start_stops_at_the_start_limit_and_the_deploy
     assert "vllm-q38.service failed to start; its journal:" in output
     assert "Engine core initialization failed" in output
     # systemd 252 keeps Result=exit-code when the limit stops an automatic restart; it says so here.
-    wait_for(lambda: "Start request repeated too quickly" in ssh(
-        box, f"journalctl -u vllm-q38 --since @{since} --no-pager -o cat").stdout, 600, "q38 at its start limit")
+    wait_for(
+        lambda: (
+            "Start request repeated too quickly"
+            in ssh(box, f"journalctl -u vllm-q38 --since @{since} --no-pager -o cat").stdout
+        ),
+        600,
+        "q38 at its start limit",
+    )
     assert unit_properties(box, "vllm-q38.service", "ActiveState")["ActiveState"] == "failed"
     journal = ssh(box, f"journalctl -u vllm-q38 --since @{since} --no-pager -o short-unix").stdout
     assert "port 18011 serves" not in journal
     deaths = [float(line.split()[0]) for line in journal.splitlines() if "Main process exited" in line]
     reports = [float(line.split()[0]) for line in journal.splitlines() if "engine main process" in line]
     assert len(deaths) == 3 and len(reports) == 3  # StartLimitBurst=3 starts, then no more
-    assert all(0 <= report - death <= 2 for death, report in zip(deaths, reports))
+    assert all(0 <= report - death <= 2 for death, report in zip(deaths, reports, strict=True))
     assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
     converge_back(box)
 
@@ -282,6 +329,7 @@ def test_nvcc_missing_from_the_units_path_is_refused_at_launch(box):
 
 # --- a memory ceiling, not a crash (docs/incidents.md#memory-ceiling) --------------------------------
 
+
 def test_memory_max_below_the_footprint_kills_inside_the_unit_only(box, tmp_path):
     machine.memory_controller_writable(box.name)
     nemotron_pid = main_pids(box)["vllm-nemotron.service"]
@@ -297,6 +345,7 @@ def test_memory_max_below_the_footprint_kills_inside_the_unit_only(box, tmp_path
 
 
 # --- the boot chain with a hole (docs/incidents.md#boot-chain-hole) ----------------------------------
+
 
 def q38_after(box: machine.Sandbox) -> list[str]:
     return unit_properties(box, "vllm-q38.service", "After")["After"].split()
@@ -326,28 +375,38 @@ def test_removing_the_first_engine_removes_its_unit(box, tmp_path):
 
 
 def test_verify_names_an_edge_to_a_disabled_unit(box):
-    ssh(box, "printf '[Service]\\nExecStart=/bin/true\\n[Install]\\nWantedBy=multi-user.target\\n' "
-             "> /etc/systemd/system/vllm-ghost.service && "
-             "mkdir -p /etc/systemd/system/vllm-q38.service.d && "
-             "printf '[Unit]\\nAfter=vllm-ghost.service\\n' > /etc/systemd/system/vllm-q38.service.d/hole.conf && "
-             "systemctl daemon-reload")
+    ssh(
+        box,
+        "printf '[Service]\\nExecStart=/bin/true\\n[Install]\\nWantedBy=multi-user.target\\n' "
+        "> /etc/systemd/system/vllm-ghost.service && "
+        "mkdir -p /etc/systemd/system/vllm-q38.service.d && "
+        "printf '[Unit]\\nAfter=vllm-ghost.service\\n' > /etc/systemd/system/vllm-q38.service.d/hole.conf && "
+        "systemctl daemon-reload",
+    )
     try:
         result = verify()
         dry = pyinfra(SANDBOX_INVENTORY, "--dry")
     finally:
-        ssh(box, "rm -rf /etc/systemd/system/vllm-ghost.service /etc/systemd/system/vllm-q38.service.d && "
-                 "systemctl daemon-reload")
+        ssh(
+            box,
+            "rm -rf /etc/systemd/system/vllm-ghost.service /etc/systemd/system/vllm-q38.service.d && "
+            "systemctl daemon-reload",
+        )
     assert result.returncode != 0
     assert "ordered after vllm-ghost.service, which is not enabled" in result.stdout
     # The deploy checks the chain too: a hand-made edge it cannot repair is reported.
-    assert ("boot chain: vllm-q38.service waits for vllm-ghost.service, which is disabled: fix that unit by hand"
-            in dry.stdout + dry.stderr), dry.stdout[-3000:]
+    assert (
+        "boot chain: vllm-q38.service waits for vllm-ghost.service, which is disabled: fix that unit by hand"
+        in dry.stdout + dry.stderr
+    ), dry.stdout[-3000:]
 
 
 def test_deploy_repairs_a_hole_left_by_an_engine_disabled_by_hand(box):
     ssh(box, "systemctl disable vllm-nemotron")
     result = pyinfra(SANDBOX_INVENTORY, "-y")
     assert result.returncode == 0, result.stdout[-3000:]
-    assert ("boot chain: vllm-q38.service waits for vllm-nemotron.service, which is disabled: this run repairs it"
-            in result.stdout + result.stderr)
+    assert (
+        "boot chain: vllm-q38.service waits for vllm-nemotron.service, which is disabled: this run repairs it"
+        in result.stdout + result.stderr
+    )
     assert ssh(box, "systemctl is-enabled vllm-nemotron").stdout.strip() == "enabled"

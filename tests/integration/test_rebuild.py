@@ -37,8 +37,9 @@ def record(box: machine.Sandbox) -> dict:
 
 
 def rebuild(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "sparkform"), "rebuild", str(SANDBOX_INVENTORY), *args],
-                          capture_output=True, text=True, timeout=1800)
+    return subprocess.run(
+        [str(BIN / "sparkform"), "rebuild", str(SANDBOX_INVENTORY), *args], capture_output=True, text=True, timeout=1800
+    )
 
 
 def now(box: machine.Sandbox) -> str:
@@ -78,7 +79,7 @@ def test_same_versions_after_a_reboot_touch_no_cache_and_restart_nothing(box):
     assert ssh(box, f"ls {CACHES}").stdout.split() == ["nemotron", "q38"]  # nothing moved aside
     assert ssh(box, f"ls {CACHES}/nemotron/sentinel {CACHES}/q38/sentinel", check=False).returncode == 0
     # The boot's warm starts are what this rebuild found: measured, recorded, printed.
-    table = result.stdout[result.stdout.index("engine starts"):]
+    table = result.stdout[result.stdout.index("engine starts") :]
     assert table.count(" warm ") == 2, table
     assert all(not entry["last_start_cold"] for entry in record(box)["engines"].values())
 
@@ -94,8 +95,10 @@ def test_new_driver_rebuilds_caches_one_engine_at_a_time_and_a_failed_warm_start
     ssh(box, f"chmod 600 {q38_config}/config.json")
     # --dry reports the drift with the cold starts measured here, and changes nothing.
     cold = " and ".join(f"{old['engines'][name]['cold_start_s']:.0f} s" for name in ("nemotron", "q38"))
-    report = (f"driver {old['versions']['driver']} -> {NEW_DRIVER}: JIT caches of nemotron, q38 will be rebuilt "
-              f"(cold start, about {cold})")
+    report = (
+        f"driver {old['versions']['driver']} -> {NEW_DRIVER}: JIT caches of nemotron, q38 will be rebuilt "
+        f"(cold start, about {cold})"
+    )
     before = main_pids(box)
     dry = pyinfra(SANDBOX_INVENTORY, "--dry")
     assert dry.returncode == 0 and report in dry.stdout + dry.stderr, dry.stderr[-3000:]
@@ -133,7 +136,6 @@ def test_new_driver_rebuilds_caches_one_engine_at_a_time_and_a_failed_warm_start
     written = record(box)
     assert written["versions"]["driver"] == NEW_DRIVER
     assert written["engines"]["q38"]["last_start_cold"] and written["engines"]["q38"]["cache_key"] == new_key
-    table = result.stdout[result.stdout.index("engine starts"):]
+    table = result.stdout[result.stdout.index("engine starts") :]
     assert " cold " in next(line for line in table.splitlines() if line.startswith("q38")), table
-    assert ssh(box, f"systemctl is-active {' '.join(UNITS)} sparkform-engines.target").stdout.split() == \
-        ["active"] * 3
+    assert ssh(box, f"systemctl is-active {' '.join(UNITS)} sparkform-engines.target").stdout.split() == ["active"] * 3

@@ -202,9 +202,12 @@ def test_reboot_waits_for_the_boot_s_start_jobs_and_names_the_one_it_outlasts(
     # An enabled unit whose start takes 30 s, as an engine's does until readiness: the boot
     # (and so the reboot) is over only when it started.
     sandbox = make_sandbox()
-    ssh(sandbox, "printf '%s\\n' '[Service]' 'Type=oneshot' 'ExecStart=/bin/sleep 30' '[Install]' "
-                 "'WantedBy=multi-user.target' > /etc/systemd/system/slow-start.service "
-                 "&& systemctl enable slow-start.service")
+    ssh(
+        sandbox,
+        "printf '%s\\n' '[Service]' 'Type=oneshot' 'ExecStart=/bin/sleep 30' '[Install]' "
+        "'WantedBy=multi-user.target' > /etc/systemd/system/slow-start.service "
+        "&& systemctl enable slow-start.service",
+    )
     with pytest.raises(SandboxError, match=r"systemd still starting units; jobs: .*slow-start\.service") as err:
         machine.reboot(sandbox.name, timeout=10)
     print(err.value)

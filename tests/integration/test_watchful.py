@@ -57,9 +57,13 @@ def answers(box, unit: str) -> bool:
     """A one-token completion through the front, with the key, within 30 s."""
     key = stage.secret_file(box.runtime_dir, "api_key").read_text().strip()
     body = json.dumps({"model": NAMES[unit], "prompt": "hi", "max_tokens": 1})
-    status = ssh(box, f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 30 -H 'Content-Type: application/json' "
-                      f"--config <(printf 'header = \"Authorization: Bearer %s\"\\n' {key}) -d '{body}' "
-                      f"http://{box.address}:{PORTS[unit]}/v1/completions", check=False).stdout
+    status = ssh(
+        box,
+        f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 30 -H 'Content-Type: application/json' "
+        f"--config <(printf 'header = \"Authorization: Bearer %s\"\\n' {key}) -d '{body}' "
+        f"http://{box.address}:{PORTS[unit]}/v1/completions",
+        check=False,
+    ).stdout
     return status == "200"
 
 
@@ -68,8 +72,9 @@ def both_serve_again(box, timeout: float, since: str) -> float:
     started = time.monotonic()
     while time.monotonic() - started < timeout:
         states = ssh(box, f"systemctl is-active {' '.join(UNITS)} || true").stdout.split()
-        assert "failed" not in states, ssh(box, f"journalctl -u vllm-q38 -u vllm-nemotron --since @{since} "
-                                                 "--no-pager -o cat | tail -n 60").stdout
+        assert "failed" not in states, ssh(
+            box, f"journalctl -u vllm-q38 -u vllm-nemotron --since @{since} --no-pager -o cat | tail -n 60"
+        ).stdout
         if states == ["active", "active"] and all(answers(box, unit) for unit in UNITS):
             return time.monotonic() - started
         time.sleep(1)
@@ -81,7 +86,9 @@ def start_seconds(box) -> dict[str, float]:
     result = {}
     for unit in UNITS:
         props = unit_properties(box, unit, "ExecMainStartTimestampMonotonic", "ActiveEnterTimestampMonotonic")
-        result[unit] = (int(props["ActiveEnterTimestampMonotonic"]) - int(props["ExecMainStartTimestampMonotonic"])) / 1e6
+        result[unit] = (
+            int(props["ActiveEnterTimestampMonotonic"]) - int(props["ExecMainStartTimestampMonotonic"])
+        ) / 1e6
     return result
 
 
@@ -106,8 +113,11 @@ def test_both_engine_cores_killed_at_once_again_and_again_both_serve_again_every
             # q38's restart first: nemotron's, a moment later, finds it loading. (When both
             # restart jobs are queued together, systemd's After= orders them itself.)
             ssh(box, f"kill -9 {cores['vllm-q38.service']}")
-            wait_for(lambda: unit_properties(box, "vllm-q38.service", "SubState")["SubState"] == "start-post",
-                     60, "q38 loading again")
+            wait_for(
+                lambda: unit_properties(box, "vllm-q38.service", "SubState")["SubState"] == "start-post",
+                60,
+                "q38 loading again",
+            )
             ssh(box, f"kill -9 {cores['vllm-nemotron.service']}")
         else:
             ssh(box, f"kill -9 {' '.join(map(str, cores.values()))}")
@@ -126,8 +136,12 @@ def stop_and_wait_for_the_watchdog(box, unit: str, pid: int) -> None:
     stopped = time.monotonic()
     ssh(box, f"kill -STOP {pid}")
     try:
-        wait_for(lambda: [a for a in alerts(box)[since_alerts:] if a["event"] == "hung"], HANG_DETECTED_S,
-                 f"the watchdog's alert about {unit}", 0.5)
+        wait_for(
+            lambda: [a for a in alerts(box)[since_alerts:] if a["event"] == "hung"],
+            HANG_DETECTED_S,
+            f"the watchdog's alert about {unit}",
+            0.5,
+        )
     finally:
         ssh(box, f"kill -CONT {pid}", check=False)
     detected = time.monotonic() - stopped
@@ -163,10 +177,14 @@ def test_an_engine_under_long_generations_is_not_restarted(box):
     a silent engine hung: the probes may wait, the token counters move, nothing is killed."""
     before, since_alerts = main_pids(box), len(alerts(box))
     body = json.dumps({"model": "q38", "prompt": "tell me", "max_tokens": 1800, "ignore_eos": True})
-    load = ssh(box, f"end=$((SECONDS + {HANG_DETECTED_S + 10})); for slot in 1 2 3 4 5 6; do "
-                    f"( while ((SECONDS < end)); do curl -s -o /dev/null --max-time 300 "
-                    f"-H 'Content-Type: application/json' -d '{body}' http://127.0.0.1:18011/v1/completions; "
-                    "done ) & done; wait; echo done", check=False)
+    load = ssh(
+        box,
+        f"end=$((SECONDS + {HANG_DETECTED_S + 10})); for slot in 1 2 3 4 5 6; do "
+        f"( while ((SECONDS < end)); do curl -s -o /dev/null --max-time 300 "
+        f"-H 'Content-Type: application/json' -d '{body}' http://127.0.0.1:18011/v1/completions; "
+        "done ) & done; wait; echo done",
+        check=False,
+    )
     assert load.stdout.strip() == "done"
     assert main_pids(box) == before
     assert not [a for a in alerts(box)[since_alerts:] if a["event"] == "hung"]
@@ -179,10 +197,16 @@ def test_a_crash_of_one_engine_while_the_other_hangs_both_serve_again(box):
     try:
         ssh(box, f"kill -9 {engine_core(box, 'vllm-q38.service')}")
         # q38 restarts beside a started engine that does not answer: hung, not loading.
-        wait_for(lambda: serving(box, "vllm-q38.service") and answers(box, "vllm-q38.service"), 120,
-                 "q38 serving again beside the hung nemotron")
-        wait_for(lambda: [a for a in alerts(box)[since_alerts:] if a["event"] == "hung"], HANG_DETECTED_S,
-                 "the watchdog's alert about nemotron")
+        wait_for(
+            lambda: serving(box, "vllm-q38.service") and answers(box, "vllm-q38.service"),
+            120,
+            "q38 serving again beside the hung nemotron",
+        )
+        wait_for(
+            lambda: [a for a in alerts(box)[since_alerts:] if a["event"] == "hung"],
+            HANG_DETECTED_S,
+            "the watchdog's alert about nemotron",
+        )
     finally:
         ssh(box, f"kill -CONT {hung}", check=False)
     both_serve_again(box, 240, since)
@@ -198,19 +222,30 @@ def test_an_engine_that_cannot_serve_is_retried_with_a_growing_back_off_and_serv
     ssh(box, f"cp {config} /root/q38-config.json && echo '{{' > {config}")
     try:
         ssh(box, f"kill -9 {engine_core(box, 'vllm-q38.service')}")
-        wait_for(lambda: [a for a in alerts(box)[since_alerts:] if a["event"] == "failed"], 300,
-                 "the alert that q38 failed")
+        wait_for(
+            lambda: [a for a in alerts(box)[since_alerts:] if a["event"] == "failed"], 300, "the alert that q38 failed"
+        )
         # Retried after 10 s, failed again after its burst, retried after 20 s: one alert only.
-        wait_for(lambda: "retry 2 in 20 s" in ssh(box, f"journalctl -t sparkform-guard --since @{since} "
-                                                       "--no-pager -o cat").stdout, 300, "the second back-off")
+        wait_for(
+            lambda: (
+                "retry 2 in 20 s"
+                in ssh(box, f"journalctl -t sparkform-guard --since @{since} --no-pager -o cat").stdout
+            ),
+            300,
+            "the second back-off",
+        )
     finally:
         ssh(box, f"cp /root/q38-config.json {config}")
     wait_for(lambda: serving(box, "vllm-q38.service"), 300, "q38 serving after the repair, by itself")
     events = [a["event"] for a in alerts(box)[since_alerts:] if a["engine"] == "q38"]
     assert events == ["failed", "recovered"], events
     assert "serves again after 2 failed start limit(s)" in alerts(box)[-1]["message"]
-    assert ssh(box, f"journalctl MESSAGE_ID=7d3f5c2a9e8b4f61a0c4d2e6b8f1a3c5 --since @{since} --no-pager "
-                    "-o cat").stdout.count("\n") >= 2
+    assert (
+        ssh(
+            box, f"journalctl MESSAGE_ID=7d3f5c2a9e8b4f61a0c4d2e6b8f1a3c5 --since @{since} --no-pager -o cat"
+        ).stdout.count("\n")
+        >= 2
+    )
     assert pyinfra(SANDBOX_INVENTORY, "-y").returncode == 0
 
 
@@ -222,16 +257,24 @@ def test_memory_taken_outside_the_engines_stops_the_lower_priority_engine_until_
     available = mem_available_gib(box)
     # Floors 1.5 and 2 GiB under what is free now; 3 GiB taken outside every engine's cgroup (the
     # stand-in for CUDA allocations the cgroup cannot see).
-    inventory = edited_inventory(tmp_path, host_changes={
-        "memory_warn_gib": round(available - 1.5, 2), "memory_critical_gib": round(available - 2, 2),
-        "memory_margin_gib": 0.0})
+    inventory = edited_inventory(
+        tmp_path,
+        host_changes={
+            "memory_warn_gib": round(available - 1.5, 2),
+            "memory_critical_gib": round(available - 2, 2),
+            "memory_margin_gib": 0.0,
+        },
+    )
     assert pyinfra(inventory, "-y").returncode == 0
     before, since_alerts = main_pids(box), len(alerts(box))
     hog = "python3 -c 'import time; x = bytearray(3 * 2**30); time.sleep(600)'"
     ssh(box, f"setsid -f {hog} >/dev/null 2>&1")
     try:
-        wait_for(lambda: unit_properties(box, "vllm-q38.service", "ActiveState")["ActiveState"] == "inactive",
-                 60, "the memory guard stopping q38")
+        wait_for(
+            lambda: unit_properties(box, "vllm-q38.service", "ActiveState")["ActiveState"] == "inactive",
+            60,
+            "the memory guard stopping q38",
+        )
         assert main_pids(box)["vllm-nemotron.service"] == before["vllm-nemotron.service"]
         assert answers(box, "vllm-nemotron.service")
         events = [(a["event"], a["engine"]) for a in alerts(box)[since_alerts:]]

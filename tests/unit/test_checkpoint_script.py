@@ -45,8 +45,9 @@ def hub(tmp_path: Path, tmp_path_factory):
 def fetch(script: Path, hub: FakeHub, folder: Path, repo: str = QWEN) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if not key.startswith("HF_")}
     env.update(HF_ENDPOINT=hub.url, HF_HOME=str(folder.parent / "hf-home"), HF_TOKEN="hf_test_token")
-    return subprocess.run([sys.executable, str(script), repo, "main", str(folder)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(script), repo, "main", str(folder)], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_fetch_verifies_and_writes_manifest_and_marker_last(script, hub, tmp_path):
@@ -106,11 +107,17 @@ def test_the_deploy_s_fetch_command_keeps_the_token_out_of_every_argv(script, hu
     """Run the fetch commands the checkpoint operation yields, as the remote shell would, under
     strace: the token reaches the hub (every request authorized) but no process's argv."""
     token = "hf_secret_4a7c1e"
-    config = load_host("box", {
-        "lib_dir": str(tmp_path / "lib"), "config_dir": str(tmp_path / "etc"),
-        "venv_root": str(tmp_path / "venvs"), "models_dir": str(tmp_path / "models"), "hf_endpoint": hub.url,
-        "engines": [{"name": "q", "port": 8000, "checkpoint": {"repo": QWEN, "revision": "main"}}],
-    }).config.pinned({"q": hub.resolve(QWEN, "main")})
+    config = load_host(
+        "box",
+        {
+            "lib_dir": str(tmp_path / "lib"),
+            "config_dir": str(tmp_path / "etc"),
+            "venv_root": str(tmp_path / "venvs"),
+            "models_dir": str(tmp_path / "models"),
+            "hf_endpoint": hub.url,
+            "engines": [{"name": "q", "port": 8000, "checkpoint": {"repo": QWEN, "revision": "main"}}],
+        },
+    ).config.pinned({"q": hub.resolve(QWEN, "main")})
     (engine,) = config.engines
     config = config.model_copy(update={"hf_token_file": "token-on-the-laptop"})
     Path(config.lib_dir).mkdir()
@@ -119,15 +126,20 @@ def test_the_deploy_s_fetch_command_keeps_the_token_out_of_every_argv(script, hu
     Path(config.paths.hf_token).write_text(f"{token}\n")
     python = Path(config.venv) / "bin" / "python"
     python.parent.mkdir(parents=True)
-    python.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     folder = config.checkpoint_dir(engine)
     env = {key: value for key, value in os.environ.items() if not key.startswith("HF_")}
     env["HF_HOME"] = str(tmp_path / "hf-home")
     trace = tmp_path / "execve.log"
     for command in _fetch(config, engine, folder, drifted=False):
-        result = subprocess.run(["strace", "-f", "-qq", "-e", "trace=execve", "-s", "65535", "-o", str(trace),
-                                 "sh", "-c", command], env=env, capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            ["strace", "-f", "-qq", "-e", "trace=execve", "-s", "65535", "-o", str(trace), "sh", "-c", command],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 0, (command, result.stderr[-2000:])
         execs = trace.read_text()
         assert "execve(" in execs

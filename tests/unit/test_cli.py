@@ -30,8 +30,10 @@ CONSOLE_SCRIPT = Path(sys.executable).with_name("sparkform")
 
 # file: (text stderr must contain, naming the field (and the engine where there is one), more text)
 EXPECTED = {
-    "utilization_over_pool": ("spark-test: gpu_memory_utilization = {'fast': 0.45, 'slow': 0.45}",
-                              "0.45 (fast) + 0.45 (slow) = 0.90 of 121.0 GiB is 108.9 GiB"),
+    "utilization_over_pool": (
+        "spark-test: gpu_memory_utilization = {'fast': 0.45, 'slow': 0.45}",
+        "0.45 (fast) + 0.45 (slow) = 0.90 of 121.0 GiB is 108.9 GiB",
+    ),
     "typo_host_key": ("spark-test: gpu_memory_utilisation = 0.45", "unknown key"),
     "typo_engine_key": ("spark-test: engine slow: max_num_seq = 64", "unknown key"),
     "duplicate_name": ("spark-test: engine fast: name = 'fast'", "two engines share this name"),
@@ -61,17 +63,25 @@ EXPECTED = {
     "api_key_breaks_the_front": ("spark-test: api_key_file = '/tmp/", "bearer token"),
     "api_key_in_extra_args": ("spark-test: engine slow: extra_args = ['--api-key', '***']", "api_key_file"),
     "missing_revision": ("spark-test: engine fast: checkpoint.revision = ", "required field is missing"),
-    "max_num_seqs_over_mamba_blocks": ("spark-test: engine slow: max_num_seqs = 2048",
-                                       "above the 1497 Mamba cache blocks the planner predicts"),
+    "max_num_seqs_over_mamba_blocks": (
+        "spark-test: engine slow: max_num_seqs = 2048",
+        "above the 1497 Mamba cache blocks the planner predicts",
+    ),
     "wheelhouse_without_host_folder": ("spark-test: wheelhouse_source = ", "no host folder to copy the wheels into"),
-    "lock_missing": ("spark-test: lock_file = '", "the repo has no lock for vllm==0.99.0 on cuda. "
-                     "Fix: make it with `sparkform lock --vllm 0.99.0 --device cuda`"),
+    "lock_missing": (
+        "spark-test: lock_file = '",
+        "the repo has no lock for vllm==0.99.0 on cuda. Fix: make it with `sparkform lock --vllm 0.99.0 --device cuda`",
+    ),
 }
 BROKEN_FILES = sorted(BROKEN.glob("*.py"))
 
 
 def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARK_") or k in ("SPARK_API_KEY_FILE", "SPARK_KNOWN_HOSTS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SPARK_") or k in ("SPARK_API_KEY_FILE", "SPARK_KNOWN_HOSTS")
+    }
     env.pop("PYTHONPATH", None)
     return env
 
@@ -79,8 +89,7 @@ def clean_env() -> dict[str, str]:
 def sparkform(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
     command = [str(CONSOLE_SCRIPT)] if CONSOLE_SCRIPT.exists() else [sys.executable, "-m", "sparkform.cli"]
     start = time.monotonic()
-    result = subprocess.run([*command, *args], capture_output=True, text=True, cwd=cwd, env=clean_env(),
-                            timeout=60)
+    result = subprocess.run([*command, *args], capture_output=True, text=True, cwd=cwd, env=clean_env(), timeout=60)
     return result, time.monotonic() - start
 
 
@@ -97,6 +106,7 @@ def no_network(monkeypatch) -> list[str]:
         def _blocked(*args, **kwargs):
             attempts.append(f"{name}{args[1:] if name.startswith('socket.') else args}")
             raise ConnectionAttempted(f"{name} called: sparkform plan must not connect")
+
         return _blocked
 
     for name in ("connect", "connect_ex", "sendto"):
@@ -118,11 +128,13 @@ def test_the_network_guard_catches_a_connection(no_network):
 
 # --- the broken inventories ------------------------------------------------------------------------
 
+
 def test_there_are_at_least_a_dozen_broken_inventories_each_with_an_expectation():
     names = {path.stem for path in BROKEN_FILES}
     assert len(names) >= 12
-    assert names == set(EXPECTED), f"without expectation: {names - set(EXPECTED)}; " \
-                                   f"without file: {set(EXPECTED) - names}"
+    assert names == set(EXPECTED), (
+        f"without expectation: {names - set(EXPECTED)}; without file: {set(EXPECTED) - names}"
+    )
 
 
 @pytest.mark.parametrize("path", BROKEN_FILES, ids=[p.stem for p in BROKEN_FILES])
@@ -165,7 +177,8 @@ def test_every_problem_of_an_inventory_is_listed(tmp_path, no_network, capsys):
         "spark = hosts({\n"
         "    'one': {'timeout_start_s': 60, 'engines': engines},\n"
         "    'two': {'memory_max_gib': 90.0, 'engines': engines, 'gpu_memory_utilisation': 0.3},\n"
-        "}, __file__)\n")
+        "}, __file__)\n"
+    )
     with pytest.raises(SystemExit) as caught:
         cli.main(["plan", str(inventory)])
     assert caught.value.code == 2
@@ -177,8 +190,10 @@ def test_every_problem_of_an_inventory_is_listed(tmp_path, no_network, capsys):
 def test_problems_found_after_loading_also_exit_2(tmp_path, no_network, capsys):
     # A plain host list (not built with hosts()) is validated by the CLI itself.
     inventory = tmp_path / "plain.py"
-    inventory.write_text("spark = [('spark-test', {'engines': [{'name': 'a', 'port': 80, "
-                         "'checkpoint': {'repo': 'o/a', 'revision': 'r'}}]})]\n")
+    inventory.write_text(
+        "spark = [('spark-test', {'engines': [{'name': 'a', 'port': 80, "
+        "'checkpoint': {'repo': 'o/a', 'revision': 'r'}}]})]\n"
+    )
     with pytest.raises(SystemExit) as caught:
         cli.main(["plan", str(inventory)])
     assert caught.value.code == 2
@@ -204,55 +219,133 @@ def test_a_missing_inventory_exits_1(tmp_path, capsys):
 KEY = "sk-hostile-DO-NOT-PRINT-0123456789"
 # id: (host data changes, changes to engine "fast", text naming the field, more text)
 HOSTILE = {
-    "served_name_splits_the_command": ({}, {"served_names": ["fast", ";", "+/usr/bin/id"]},
-                                       "engine fast: served_names = ", "not a model name"),
-    "served_name_with_a_specifier": ({}, {"served_names": ["fast-%h"]}, "engine fast: served_names = ", "not a model name"),
-    "served_name_with_a_variable": ({}, {"served_names": ["$HOME"]}, "engine fast: served_names = ", "not a model name"),
+    "served_name_splits_the_command": (
+        {},
+        {"served_names": ["fast", ";", "+/usr/bin/id"]},
+        "engine fast: served_names = ",
+        "not a model name",
+    ),
+    "served_name_with_a_specifier": (
+        {},
+        {"served_names": ["fast-%h"]},
+        "engine fast: served_names = ",
+        "not a model name",
+    ),
+    "served_name_with_a_variable": (
+        {},
+        {"served_names": ["$HOME"]},
+        "engine fast: served_names = ",
+        "not a model name",
+    ),
     "served_name_with_a_quote": ({}, {"served_names": ['fast"x']}, "engine fast: served_names = ", "not a model name"),
-    "newline_in_cuda_home": ({"cuda_home": "/usr/local/cuda\nExecStartPre=+/tmp/evil"}, {}, "cuda_home = ",
-                             "not an absolute path"),
-    "command_substitution_in_cuda_home": ({"cuda_home": "/usr/local/cuda$(id>/tmp/x)"}, {}, "cuda_home = ",
-                                          "not an absolute path"),
+    "newline_in_cuda_home": (
+        {"cuda_home": "/usr/local/cuda\nExecStartPre=+/tmp/evil"},
+        {},
+        "cuda_home = ",
+        "not an absolute path",
+    ),
+    "command_substitution_in_cuda_home": (
+        {"cuda_home": "/usr/local/cuda$(id>/tmp/x)"},
+        {},
+        "cuda_home = ",
+        "not an absolute path",
+    ),
     "semicolon_in_config_dir": ({"config_dir": "/etc/sparkform;id"}, {}, "config_dir = ", "not an absolute path"),
-    "newline_in_listen_address": ({"listen_address": "127.0.0.1\n--trust-remote-code"}, {}, "listen_address = ",
-                                  "not an IP address"),
-    "newline_in_reasoning_parser": ({}, {"reasoning_parser": "nemotron_v3\n--trust-remote-code"},
-                                    "engine fast: reasoning_parser = ", "should match pattern"),
-    "space_in_tool_call_parser": ({}, {"tool_call_parser": "hermes --trust-remote-code"},
-                                  "engine fast: tool_call_parser = ", "should match pattern"),
+    "newline_in_listen_address": (
+        {"listen_address": "127.0.0.1\n--trust-remote-code"},
+        {},
+        "listen_address = ",
+        "not an IP address",
+    ),
+    "newline_in_reasoning_parser": (
+        {},
+        {"reasoning_parser": "nemotron_v3\n--trust-remote-code"},
+        "engine fast: reasoning_parser = ",
+        "should match pattern",
+    ),
+    "space_in_tool_call_parser": (
+        {},
+        {"tool_call_parser": "hermes --trust-remote-code"},
+        "engine fast: tool_call_parser = ",
+        "should match pattern",
+    ),
     "state_dir_is_a_system_folder": ({"state_dir": "/usr/local"}, {}, "state_dir = '/usr/local'", "system folder"),
     "cache_root_is_the_root": ({"cache_root": "/"}, {}, "cache_root = '/'", "system folder"),
     "models_dir_in_proc": ({"models_dir": "/proc/self/cwd"}, {}, "models_dir = ", "system folder"),
-    "models_dir_where_engines_write": ({"models_dir": "/var/cache/sparkform/fast/models"}, {}, "models_dir = ",
-                                       "where the engines write"),
+    "models_dir_where_engines_write": (
+        {"models_dir": "/var/cache/sparkform/fast/models"},
+        {},
+        "models_dir = ",
+        "where the engines write",
+    ),
     "engine_user_root": ({"engine_user": "root"}, {}, "engine_user = 'root'", "root: everything"),
     "engine_user_of_the_front": ({"engine_user": "www-data"}, {}, "engine_user = 'www-data'", "of its own"),
-    "api_key_with_an_underscore": ({}, {"extra_args": ["--api_key", KEY]}, "engine fast: extra_args = ['--api_key', '***']",
-                                   "api_key_file"),
-    "api_key_abbreviated_in_one_token": ({}, {"extra_args": [f"--api-k={KEY}"]},
-                                         "engine fast: extra_args = ['--api-k=***']", "api_key_file"),
-    "trust_remote_code_in_extra_args": ({}, {"extra_args": ["--trust_remote_code"]}, "engine fast: extra_args = ",
-                                        "trust_remote_code: true"),
+    "api_key_with_an_underscore": (
+        {},
+        {"extra_args": ["--api_key", KEY]},
+        "engine fast: extra_args = ['--api_key', '***']",
+        "api_key_file",
+    ),
+    "api_key_abbreviated_in_one_token": (
+        {},
+        {"extra_args": [f"--api-k={KEY}"]},
+        "engine fast: extra_args = ['--api-k=***']",
+        "api_key_file",
+    ),
+    "trust_remote_code_in_extra_args": (
+        {},
+        {"extra_args": ["--trust_remote_code"]},
+        "engine fast: extra_args = ",
+        "trust_remote_code: true",
+    ),
     "port_abbreviated": ({}, {"extra_args": ["--por", "80"]}, "engine fast: extra_args = ", "listen_address and port"),
     "model_in_extra_args": ({}, {"extra_args": ["--model=/etc"]}, "engine fast: extra_args = ", "set checkpoint"),
-    "local_media_in_extra_args": ({}, {"extra_args": ["--allowed-local-media-path", "/"]},
-                                  "engine fast: extra_args = ", "read the engine's files"),
-    "newline_in_an_argument": ({}, {"extra_args": ["--enforce-eager\n--trust-remote-code"]},
-                               "engine fast: extra_args = ", "control character"),
+    "local_media_in_extra_args": (
+        {},
+        {"extra_args": ["--allowed-local-media-path", "/"]},
+        "engine fast: extra_args = ",
+        "read the engine's files",
+    ),
+    "newline_in_an_argument": (
+        {},
+        {"extra_args": ["--enforce-eager\n--trust-remote-code"]},
+        "engine fast: extra_args = ",
+        "control character",
+    ),
     "dotdot_in_lib_dir": ({"lib_dir": "/usr/local/lib/sparkform/../../../etc"}, {}, "lib_dir = ", "not normalized"),
-    "shell_in_revision": ({}, {"checkpoint": {"repo": "org/fast", "revision": "main;rm -rf /"}},
-                          "engine fast: checkpoint.revision = ", "not a branch, tag or commit"),
-    "quote_in_include": ({}, {"checkpoint": {"repo": "org/fast", "revision": "abc123", "include": ["*' ; id '"]}},
-                         "engine fast: checkpoint.include = ", "not a file pattern"),
+    "shell_in_revision": (
+        {},
+        {"checkpoint": {"repo": "org/fast", "revision": "main;rm -rf /"}},
+        "engine fast: checkpoint.revision = ",
+        "not a branch, tag or commit",
+    ),
+    "quote_in_include": (
+        {},
+        {"checkpoint": {"repo": "org/fast", "revision": "abc123", "include": ["*' ; id '"]}},
+        "engine fast: checkpoint.include = ",
+        "not a file pattern",
+    ),
     "command_in_hf_endpoint": ({"hf_endpoint": "http://hub.lan/$(id)"}, {}, "hf_endpoint = ", "should match pattern"),
     "shell_in_python": ({"python": "python3; id"}, {}, "python = ", "should match pattern"),
-    "arguments_in_alert_command": ({"alert_command": "/usr/bin/notify --all"}, {}, "alert_command = ",
-                                   "not an absolute path"),
+    "arguments_in_alert_command": (
+        {"alert_command": "/usr/bin/notify --all"},
+        {},
+        "alert_command = ",
+        "not an absolute path",
+    ),
     "shell_in_vllm_version": ({"vllm_version": "0.27.1; id"}, {}, "vllm_version = ", "should match pattern"),
-    "unicode_in_repo": ({}, {"checkpoint": {"repo": "org/f\u0430st", "revision": "abc123"}},
-                        "engine fast: checkpoint.repo = ", "owner/name"),
-    "variable_in_generation_config": ({}, {"generation_config": "/srv/$HOME"}, "engine fast: generation_config = ",
-                                      "not an absolute path"),
+    "unicode_in_repo": (
+        {},
+        {"checkpoint": {"repo": "org/f\u0430st", "revision": "abc123"}},
+        "engine fast: checkpoint.repo = ",
+        "owner/name",
+    ),
+    "variable_in_generation_config": (
+        {},
+        {"generation_config": "/srv/$HOME"},
+        "engine fast: generation_config = ",
+        "not an absolute path",
+    ),
 }
 HOSTILE_INVENTORY = """
 import runpy
@@ -267,8 +360,9 @@ spark = hosts({{"spark-test": pair}}, __file__)
 def hostile_inventory(case: str, folder: Path) -> Path:
     host_changes, engine_changes, _, _ = HOSTILE[case]
     path = folder / f"{case}.py"
-    path.write_text(HOSTILE_INVENTORY.format(base=str(INVENTORIES / "broken_base.py"), host=host_changes,
-                                             engine=engine_changes))
+    path.write_text(
+        HOSTILE_INVENTORY.format(base=str(INVENTORIES / "broken_base.py"), host=host_changes, engine=engine_changes)
+    )
     return path
 
 
@@ -302,8 +396,11 @@ def test_hostile_inventory_exits_2_from_the_console_script(case, tmp_path):
 
 def test_render_never_writes_outside_its_out_folder(tmp_path):
     inventory = tmp_path / "climbing.py"
-    inventory.write_text(HOSTILE_INVENTORY.format(base=str(INVENTORIES / "broken_base.py"), host={}, engine={})
-                         .replace('"spark-test"', '"../../outside"'))
+    inventory.write_text(
+        HOSTILE_INVENTORY.format(base=str(INVENTORIES / "broken_base.py"), host={}, engine={}).replace(
+            '"spark-test"', '"../../outside"'
+        )
+    )
     out = tmp_path / "a" / "b"
     result, _ = sparkform("render", str(inventory), "--out", str(out), cwd=tmp_path)
     assert result.returncode == 2, result.stderr
@@ -312,6 +409,7 @@ def test_render_never_writes_outside_its_out_folder(tmp_path):
 
 
 # --- the Spark's inventory (the owner's pair) ---------------------------------------------------------
+
 
 def test_seed_inventory_plan_exits_0_and_prints_both_engines(tmp_path):
     result, elapsed = sparkform("plan", str(SEED_INVENTORY), cwd=tmp_path)
@@ -336,8 +434,14 @@ def test_seed_inventory_plan_in_process_without_any_connection(no_network, capsy
 
 def test_plan_host_name_follows_spark_host(tmp_path):
     env = clean_env() | {"SPARK_HOST": "gb10.lan", "SPARK_USER": "ops"}
-    result = subprocess.run([sys.executable, "-m", "sparkform.cli", "plan", str(SEED_INVENTORY)],
-                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "sparkform.cli", "plan", str(SEED_INVENTORY)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("host gb10.lan: ")
 
@@ -347,8 +451,14 @@ def test_the_spark_inventory_pins_the_host_key_and_refuses_without_one(tmp_path)
     assert data["ssh_strict_host_key_checking"] == "yes"  # never pyinfra's accept-new
     assert Path(data["ssh_known_hosts_file"]).is_file()
     env = clean_env() | {"SPARK_KNOWN_HOSTS": str(tmp_path / "nowhere" / "known_hosts")}
-    result = subprocess.run([sys.executable, "-m", "sparkform.cli", "plan", str(SEED_INVENTORY)],
-                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "sparkform.cli", "plan", str(SEED_INVENTORY)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=60,
+    )
     assert result.returncode == 2, result.stdout
     assert f"spark.local: ssh_known_hosts_file = '{tmp_path}/nowhere/known_hosts': no such file" in result.stderr
     assert "ssh-keyscan -t ed25519 spark.local >> " in result.stderr
@@ -370,25 +480,39 @@ def test_plan_json(tmp_path):
 
 # --- render and fields --------------------------------------------------------------------------------
 
+
 def test_render_writes_every_file_with_its_mode(tmp_path):
     out = tmp_path / "rendered"
     result, _ = sparkform("render", str(SEED_INVENTORY), "--out", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     root = out / "spark.local"
     written = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-    assert written == sorted([
-        "usr/local/lib/sparkform/sparkform-launch", "usr/local/lib/sparkform/sparkform-wait-ready",
-        "usr/local/lib/sparkform/sparkform-checkpoint", "usr/local/lib/sparkform/sparkform-record",
-        "etc/profile.d/sparkform-caps.sh", "etc/systemd/system/sparkform-engines.target",
-        "etc/systemd/system/vllm-nemotron.service", "etc/sparkform/engines/nemotron.env",
-        "etc/sparkform/engines/nemotron.args",
-        "etc/systemd/system/vllm-q38.service", "etc/sparkform/engines/q38.env", "etc/sparkform/engines/q38.args",
-        "etc/nginx/conf.d/sparkform.conf", "etc/systemd/system/nginx.service.d/sparkform-hardening.conf",
-        "usr/local/lib/sparkform/sparkform-guard", "etc/sparkform/guard.json",
-        "etc/systemd/system/sparkform-guard.service", "etc/systemd/system/sparkform-recover@.service",
-    ])
-    assert result.stdout.splitlines() == [str(root / "usr/local/lib/sparkform/sparkform-launch"),
-                                          *result.stdout.splitlines()[1:]]
+    assert written == sorted(
+        [
+            "usr/local/lib/sparkform/sparkform-launch",
+            "usr/local/lib/sparkform/sparkform-wait-ready",
+            "usr/local/lib/sparkform/sparkform-checkpoint",
+            "usr/local/lib/sparkform/sparkform-record",
+            "etc/profile.d/sparkform-caps.sh",
+            "etc/systemd/system/sparkform-engines.target",
+            "etc/systemd/system/vllm-nemotron.service",
+            "etc/sparkform/engines/nemotron.env",
+            "etc/sparkform/engines/nemotron.args",
+            "etc/systemd/system/vllm-q38.service",
+            "etc/sparkform/engines/q38.env",
+            "etc/sparkform/engines/q38.args",
+            "etc/nginx/conf.d/sparkform.conf",
+            "etc/systemd/system/nginx.service.d/sparkform-hardening.conf",
+            "usr/local/lib/sparkform/sparkform-guard",
+            "etc/sparkform/guard.json",
+            "etc/systemd/system/sparkform-guard.service",
+            "etc/systemd/system/sparkform-recover@.service",
+        ]
+    )
+    assert result.stdout.splitlines() == [
+        str(root / "usr/local/lib/sparkform/sparkform-launch"),
+        *result.stdout.splitlines()[1:],
+    ]
     assert stat.S_IMODE((root / "usr/local/lib/sparkform/sparkform-launch").stat().st_mode) == 0o755
     assert stat.S_IMODE((root / "usr/local/lib/sparkform/sparkform-checkpoint").stat().st_mode) == 0o644
     assert stat.S_IMODE((root / "etc/systemd/system/vllm-q38.service").stat().st_mode) == 0o644
@@ -416,8 +540,14 @@ def test_fields_table_lists_every_field(capsys):
     table = capsys.readouterr().out.splitlines()
     assert table[:2] == ["| field | default | meaning |", "|---|---|---|"]
     rows = {line.split("|")[1].strip().strip("`"): line for line in table[2:]}
-    for name in ("device", "memory_max_gib", "compile_caps.max_jobs", "engines[].gpu_memory_utilization",
-                 "engines[].checkpoint.revision", "engines[].measured.kv_pool_tokens"):
+    for name in (
+        "device",
+        "memory_max_gib",
+        "compile_caps.max_jobs",
+        "engines[].gpu_memory_utilization",
+        "engines[].checkpoint.revision",
+        "engines[].measured.kv_pool_tokens",
+    ):
         assert name in rows, name
     assert "| `engines[].name` | required |" in rows["engines[].name"]
     assert "`1200`" in rows["timeout_start_s"]

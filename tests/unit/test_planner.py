@@ -42,6 +42,7 @@ def within(value: float, expected: float, rel: float = 0.02) -> bool:
 
 # --- KV geometry from config.json -------------------------------------------------------------------
 
+
 def test_dense_gqa_geometry_falls_back_to_hidden_size_over_heads():
     geo = modelconfig.geometry(config("dense_gqa_llama.json"))
     assert (geo.num_layers, geo.kv_layers, geo.state_layers) == (32, 32, 0)
@@ -90,11 +91,18 @@ def test_nemotron_h_like_pattern_counts_only_star_layers():
     assert measured_low < measured_high < geo.tokens_per_gib(1) < 1.2 * measured_low
 
 
-@pytest.mark.parametrize(("fixture", "kib_per_token", "kv_layers"), [
-    ("qwen3_next_80b.json", 12, 12),   # kv-pool-ledger, 2026-06-07: "Qwen3-Next-80B 12 KB (12 of 48 layers full attention)"
-    ("qwen3_6_35b.json", 10, 10),      # "Qwen3.6-35B 10 KB (10 of 40)"
-    ("qwen3_32b_dense.json", 128, 64),  # "Qwen3-32B dense 128 KB"
-])
+@pytest.mark.parametrize(
+    ("fixture", "kib_per_token", "kv_layers"),
+    [
+        (
+            "qwen3_next_80b.json",
+            12,
+            12,
+        ),  # kv-pool-ledger, 2026-06-07: "Qwen3-Next-80B 12 KB (12 of 48 layers full attention)"
+        ("qwen3_6_35b.json", 10, 10),  # "Qwen3.6-35B 10 KB (10 of 40)"
+        ("qwen3_32b_dense.json", 128, 64),  # "Qwen3-32B dense 128 KB"
+    ],
+)
 def test_seed_per_token_kv_with_fp8(fixture, kib_per_token, kv_layers):
     geo = modelconfig.geometry(config(fixture))
     assert geo.kv_layers == kv_layers
@@ -108,10 +116,13 @@ def test_the_hybrid_gets_ten_times_the_tokens_per_gib_of_dense_attention():
     assert 9.5 < hybrid / dense < 11.5
 
 
-@pytest.mark.parametrize(("fixture", "text"), [
-    ("no_attention_heads.json", "'num_attention_heads'"),
-    ("no_full_attention.json", "no full-attention layer"),
-])
+@pytest.mark.parametrize(
+    ("fixture", "text"),
+    [
+        ("no_attention_heads.json", "'num_attention_heads'"),
+        ("no_full_attention.json", "no full-attention layer"),
+    ],
+)
 def test_geometry_refuses_configs_without_kv_layers(fixture, text):
     with pytest.raises(modelconfig.ModelConfigError, match=text):
         modelconfig.geometry(config(fixture))
@@ -142,6 +153,7 @@ def test_kv_dtype_bytes():
 
 # --- the owner's KV pool ledger (docs/incidents.md#kv-pool-ledger) -------------------------------------
 
+
 def seed_at_131k(seed_data: dict[str, Any], measured: dict[str, tuple[float, int]]) -> dict[str, Any]:
     for name, (kv_gib, tokens) in measured.items():
         e = eng(seed_data, name)
@@ -171,8 +183,7 @@ def test_seed_systemd_rows_reproduce_pools_and_concurrency(seed_data, make_host)
 
 def test_seed_rounded_tokens_per_gib_reproduce_concurrency(seed_data, make_host):
     # "Nemotron about 305K, Qwen3.8 about 31K" tokens per GiB.
-    data = seed_at_131k(seed_data, {"nemotron": (9.12, round(9.12 * 305_000)),
-                                    "q38": (30.33, round(30.33 * 31_000))})
+    data = seed_at_131k(seed_data, {"nemotron": (9.12, round(9.12 * 305_000)), "q38": (30.33, round(30.33 * 31_000))})
     plans = by_name(planner.plan(make_host(data)))
     assert plans["nemotron"].tokens_per_gib == pytest.approx(305_000)
     assert plans["q38"].tokens_per_gib == pytest.approx(31_000)
@@ -198,8 +209,9 @@ LEDGER = [
 ]
 
 
-@pytest.mark.parametrize(("kv_gib", "tokens", "window", "printed"), [row[1:] for row in LEDGER],
-                         ids=[row[0] for row in LEDGER])
+@pytest.mark.parametrize(
+    ("kv_gib", "tokens", "window", "printed"), [row[1:] for row in LEDGER], ids=[row[0] for row in LEDGER]
+)
 def test_every_ledger_row_comes_back_exactly(seed_data, make_host, kv_gib, tokens, window, printed):
     e = eng(seed_data, "q38")
     e.update(max_model_len=window, measured={"kv_cache_gib": kv_gib, "kv_pool_tokens": tokens})
@@ -238,11 +250,17 @@ def test_seed_inventory_plan(monkeypatch):
 
 # --- estimates from config.json and weights ------------------------------------------------------------
 
+
 def test_estimate_from_weights_and_config(seed_data, make_host):
     # q38 from the owner's own numbers: 21.81 GiB weights, ~2.3 GiB other non-KV, util 0.45.
     e = eng(seed_data, "q38")
-    e.update(weights_gib=21.81, non_kv_overhead_gib=2.31, kv_cache_dtype="fp8",
-             model_config_path="qwen3_5_hybrid.json", max_model_len=131_072)
+    e.update(
+        weights_gib=21.81,
+        non_kv_overhead_gib=2.31,
+        kv_cache_dtype="fp8",
+        model_config_path="qwen3_5_hybrid.json",
+        max_model_len=131_072,
+    )
     q38 = by_name(planner.plan(make_host(seed_data)))["q38"]
     kv = 0.45 * 121 - 21.81 - 2.31  # 30.33 GiB: the owner's measured pool
     assert q38.kv_gib == pytest.approx(kv)
@@ -256,8 +274,9 @@ def test_estimate_from_weights_and_config(seed_data, make_host):
 
 
 def test_dense_config_is_not_labelled_an_upper_bound(seed_data, make_host):
-    eng(seed_data, "q38").update(model_config_path="dense_gqa_llama.json", weights_gib=16.0,
-                                 max_model_len=131_072, kv_cache_dtype="auto")
+    eng(seed_data, "q38").update(
+        model_config_path="dense_gqa_llama.json", weights_gib=16.0, max_model_len=131_072, kv_cache_dtype="auto"
+    )
     q38 = by_name(planner.plan(make_host(seed_data)))["q38"]
     assert q38.tokens_source == "config.json"
     assert q38.tokens_per_gib == 8192  # bf16 KV
@@ -267,16 +286,18 @@ def test_dense_config_is_not_labelled_an_upper_bound(seed_data, make_host):
 
 
 def test_measured_tokens_per_gib_wins_over_config(seed_data, make_host):
-    eng(seed_data, "q38").update(model_config_path="qwen3_5_hybrid.json",
-                                 measured={"kv_cache_gib": 30.33, "kv_pool_tokens": 953_661})
+    eng(seed_data, "q38").update(
+        model_config_path="qwen3_5_hybrid.json", measured={"kv_cache_gib": 30.33, "kv_pool_tokens": 953_661}
+    )
     q38 = by_name(planner.plan(make_host(seed_data)))["q38"]
     assert q38.tokens_source == "measured"
     assert q38.tokens_per_gib == pytest.approx(953_661 / 30.33)
 
 
 def test_share_smaller_than_weights_leaves_no_pool(seed_data, make_host):
-    eng(seed_data, "q38").update(gpu_memory_utilization=0.15, weights_gib=21.81,
-                                 model_config_path="qwen3_5_hybrid.json")
+    eng(seed_data, "q38").update(
+        gpu_memory_utilization=0.15, weights_gib=21.81, model_config_path="qwen3_5_hybrid.json"
+    )
     q38 = by_name(planner.plan(make_host(seed_data)))["q38"]
     assert q38.kv_gib == 0.0
     assert q38.pool_tokens == 0
@@ -284,8 +305,9 @@ def test_share_smaller_than_weights_leaves_no_pool(seed_data, make_host):
 
 
 def test_kv_cache_memory_bytes_pins_the_pool(seed_data, make_host):
-    eng(seed_data, "nemotron").update(kv_cache_memory_bytes=8 * GIB, model_config_path="nemotron_h.json",
-                                      kv_cache_dtype="fp8", max_model_len=131_072)
+    eng(seed_data, "nemotron").update(
+        kv_cache_memory_bytes=8 * GIB, model_config_path="nemotron_h.json", kv_cache_dtype="fp8", max_model_len=131_072
+    )
     nemotron = by_name(planner.plan(make_host(seed_data)))["nemotron"]
     assert nemotron.kv_gib == 8.0
     assert nemotron.kv_source == "kv_cache_memory_bytes"
@@ -308,8 +330,15 @@ def test_unknown_figures_leave_question_marks_and_no_split(seed_data, make_host)
 
 
 def test_disabled_engines_are_not_planned(seed_data, make_host):
-    seed_data["engines"].append({"name": "embed", "port": 8004, "enabled": False, "gpu_memory_utilization": 0.1,
-                                 "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"}})
+    seed_data["engines"].append(
+        {
+            "name": "embed",
+            "port": 8004,
+            "enabled": False,
+            "gpu_memory_utilization": 0.1,
+            "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"},
+        }
+    )
     result = planner.plan(make_host(seed_data))
     assert [e.name for e in result.engines] == ["nemotron", "q38"]
     assert result.used_gib == pytest.approx(0.70 * 121)
@@ -317,16 +346,27 @@ def test_disabled_engines_are_not_planned(seed_data, make_host):
 
 # --- the recommended split -----------------------------------------------------------------------------
 
+
 def seed_pair_by_weights(seed_data: dict[str, Any], util: tuple[float, float]) -> dict[str, Any]:
     """The owner's pair at 131,072 with fixed non-KV costs taken from the systemd rows (nemotron
     30.25 - 9.12 = 21.13 GiB, q38 54.45 - 30.33 = 24.12 GiB) and tokens per GiB from config.json,
     so the pool follows the utilization."""
-    eng(seed_data, "nemotron").update(gpu_memory_utilization=util[0], weights_gib=18.63, non_kv_overhead_gib=2.5,
-                                      model_config_path="nemotron_h.json", kv_cache_dtype="fp8",
-                                      max_model_len=131_072)
-    eng(seed_data, "q38").update(gpu_memory_utilization=util[1], weights_gib=21.81, non_kv_overhead_gib=2.31,
-                                 model_config_path="qwen3_5_hybrid.json", kv_cache_dtype="fp8",
-                                 max_model_len=131_072)
+    eng(seed_data, "nemotron").update(
+        gpu_memory_utilization=util[0],
+        weights_gib=18.63,
+        non_kv_overhead_gib=2.5,
+        model_config_path="nemotron_h.json",
+        kv_cache_dtype="fp8",
+        max_model_len=131_072,
+    )
+    eng(seed_data, "q38").update(
+        gpu_memory_utilization=util[1],
+        weights_gib=21.81,
+        non_kv_overhead_gib=2.31,
+        model_config_path="qwen3_5_hybrid.json",
+        kv_cache_dtype="fp8",
+        max_model_len=131_072,
+    )
     return seed_data
 
 
@@ -354,8 +394,11 @@ def test_even_split_starves_the_dense_engine_and_the_recommendation_moves_memory
 
 def test_recommended_split_delivers_the_concurrency_it_promises(seed_data, make_host):
     first = planner.plan(make_host(seed_pair_by_weights(copy.deepcopy(seed_data), (0.35, 0.35))))
-    again = planner.plan(make_host(seed_pair_by_weights(
-        seed_data, (first.split.utilization["nemotron"], first.split.utilization["q38"]))))
+    again = planner.plan(
+        make_host(
+            seed_pair_by_weights(seed_data, (first.split.utilization["nemotron"], first.split.utilization["q38"]))
+        )
+    )
     for e in again.engines:
         assert e.concurrency == pytest.approx(first.split.concurrency[e.name], rel=0.01)
     # ... and a split that is already balanced recommends itself.
@@ -373,17 +416,23 @@ def test_seed_inventory_split_favours_q38_and_keeps_the_total(monkeypatch):
     assert sum(split.utilization.values()) == pytest.approx(0.70)
     before = by_name(result)
     assert abs(split.concurrency["nemotron"] - split.concurrency["q38"]) < abs(
-        before["nemotron"].concurrency - before["q38"].concurrency)
-    assert "recommended split (equal concurrency at each engine's max_model_len): nemotron 0.21" in \
-        planner.format_plan(result)
+        before["nemotron"].concurrency - before["q38"].concurrency
+    )
+    assert "recommended split (equal concurrency at each engine's max_model_len): nemotron 0.21" in planner.format_plan(
+        result
+    )
 
 
 def test_rounding_never_grows_the_total(seed_data, make_host):
     # Two identical engines sharing 0.67: each "wants" 0.335, which rounds up to 0.34 (0.68 total).
     for name in ("nemotron", "q38"):
-        eng(seed_data, name).update(gpu_memory_utilization=0.335, weights_gib=20.0,
-                                    model_config_path="qwen3_5_hybrid.json", kv_cache_dtype="fp8",
-                                    max_model_len=131_072)
+        eng(seed_data, name).update(
+            gpu_memory_utilization=0.335,
+            weights_gib=20.0,
+            model_config_path="qwen3_5_hybrid.json",
+            kv_cache_dtype="fp8",
+            max_model_len=131_072,
+        )
     eng(seed_data, "q38").update(served_names=["q38"], multimodal=False)
     split = planner.plan(make_host(seed_data)).split
     assert sorted(split.utilization.values()) == [0.33, 0.34]
@@ -421,16 +470,32 @@ def test_measured_pool_follows_a_changed_utilization(monkeypatch):
 
 # --- output ------------------------------------------------------------------------------------------
 
+
 def test_format_plan_table(seed_data, make_host):
     data = seed_at_131k(seed_data, {"nemotron": (9.12, 2_777_998), "q38": (30.33, 953_661)})
     text = planner.format_plan(planner.plan(make_host(data, name="spark.local")))
     lines = text.splitlines()
     assert lines[0] == "host spark.local: 121.0 GiB unified memory"
-    assert lines[1].split() == ["engine", "util", "share", "GiB", "weights", "GiB", "non-KV", "GiB", "KV", "GiB",
-                                "tok/GiB", "KV", "pool", "tok", "window", "concurrency"]
+    assert lines[1].split() == [
+        "engine",
+        "util",
+        "share",
+        "GiB",
+        "weights",
+        "GiB",
+        "non-KV",
+        "GiB",
+        "KV",
+        "GiB",
+        "tok/GiB",
+        "KV",
+        "pool",
+        "tok",
+        "window",
+        "concurrency",
+    ]
     nemotron = lines[2].split()
-    assert nemotron == ["nemotron", "0.25", "30.25", "?", "21.13", "9.12", "304,605", "2,777,998", "131,072",
-                        "21.19x"]
+    assert nemotron == ["nemotron", "0.25", "30.25", "?", "21.13", "9.12", "304,605", "2,777,998", "131,072", "21.19x"]
     q38 = lines[3].split()
     assert q38[0] == "q38" and q38[-3:] == ["953,661", "131,072", "7.28x"]
     assert "engines take 84.70 GiB; 36.30 GiB stays free (headroom asked: 20.0 GiB)" in text
@@ -457,16 +522,19 @@ def test_mamba_cache_blocks_by_vllms_page_rules(seed_data, make_host):
     block_tokens = max(16, -(-state // (token_bytes * 16)) * 16)  # ceil to a multiple of 16
     expected = int(9.12 * 2**30 // (block_tokens * token_bytes * 6))
     nemotron = eng(seed_data, "nemotron")
-    nemotron.update(model_config_path="nemotron_h_mamba.json", kv_cache_dtype="fp8",
-                    measured={"kv_cache_gib": 9.12})
+    nemotron.update(model_config_path="nemotron_h_mamba.json", kv_cache_dtype="fp8", measured={"kv_cache_gib": 9.12})
     plan = by_name(planner.plan(make_host(seed_data)))["nemotron"]
     assert plan.state_blocks == expected == 1497
     assert by_name(planner.plan(make_host(seed_data)))["q38"].state_blocks is None  # no config.json
 
 
 def test_max_num_seqs_above_the_mamba_blocks_is_refused(seed_data, problems_of):
-    eng(seed_data, "nemotron").update(model_config_path="nemotron_h_mamba.json", kv_cache_dtype="fp8",
-                                      measured={"kv_cache_gib": 0.5}, max_num_seqs=128)
+    eng(seed_data, "nemotron").update(
+        model_config_path="nemotron_h_mamba.json",
+        kv_cache_dtype="fp8",
+        measured={"kv_cache_gib": 0.5},
+        max_num_seqs=128,
+    )
     (problem,) = problems_of(seed_data)
     assert (problem.engine, problem.field, problem.value) == ("nemotron", "max_num_seqs", 128)
     assert "82 Mamba cache blocks" in problem.message and "at most 82" in problem.fix

@@ -21,14 +21,22 @@ VERSIONS = HostVersions(kernel="6.11", driver="580.95.05", cuda="13.0", gpu_arch
 KEY = cache_key(VERSIONS)
 # What `systemctl show --timestamp=unix` prints for an engine that started at 1764400000 and
 # served 41.25 s later (monotonic microseconds).
-SHOW_ACTIVE = ("ExecMainStartTimestamp=@1764400000\nExecMainStartTimestampMonotonic=5000000\n"
-               "ActiveEnterTimestampMonotonic=46250000\nActiveState=active\n")
+SHOW_ACTIVE = (
+    "ExecMainStartTimestamp=@1764400000\nExecMainStartTimestampMonotonic=5000000\n"
+    "ActiveEnterTimestampMonotonic=46250000\nActiveState=active\n"
+)
 
 
 def config():
-    return load_host("box", {"engines": [
-        {"name": "a", "port": 8000, "checkpoint": {"repo": "o/a", "revision": "main"}},
-        {"name": "b", "port": 8001, "checkpoint": {"repo": "o/b", "revision": "main"}, "after": ["a"]}]}).config
+    return load_host(
+        "box",
+        {
+            "engines": [
+                {"name": "a", "port": 8000, "checkpoint": {"repo": "o/a", "revision": "main"}},
+                {"name": "b", "port": 8001, "checkpoint": {"repo": "o/b", "revision": "main"}, "after": ["a"]},
+            ]
+        },
+    ).config
 
 
 def run_record_script(tmp_path: Path, show: str, *args: str) -> subprocess.CompletedProcess:
@@ -39,9 +47,12 @@ def run_record_script(tmp_path: Path, show: str, *args: str) -> subprocess.Compl
     (bin_dir / "systemctl").write_text(f"#!/bin/sh\nprintf '%s' '{show}'\n")
     (bin_dir / "systemctl").chmod(0o755)
     planned = HostRecord(VERSIONS, {"a": EngineRecord(KEY, 200.0, 30.0, 1.0, False), "b": EngineRecord(KEY)})
-    return subprocess.run([sys.executable, str(tmp_path / "sparkform-record"), str(tmp_path / "record.json"),
-                           planned.to_json(), *args], capture_output=True, text=True,
-                          env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    return subprocess.run(
+        [sys.executable, str(tmp_path / "sparkform-record"), str(tmp_path / "record.json"), planned.to_json(), *args],
+        capture_output=True,
+        text=True,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
+    )
 
 
 def test_record_script_measures_the_starts_it_is_told_about(tmp_path):
@@ -61,11 +72,16 @@ def test_record_script_refuses_an_engine_that_is_not_active(tmp_path):
 
 def test_planned_record_takes_a_boot_start_systemd_measured_and_keeps_the_cold_start():
     old = HostRecord(VERSIONS, {"a": EngineRecord(KEY, 200.0, 30.0, 1000.0, True)})
-    snapshot = Snapshot(engines={
-        "vllm-a.service": EngineState("vllm-a.service", "active", "running", 0, 42, 0, "success", "enabled",
-                                      started_at=2000.0, start_s=33.5),
-        "vllm-b.service": EngineState("vllm-b.service", "active", "running", 0, 43, 0, "success", "enabled",
-                                      started_at=2001.0, start_s=12.0)})
+    snapshot = Snapshot(
+        engines={
+            "vllm-a.service": EngineState(
+                "vllm-a.service", "active", "running", 0, 42, 0, "success", "enabled", started_at=2000.0, start_s=33.5
+            ),
+            "vllm-b.service": EngineState(
+                "vllm-b.service", "active", "running", 0, 43, 0, "success", "enabled", started_at=2001.0, start_s=12.0
+            ),
+        }
+    )
     live = HostVersions(**{**VERSIONS.__dict__, "driver": "580.126.09"})
     planned = planned_record(config(), live, old, snapshot)
     assert planned.versions == live
@@ -77,19 +93,27 @@ def test_planned_record_takes_a_boot_start_systemd_measured_and_keeps_the_cold_s
 
 
 def test_boot_chain_holes_are_edges_to_engine_units_that_are_not_enabled():
-    after = {"vllm-b.service": ("network-online.target", "vllm-a.service", "vllm-gone.service"),
-             "vllm-a.service": ("network-online.target",)}
+    after = {
+        "vllm-b.service": ("network-online.target", "vllm-a.service", "vllm-gone.service"),
+        "vllm-a.service": ("network-online.target",),
+    }
     unit_files = {"vllm-a.service": "disabled", "vllm-b.service": "enabled"}
-    assert boot_chain_holes(after, unit_files) == [("vllm-b.service", "vllm-a.service", "disabled"),
-                                                   ("vllm-b.service", "vllm-gone.service", "missing")]
+    assert boot_chain_holes(after, unit_files) == [
+        ("vllm-b.service", "vllm-a.service", "disabled"),
+        ("vllm-b.service", "vllm-gone.service", "missing"),
+    ]
     assert boot_chain_holes(after, {**unit_files, "vllm-a.service": "enabled", "vllm-gone.service": "enabled"}) == []
 
 
 def test_start_table_tells_new_starts_from_engines_that_kept_running():
-    before = HostRecord(VERSIONS, {"a": EngineRecord(KEY, 200.0, 30.0, 1000.0, False),
-                                   "b": EngineRecord(KEY, 335.0, 20.0, 1001.0, False)})
-    after = HostRecord(VERSIONS, {"a": EngineRecord(KEY, 210.4, 210.4, 2000.0, True),
-                                  "b": EngineRecord(KEY, 335.0, 20.0, 1001.0, False)})
+    before = HostRecord(
+        VERSIONS,
+        {"a": EngineRecord(KEY, 200.0, 30.0, 1000.0, False), "b": EngineRecord(KEY, 335.0, 20.0, 1001.0, False)},
+    )
+    after = HostRecord(
+        VERSIONS,
+        {"a": EngineRecord(KEY, 210.4, 210.4, 2000.0, True), "b": EngineRecord(KEY, 335.0, 20.0, 1001.0, False)},
+    )
     rows = [line.split("  ") for line in start_table(before, after).splitlines()]
     cells = [[cell.strip() for cell in row if cell.strip()] for row in rows]
     assert cells[0] == ["engine", "this start", "kind", "recorded cold start", "recorded last start"]
@@ -102,13 +126,21 @@ def test_start_table_tells_new_starts_from_engines_that_kept_running():
 def test_planned_record_keeps_the_boots_start_through_restarts_systemd_made_on_its_own():
     # Booted at 1900; the record has this boot's start (2000). systemd restarted the engine at
     # 2500 after a crash: not a change to converge, so the planned record is the record.
-    booted = HostRecord(VERSIONS, {"a": EngineRecord(KEY, 200.0, 30.0, 2000.0, False),
-                                   "b": EngineRecord(KEY, None, 12.0, 2001.0, False)})
-    snapshot = Snapshot(booted_at=1900.0, engines={
-        "vllm-a.service": EngineState("vllm-a.service", "active", "running", 1, 42, 0, "success", "enabled",
-                                      started_at=2500.0, start_s=31.0),
-        "vllm-b.service": EngineState("vllm-b.service", "active", "running", 0, 43, 0, "success", "enabled",
-                                      started_at=2001.0, start_s=12.0)})
+    booted = HostRecord(
+        VERSIONS,
+        {"a": EngineRecord(KEY, 200.0, 30.0, 2000.0, False), "b": EngineRecord(KEY, None, 12.0, 2001.0, False)},
+    )
+    snapshot = Snapshot(
+        booted_at=1900.0,
+        engines={
+            "vllm-a.service": EngineState(
+                "vllm-a.service", "active", "running", 1, 42, 0, "success", "enabled", started_at=2500.0, start_s=31.0
+            ),
+            "vllm-b.service": EngineState(
+                "vllm-b.service", "active", "running", 0, 43, 0, "success", "enabled", started_at=2001.0, start_s=12.0
+            ),
+        },
+    )
     assert planned_record(config(), VERSIONS, booted, snapshot) == booted
     # After the next boot (3000) the first start is the boot's, and it is recorded.
     snapshot.booted_at = 3000.0

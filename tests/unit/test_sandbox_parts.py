@@ -49,8 +49,9 @@ def test_the_supervisor_script_is_clean_sh() -> None:
     subprocess.run(["sh", "-n", "-c", nspawn.SUPERVISOR_SH], check=True)
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed (make system-deps installs it)")
-    result = subprocess.run(["shellcheck", "-s", "sh", "-"], input=nspawn.SUPERVISOR_SH,
-                            check=False, capture_output=True, text=True)
+    result = subprocess.run(
+        ["shellcheck", "-s", "sh", "-"], input=nspawn.SUPERVISOR_SH, check=False, capture_output=True, text=True
+    )
     assert (result.returncode, result.stdout) == (0, "")
 
 
@@ -63,6 +64,7 @@ def ups(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, list]]:
         def up(name: str, binds: list) -> SimpleNamespace:
             calls.append((which, name, list(binds)))
             return SimpleNamespace(ssh_config=Path("/x/ssh_config"), host_alias=f"sfsb-{name}")
+
         return up
 
     monkeypatch.setattr(machine, "up", recorder("bare"))
@@ -86,7 +88,8 @@ def test_sandbox_bind_without_a_colon_is_refused(ups) -> None:
 
 
 def test_sandbox_names_and_status_of_a_name_that_is_not_up(
-    runtime_root: Path, capsys: pytest.CaptureFixture[str],
+    runtime_root: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     fake_up(runtime_root, "one", 1)
     fake_up(runtime_root, "two", 2)

@@ -26,6 +26,7 @@ Mutator = Callable[[dict[str, Any]], None]
 
 # --- helpers -----------------------------------------------------------------------------------
 
+
 def eng(data: dict[str, Any], name: str) -> dict[str, Any]:
     return next(e for e in data["engines"] if e["name"] == name)
 
@@ -79,29 +80,66 @@ def problems_for(field: str, problems: list[Problem]) -> list[Problem]:
 
 INVALID = [
     # The memory pool: 0.39 + 0.45 = 0.84 of 121 GiB = 101.64 GiB > 121 - 20 = 101 GiB.
-    ("utilization-over-pool", at("nemotron", gpu_memory_utilization=0.39), "gpu_memory_utilization", None,
-     ["0.39 (nemotron) + 0.45 (q38) = 0.84", "121.0 GiB is 101.6 GiB", "101.0 GiB left", "20.0 GiB of headroom"]),
+    (
+        "utilization-over-pool",
+        at("nemotron", gpu_memory_utilization=0.39),
+        "gpu_memory_utilization",
+        None,
+        ["0.39 (nemotron) + 0.45 (q38) = 0.84", "121.0 GiB is 101.6 GiB", "101.0 GiB left", "20.0 GiB of headroom"],
+    ),
     # Uniqueness.
-    ("duplicate-name", both(at("q38", name="nemotron", after=[], served_names=["q38"])), "name", "nemotron",
-     ["two engines share this name"]),
+    (
+        "duplicate-name",
+        both(at("q38", name="nemotron", after=[], served_names=["q38"])),
+        "name",
+        "nemotron",
+        ["two engines share this name"],
+    ),
     ("duplicate-port", at("q38", port=8012), "port", "q38", ["engine nemotron already listens on it"]),
-    ("duplicate-served-name", at("q38", served_names=["q38", "nemotron"]), "served_names", "q38",
-     ["engine nemotron already answers to this name"]),
+    (
+        "duplicate-served-name",
+        at("q38", served_names=["q38", "nemotron"]),
+        "served_names",
+        "q38",
+        ["engine nemotron already answers to this name"],
+    ),
     # The default served name of an engine is its own name: serving "nemotron" twice is caught too.
-    ("served-name-clashes-with-default-name",
-     both(at("nemotron", served_names=[]), at("q38", served_names=["q38", "nemotron"])),
-     "served_names", "q38", ["engine nemotron already answers to this name"]),
+    (
+        "served-name-clashes-with-default-name",
+        both(at("nemotron", served_names=[]), at("q38", served_names=["q38", "nemotron"])),
+        "served_names",
+        "q38",
+        ["engine nemotron already answers to this name"],
+    ),
     # MTP and vision.
-    ("mtp-without-language-model-only",
-     at("nemotron", speculative_config={"method": "mtp", "num_speculative_tokens": 3}),
-     "speculative_config", "nemotron", ["language_model_only"]),
-    ("language-model-only-with-vision-alias", at("q38", language_model_only=True, multimodal=False),
-     "language_model_only", "q38", ["vision"]),
-    ("language-model-only-with-multimodal", at("q38", language_model_only=True, served_names=["q38"]),
-     "language_model_only", "q38", ["image requests"]),
-    ("mtp-on-the-vision-engine",
-     at("q38", speculative_config={"method": "mtp", "num_speculative_tokens": 3}, language_model_only=True),
-     "language_model_only", "q38", ["vision"]),
+    (
+        "mtp-without-language-model-only",
+        at("nemotron", speculative_config={"method": "mtp", "num_speculative_tokens": 3}),
+        "speculative_config",
+        "nemotron",
+        ["language_model_only"],
+    ),
+    (
+        "language-model-only-with-vision-alias",
+        at("q38", language_model_only=True, multimodal=False),
+        "language_model_only",
+        "q38",
+        ["vision"],
+    ),
+    (
+        "language-model-only-with-multimodal",
+        at("q38", language_model_only=True, served_names=["q38"]),
+        "language_model_only",
+        "q38",
+        ["image requests"],
+    ),
+    (
+        "mtp-on-the-vision-engine",
+        at("q38", speculative_config={"method": "mtp", "num_speculative_tokens": 3}, language_model_only=True),
+        "language_model_only",
+        "q38",
+        ["vision"],
+    ),
     # Timeouts.
     ("timeout-equal-to-budget", host(timeout_start_s=1080), "timeout_start_s", None, ["1080"]),
     ("timeout-below-budget", host(readiness_budget_s=1300), "timeout_start_s", None, ["1300"]),
@@ -114,86 +152,189 @@ INVALID = [
     ("memory-max-below-high", host(memory_max_gib=100.0), "memory_max_gib", None, ["MemoryHigh"]),
     ("memory-max-over-total", host(memory_max_gib=125.0), "memory_max_gib", None, ["121.0 GiB the host has"]),
     # The compile storm: 7 x 3.3 = 23.1 GiB > 20 GiB headroom.
-    ("compile-storm", host(compile_caps={"max_jobs": 7}), "compile_caps.max_jobs", None,
-     ["7 compilers x 3.3 GiB = 23.1 GiB", "20.0 GiB headroom"]),
-    ("compile-storm-small-headroom", host(memory_headroom_gib=6.0), "compile_caps.max_jobs", None,
-     ["4 compilers x 3.3 GiB = 13.2 GiB"]),
+    (
+        "compile-storm",
+        host(compile_caps={"max_jobs": 7}),
+        "compile_caps.max_jobs",
+        None,
+        ["7 compilers x 3.3 GiB = 23.1 GiB", "20.0 GiB headroom"],
+    ),
+    (
+        "compile-storm-small-headroom",
+        host(memory_headroom_gib=6.0),
+        "compile_caps.max_jobs",
+        None,
+        ["4 compilers x 3.3 GiB = 13.2 GiB"],
+    ),
     # CPU needs an explicit pool.
-    ("cpu-without-kv-bytes", both(host(**CPU_BUILD), at("nemotron", kv_cache_memory_bytes=268435456)),
-     "kv_cache_memory_bytes", "q38", ["CPU"]),
+    (
+        "cpu-without-kv-bytes",
+        both(host(**CPU_BUILD), at("nemotron", kv_cache_memory_bytes=268435456)),
+        "kv_cache_memory_bytes",
+        "q38",
+        ["CPU"],
+    ),
     # The checkpoint's native window (qwen3_32b_dense.json: max_position_embeddings 40,960).
-    ("window-over-native", at("q38", model_config_path="qwen3_32b_dense.json"), "max_model_len", "q38",
-     ["40,960"]),
-    ("model-config-missing", at("q38", model_config_path="no-such-config.json"), "model_config_path", "q38",
-     ["does not exist"]),
-    ("model-config-without-heads", at("q38", model_config_path="no_attention_heads.json"), "model_config_path",
-     "q38", ["num_attention_heads"]),
-    ("model-config-without-attention", at("q38", model_config_path="no_full_attention.json"),
-     "model_config_path", "q38", ["no full-attention layer"]),
-    ("model-config-not-json", at("q38", model_config_path="not_json.json"), "model_config_path", "q38",
-     ["not valid JSON"]),
+    ("window-over-native", at("q38", model_config_path="qwen3_32b_dense.json"), "max_model_len", "q38", ["40,960"]),
+    (
+        "model-config-missing",
+        at("q38", model_config_path="no-such-config.json"),
+        "model_config_path",
+        "q38",
+        ["does not exist"],
+    ),
+    (
+        "model-config-without-heads",
+        at("q38", model_config_path="no_attention_heads.json"),
+        "model_config_path",
+        "q38",
+        ["num_attention_heads"],
+    ),
+    (
+        "model-config-without-attention",
+        at("q38", model_config_path="no_full_attention.json"),
+        "model_config_path",
+        "q38",
+        ["no full-attention layer"],
+    ),
+    (
+        "model-config-not-json",
+        at("q38", model_config_path="not_json.json"),
+        "model_config_path",
+        "q38",
+        ["not valid JSON"],
+    ),
     # Secrets that are not there.
-    ("hf-token-file-missing", host(hf_token_file="/nonexistent/sparkform-test/hf_token"), "hf_token_file", None,
-     ["no such file"]),
-    ("api-key-file-missing", host(api_key_file="/nonexistent/sparkform-test/api_key"), "api_key_file", None,
-     ["no such file"]),
+    (
+        "hf-token-file-missing",
+        host(hf_token_file="/nonexistent/sparkform-test/hf_token"),
+        "hf_token_file",
+        None,
+        ["no such file"],
+    ),
+    (
+        "api-key-file-missing",
+        host(api_key_file="/nonexistent/sparkform-test/api_key"),
+        "api_key_file",
+        None,
+        ["no such file"],
+    ),
     # Unknown keys: typos are errors, at host level, in an engine and in nested tables.
     ("typo-at-host-level", host(gpu_memory_utilisation=0.45), "gpu_memory_utilisation", None, ["unknown key"]),
-    ("typo-in-engine", both(drop("q38", "gpu_memory_utilization"), at("q38", gpu_memory_utilisation=0.45)),
-     "gpu_memory_utilisation", "q38", ["unknown key"]),
+    (
+        "typo-in-engine",
+        both(drop("q38", "gpu_memory_utilization"), at("q38", gpu_memory_utilisation=0.45)),
+        "gpu_memory_utilisation",
+        "q38",
+        ["unknown key"],
+    ),
     ("typo-host-budget", host(readiness_budget=1080), "readiness_budget", None, ["unknown key"]),
-    ("typo-in-checkpoint", at("q38", checkpoint={"repo": "RedHatAI/Qwen3.8-27B-NVFP4", "revision": "main",
-                                                 "branch": "main"}), "checkpoint.branch", "q38", ["unknown key"]),
+    (
+        "typo-in-checkpoint",
+        at("q38", checkpoint={"repo": "RedHatAI/Qwen3.8-27B-NVFP4", "revision": "main", "branch": "main"}),
+        "checkpoint.branch",
+        "q38",
+        ["unknown key"],
+    ),
     ("typo-in-compile-caps", host(compile_caps={"max_job": 4}), "compile_caps.max_job", None, ["unknown key"]),
     ("typo-in-measured", at("q38", measured={"kv_cache_gb": 26.8}), "measured.kv_cache_gb", "q38", ["unknown key"]),
     # Wrong types and ranges.
     ("port-not-a-number", at("nemotron", port="eighty"), "port", "nemotron", ["integer"]),
     ("port-privileged", at("nemotron", port=80), "port", "nemotron", ["1024"]),
-    ("utilization-not-a-number", at("q38", gpu_memory_utilization="high"), "gpu_memory_utilization", "q38",
-     ["number"]),
+    ("utilization-not-a-number", at("q38", gpu_memory_utilization="high"), "gpu_memory_utilization", "q38", ["number"]),
     ("utilization-over-0.95", at("q38", gpu_memory_utilization=0.96), "gpu_memory_utilization", "q38", ["0.95"]),
     ("max-model-len-fraction", at("q38", max_model_len=131072.5), "max_model_len", "q38", ["integer"]),
     ("served-names-not-a-list", at("q38", served_names="q38"), "served_names", "q38", ["list"]),
-    ("served-name-with-space", at("q38", served_names=["q38", "vision model"]), "served_names", "q38",
-     ["not a model name"]),
+    (
+        "served-name-with-space",
+        at("q38", served_names=["q38", "vision model"]),
+        "served_names",
+        "q38",
+        ["not a model name"],
+    ),
     ("engines-not-a-list", host(engines={"name": "q38"}), "engines", None, ["list"]),
     ("enabled-not-a-bool", at("q38", enabled="maybe"), "enabled", "q38", ["boolean"]),
     ("engine-name-uppercase", at("q38", name="Q38", after=["nemotron"]), "name", "Q38", ["pattern"]),
     ("after-not-a-name", at("q38", after=["vllm-nemotron.service"]), "after", "q38", ["not an engine name"]),
     ("device-unknown", host(device="rocm"), "device", None, ["'cuda' or 'cpu'"]),
     ("checkpoint-missing", drop("q38", "checkpoint"), "checkpoint", "q38", ["required field is missing"]),
-    ("revision-missing", at("q38", checkpoint={"repo": "RedHatAI/Qwen3.8-27B-NVFP4"}), "checkpoint.revision",
-     "q38", ["required field is missing"]),
-    ("repo-not-owner-name", at("q38", checkpoint={"repo": "Qwen3.8-27B", "revision": "main"}),
-     "checkpoint.repo", "q38", ["owner/name"]),
-    ("unknown-quantization", at("q38", quantization="nvfp4-magic"), "quantization", "q38",
-     ["Unknown quantization method", "compressed-tensors"]),
+    (
+        "revision-missing",
+        at("q38", checkpoint={"repo": "RedHatAI/Qwen3.8-27B-NVFP4"}),
+        "checkpoint.revision",
+        "q38",
+        ["required field is missing"],
+    ),
+    (
+        "repo-not-owner-name",
+        at("q38", checkpoint={"repo": "Qwen3.8-27B", "revision": "main"}),
+        "checkpoint.repo",
+        "q38",
+        ["owner/name"],
+    ),
+    (
+        "unknown-quantization",
+        at("q38", quantization="nvfp4-magic"),
+        "quantization",
+        "q38",
+        ["Unknown quantization method", "compressed-tensors"],
+    ),
     ("unknown-kv-cache-dtype", at("q38", kv_cache_dtype="fp16"), "kv_cache_dtype", "q38", ["fp8"]),
-    ("api-key-in-extra-args", at("q38", extra_args=["--api-key", "sk-test-123"]), "extra_args", "q38",
-     ["api_key_file"]),
-    ("api-key-equals-in-extra-args", at("q38", extra_args=["--api-key=sk-test-123"]), "extra_args", "q38",
-     ["api_key_file"]),
-    ("newline-in-extra-args", at("q38", extra_args=["--max-num-batched-tokens 8192\n--x"]), "extra_args", "q38",
-     ["newline"]),
+    (
+        "api-key-in-extra-args",
+        at("q38", extra_args=["--api-key", "sk-test-123"]),
+        "extra_args",
+        "q38",
+        ["api_key_file"],
+    ),
+    (
+        "api-key-equals-in-extra-args",
+        at("q38", extra_args=["--api-key=sk-test-123"]),
+        "extra_args",
+        "q38",
+        ["api_key_file"],
+    ),
+    (
+        "newline-in-extra-args",
+        at("q38", extra_args=["--max-num-batched-tokens 8192\n--x"]),
+        "extra_args",
+        "q38",
+        ["newline"],
+    ),
     # The front: the LAN without a key, addresses, ports sparkform owns.
-    ("lan-without-a-key", host(listen_address="192.168.1.20"), "listen_address", None,
-     ["without an API key", "anyone who reaches the box"]),
+    (
+        "lan-without-a-key",
+        host(listen_address="192.168.1.20"),
+        "listen_address",
+        None,
+        ["without an API key", "anyone who reaches the box"],
+    ),
     ("wildcard-without-a-key", host(listen_address="::"), "listen_address", None, ["without an API key"]),
     ("listen-address-a-name", host(listen_address="spark.local"), "listen_address", None, ["not an IP address"]),
     ("port-in-extra-args", at("q38", extra_args=["--port", "9000"]), "extra_args", "q38", ["listen_address and port"]),
     ("host-equals-in-extra-args", at("q38", extra_args=["--host=0.0.0.0"]), "extra_args", "q38", ["behind the front"]),
-    ("internal-port-past-65535", host(internal_port_offset=60000), "internal_port_offset", "q38",
-     ["8011 + 60000 = 68011 is past 65535"]),
+    (
+        "internal-port-past-65535",
+        host(internal_port_offset=60000),
+        "internal_port_offset",
+        "q38",
+        ["8011 + 60000 = 68011 is past 65535"],
+    ),
     ("metrics-allow-a-name", host(metrics_allow=["prometheus.lan"]), "metrics_allow", None, ["not an address"]),
-    ("memory-critical-not-below-warning", host(memory_critical_gib=8.0), "memory_critical_gib", None,
-     ["below the warning floor (8.0 GiB)"]),
+    (
+        "memory-critical-not-below-warning",
+        host(memory_critical_gib=8.0),
+        "memory_critical_gib",
+        None,
+        ["below the warning floor (8.0 GiB)"],
+    ),
 ]
 
 
-@pytest.mark.parametrize(("mutator", "field", "engine_name", "texts"),
-                         [case[1:] for case in INVALID], ids=[case[0] for case in INVALID])
-def test_invalid_host_data_names_host_engine_field_and_fix(seed_data, problems_of, mutator, field,
-                                                            engine_name, texts):
+@pytest.mark.parametrize(
+    ("mutator", "field", "engine_name", "texts"), [case[1:] for case in INVALID], ids=[case[0] for case in INVALID]
+)
+def test_invalid_host_data_names_host_engine_field_and_fix(seed_data, problems_of, mutator, field, engine_name, texts):
     mutator(seed_data)
     problems = problems_of(seed_data, name="spark-test")
     matching = problems_for(field, problems)
@@ -220,20 +361,39 @@ VALID = [
     # 0.38 + 0.45 = 0.83 of 121 GiB = 100.43 GiB <= 101 GiB.
     ("utilization-just-under-pool", at("nemotron", gpu_memory_utilization=0.38)),
     # A disabled engine's share does not count.
-    ("disabled-engine-outside-pool", lambda data: data["engines"].append(
-        {"name": "embed", "port": 8004, "enabled": False, "gpu_memory_utilization": 0.5,
-         "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"}})),
-    ("mtp-with-language-model-only-and-no-vision",
-     at("nemotron", speculative_config={"method": "mtp", "num_speculative_tokens": 3}, language_model_only=True)),
-    ("other-speculation-without-language-model-only",
-     at("q38", speculative_config={"method": "ngram", "num_speculative_tokens": 3})),
+    (
+        "disabled-engine-outside-pool",
+        lambda data: data["engines"].append(
+            {
+                "name": "embed",
+                "port": 8004,
+                "enabled": False,
+                "gpu_memory_utilization": 0.5,
+                "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"},
+            }
+        ),
+    ),
+    (
+        "mtp-with-language-model-only-and-no-vision",
+        at("nemotron", speculative_config={"method": "mtp", "num_speculative_tokens": 3}, language_model_only=True),
+    ),
+    (
+        "other-speculation-without-language-model-only",
+        at("q38", speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+    ),
     ("timeout-one-above-budget", host(timeout_start_s=1081)),
     ("memory-max-just-above-high", host(memory_max_gib=105.5)),
     ("memory-max-equal-to-total", host(memory_max_gib=121.0)),
     # 6 x 3.3 = 19.8 GiB <= 20 GiB.
     ("compile-jobs-at-headroom", host(compile_caps={"max_jobs": 6})),
-    ("cpu-with-kv-bytes", both(host(**CPU_BUILD), at("nemotron", kv_cache_memory_bytes=268435456),
-                               at("q38", kv_cache_memory_bytes=268435456))),
+    (
+        "cpu-with-kv-bytes",
+        both(
+            host(**CPU_BUILD),
+            at("nemotron", kv_cache_memory_bytes=268435456),
+            at("q38", kv_cache_memory_bytes=268435456),
+        ),
+    ),
     ("window-equal-to-native", at("q38", model_config_path="qwen3_32b_dense.json", max_model_len=40960)),
     ("window-under-hybrid-native", at("nemotron", model_config_path="nemotron_h.json")),
     ("port-given-as-digits", at("q38", port="8011")),
@@ -245,10 +405,23 @@ VALID = [
     ("open-lan-on-purpose", host(listen_address="0.0.0.0", open_lan_api_without_key=True)),
     ("metrics-to-a-host-and-a-network", host(metrics_allow=["192.168.1.5", "10.0.0.0/8", "fd00::/8"])),
     ("hostname-flag-is-not-host", at("q38", extra_args=["--hostname-override", "x"])),
-    ("pyinfra-connector-keys", host(ssh_user="root", ssh_port=22, ssh_key="~/.ssh/id_ed25519",
-                                    ssh_hostname="spark.local", ssh_strict_host_key_checking="accept-new",
-                                    _sudo=True, _sudo_user="vllm", sudo=True, _sparkform_base_dir="/x",
-                                    docker_identifier="c1", chroot_directory="/", winrm_port=5985)),
+    (
+        "pyinfra-connector-keys",
+        host(
+            ssh_user="root",
+            ssh_port=22,
+            ssh_key="~/.ssh/id_ed25519",
+            ssh_hostname="spark.local",
+            ssh_strict_host_key_checking="accept-new",
+            _sudo=True,
+            _sudo_user="vllm",
+            sudo=True,
+            _sparkform_base_dir="/x",
+            docker_identifier="c1",
+            chroot_directory="/",
+            winrm_port=5985,
+        ),
+    ),
 ]
 
 
@@ -270,8 +443,12 @@ def test_seed_pair_values_survive_validation(seed_data, make_host):
     assert config.timeout_start_s == 1200 and config.readiness_budget_s == 1080
     assert config.start_limit_burst == 3 and config.start_limit_interval_s == 3600
     assert (config.memory_high_gib, config.memory_max_gib) == (105.0, 112.0)
-    assert config.compile_caps.as_env() == {"MAX_JOBS": "4", "NVCC_THREADS": "1",
-                                            "FLASHINFER_NVCC_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "4"}
+    assert config.compile_caps.as_env() == {
+        "MAX_JOBS": "4",
+        "NVCC_THREADS": "1",
+        "FLASHINFER_NVCC_THREADS": "1",
+        "TORCHINDUCTOR_COMPILE_THREADS": "4",
+    }
     # One venv per lock: the repo's lock of vLLM 0.27.1 for a Spark.
     assert config.lock == str(LOCKS / "vllm-0.27.1-cuda-aarch64.txt")
     assert config.venv == f"/opt/sparkform/venvs/vllm-0.27.1-{lock_id(config.lock)}"
@@ -298,7 +475,8 @@ def test_unknown_key_problem_shows_the_value_and_the_fix(seed_data, problems_of)
     assert "spelling" in problem.fix
     assert str(problem) == (
         "spark: engine q38: gpu_memory_utilisation = 0.45: unknown key. "
-        "Fix: remove it or correct its spelling (see the field table in the README).")
+        "Fix: remove it or correct its spelling (see the field table in the README)."
+    )
 
 
 def test_memory_pool_problem_shows_the_arithmetic_with_custom_totals(seed_data, problems_of):
@@ -308,8 +486,10 @@ def test_memory_pool_problem_shows_the_arithmetic_with_custom_totals(seed_data, 
     problem = problems_for("gpu_memory_utilization", problems_of(seed_data))[0]
     assert problem.engine is None
     assert problem.value == {"nemotron": 0.5, "q38": 0.45}
-    assert problem.message == ("0.50 (nemotron) + 0.45 (q38) = 0.95 of 100.0 GiB is 95.0 GiB, "
-                               "over the 90.0 GiB left after 10.0 GiB of headroom")
+    assert problem.message == (
+        "0.50 (nemotron) + 0.45 (q38) = 0.95 of 100.0 GiB is 95.0 GiB, "
+        "over the 90.0 GiB left after 10.0 GiB of headroom"
+    )
     assert "at most 0.90" in problem.fix
 
 
@@ -327,8 +507,15 @@ def test_after_missing_lists_the_engines_that_exist(seed_data, problems_of):
 
 
 def test_three_engine_cycle_is_found(seed_data, problems_of):
-    seed_data["engines"].append({"name": "embed", "port": 8004, "gpu_memory_utilization": 0.05,
-                                 "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"}, "after": ["q38"]})
+    seed_data["engines"].append(
+        {
+            "name": "embed",
+            "port": 8004,
+            "gpu_memory_utilization": 0.05,
+            "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"},
+            "after": ["q38"],
+        }
+    )
     eng(seed_data, "nemotron")["after"] = ["embed"]
     problem = problems_for("after", problems_of(seed_data))[0]
     assert "cycle" in problem.message
@@ -336,9 +523,16 @@ def test_three_engine_cycle_is_found(seed_data, problems_of):
 
 
 def test_start_order_follows_the_after_edges(seed_data, make_host):
-    seed_data["engines"].insert(0, {"name": "embed", "port": 8004, "gpu_memory_utilization": 0.05,
-                                    "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"},
-                                    "after": ["q38", "nemotron"]})
+    seed_data["engines"].insert(
+        0,
+        {
+            "name": "embed",
+            "port": 8004,
+            "gpu_memory_utilization": 0.05,
+            "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"},
+            "after": ["q38", "nemotron"],
+        },
+    )
     config = make_host(seed_data).config
     assert [e.name for e in start_order(config)] == ["nemotron", "q38", "embed"]
 
@@ -346,8 +540,15 @@ def test_start_order_follows_the_after_edges(seed_data, make_host):
 def test_a_disabled_engine_in_the_chain_is_bridged_not_a_hole(seed_data, make_host):
     """docs/incidents.md#boot-chain-hole: an After= edge to a disabled unit orders nothing. Disabling the middle of a
     chain must leave the ends ordered; disabling the head leaves the next engine unordered."""
-    seed_data["engines"].append({"name": "embed", "port": 8004, "gpu_memory_utilization": 0.05,
-                                 "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"}, "after": ["q38"]})
+    seed_data["engines"].append(
+        {
+            "name": "embed",
+            "port": 8004,
+            "gpu_memory_utilization": 0.05,
+            "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"},
+            "after": ["q38"],
+        }
+    )
     eng(seed_data, "q38")["enabled"] = False
     config = make_host(seed_data).config
     engines = {e.name: e for e in config.engines}
@@ -406,6 +607,7 @@ def test_model_config_path_resolves_against_the_inventory_folder(seed_data, make
 
 # --- secret files --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("field", ["hf_token_file", "api_key_file"])
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
 def test_secret_file_readable_by_others_is_refused(seed_data, problems_of, tmp_path, field, mode):
@@ -434,6 +636,7 @@ def test_secret_file_that_is_a_folder_is_refused(seed_data, problems_of, tmp_pat
 
 
 # --- the inventory helper -------------------------------------------------------------------------
+
 
 def test_hosts_validates_every_host_and_exits_2_listing_them_all(seed_data, tmp_path, capsys):
     broken = copy.deepcopy(seed_data)
@@ -489,8 +692,9 @@ def test_load_host_rejects_without_touching_the_data(seed_data):
     assert seed_data == before
 
 
-@pytest.mark.parametrize("args", [["--port-offset", "1", "--api-key", "sk-live-SECRET"],
-                                  ["--api-key=sk-live-SECRET", "--port-offset", "1"]])
+@pytest.mark.parametrize(
+    "args", [["--port-offset", "1", "--api-key", "sk-live-SECRET"], ["--api-key=sk-live-SECRET", "--port-offset", "1"]]
+)
 def test_refused_api_key_is_not_echoed(seed_data, problems_of, args):
     eng(seed_data, "q38")["extra_args"] = args
     problem = problems_for("extra_args", problems_of(seed_data))[0]
@@ -499,13 +703,11 @@ def test_refused_api_key_is_not_echoed(seed_data, problems_of, args):
     assert problem.value in (["--port-offset", "1", "--api-key", "***"], ["--api-key=***", "--port-offset", "1"])
 
 
-def test_the_lan_with_a_key_is_accepted_and_the_key_must_be_a_bearer_token(seed_data, make_host, problems_of,
-                                                                            tmp_path):
+def test_the_lan_with_a_key_is_accepted_and_the_key_must_be_a_bearer_token(seed_data, make_host, problems_of, tmp_path):
     key = tmp_path / "api-key"
     key.write_text("0123456789abcdef0123456789abcdef\n")
     key.chmod(0o600)
-    seed_data.update(listen_address="192.168.1.20",
-                     api_key_file=str(key))
+    seed_data.update(listen_address="192.168.1.20", api_key_file=str(key))
     config = make_host(seed_data).config
     assert config.serves_lan and config.front_local_address == "192.168.1.20"
     for bad in ('a" ; allow all; #0123456789', "short", "two words here 0123456789", "k$ey{0123456789abcdef}"):

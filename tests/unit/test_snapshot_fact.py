@@ -75,7 +75,9 @@ def test_process_reads_every_section():
     models = "/var/lib/sparkform/models"
     assert snapshot.checkpoints == {
         f"{models}/a--b@{'1' * 40}": CheckpointFolder("1" * 40, [], 1700000000.5),
-        f"{models}/c--d@{'2' * 40}": CheckpointFolder("2" * 40, ["model-00001.safetensors", "config.json"], 1700000001.0),
+        f"{models}/c--d@{'2' * 40}": CheckpointFolder(
+            "2" * 40, ["model-00001.safetensors", "config.json"], 1700000001.0
+        ),
         f"{models}/c--d@{'3' * 40}": CheckpointFolder(None, None, 1700000002.0),  # unfinished, no manifest
     }
     assert snapshot.pins == {"a--b@main": "1" * 40, "c--d@v1.0": "2" * 40}
@@ -97,10 +99,12 @@ def test_checkpoint_scan_trusts_size_and_mtime_only(tmp_path):
     (tmp_path / ".pins").mkdir()  # no @ in its name: not a checkpoint
 
     def check() -> dict[str, tuple[str, str]]:
-        out = subprocess.run([sys.executable, "-c", CHECKPOINT_SCAN, str(tmp_path)],
-                             capture_output=True, text=True, check=True).stdout
-        return {folder: (marker, verdict) for folder, _, marker, verdict in
-                (line.split("|") for line in out.splitlines())}
+        out = subprocess.run(
+            [sys.executable, "-c", CHECKPOINT_SCAN, str(tmp_path)], capture_output=True, text=True, check=True
+        ).stdout
+        return {
+            folder: (marker, verdict) for folder, _, marker, verdict in (line.split("|") for line in out.splitlines())
+        }
 
     # "not-checked" sha256: nothing was hashed
     assert check() == {str(folder): ("c1", "ok"), str(bare): ("", "-")}
@@ -109,21 +113,65 @@ def test_checkpoint_scan_trusts_size_and_mtime_only(tmp_path):
 
 
 def test_a_fresh_host_reads_as_empty():
-    snapshot = HostSnapshot().process([f"{SECTION}{name}" for name in
-                                        ("packages", "users", "stat", "sha256", "markers", "units", "rendered_units",
-                                                     "checkpoints", "pins")])
-    assert (snapshot.installed_packages, snapshot.users, snapshot.paths, snapshot.markers, snapshot.engines,
-            snapshot.rendered_units, snapshot.checkpoints, snapshot.pins) == (set(), {}, {}, {}, {}, set(), {}, {})
+    snapshot = HostSnapshot().process(
+        [
+            f"{SECTION}{name}"
+            for name in (
+                "packages",
+                "users",
+                "stat",
+                "sha256",
+                "markers",
+                "units",
+                "rendered_units",
+                "checkpoints",
+                "pins",
+            )
+        ]
+    )
+    assert (
+        snapshot.installed_packages,
+        snapshot.users,
+        snapshot.paths,
+        snapshot.markers,
+        snapshot.engines,
+        snapshot.rendered_units,
+        snapshot.checkpoints,
+        snapshot.pins,
+    ) == (set(), {}, {}, {}, {}, set(), {}, {})
 
 
 def test_command_is_one_shell_line_that_never_fails_the_host():
-    command = HostSnapshot().command(packages=["curl"], users=["vllm"], paths=["/etc/a b"],
-                                      markers=["/m"], units=["vllm-x.service"],
-                                      unit_glob="/etc/systemd/system/vllm-*.service", models_dir="/m d",
-                                      pins_dir="/m d/.pins", cache_root="/c", cache_keys_dir="/r/cache-keys",
-                                      record_path="/r/host-record.json")
-    sections = ("packages", "users", "stat", "sha256", "markers", "units", "rendered_units", "unit_files",
-                "checkpoints", "pins", "versions", "record", "boot", "cache_keys", "caches_aside")
+    command = HostSnapshot().command(
+        packages=["curl"],
+        users=["vllm"],
+        paths=["/etc/a b"],
+        markers=["/m"],
+        units=["vllm-x.service"],
+        unit_glob="/etc/systemd/system/vllm-*.service",
+        models_dir="/m d",
+        pins_dir="/m d/.pins",
+        cache_root="/c",
+        cache_keys_dir="/r/cache-keys",
+        record_path="/r/host-record.json",
+    )
+    sections = (
+        "packages",
+        "users",
+        "stat",
+        "sha256",
+        "markers",
+        "units",
+        "rendered_units",
+        "unit_files",
+        "checkpoints",
+        "pins",
+        "versions",
+        "record",
+        "boot",
+        "cache_keys",
+        "caches_aside",
+    )
     for section in sections:
         assert f"echo {SECTION}{section};" in command
     assert "'/etc/a b'" in command  # quoted paths
@@ -133,45 +181,87 @@ def test_command_is_one_shell_line_that_never_fails_the_host():
     assert command.count("|| true") == len(sections)
 
 
-@pytest.mark.parametrize("line, booted_at", [("@1764412345", 1764412345.0), ("", None), ("n/a", None),
-                                             ("@17644$(id)", None)])
+@pytest.mark.parametrize(
+    "line, booted_at", [("@1764412345", 1764412345.0), ("", None), ("n/a", None), ("@17644$(id)", None)]
+)
 def test_boot_time_is_systemds_start_and_only_a_number_is_taken(line, booted_at):
     assert HostSnapshot().process([f"{SECTION}boot", line]).booted_at == booted_at
 
 
 SHELL = "$(id > /tmp/x)"
 KEY = "driver580.95.05-cuda13.0-vllm-0.27.1-sm12.1"
-RECORD = json.dumps({"versions": {"kernel": "6.11.0-1016-nvidia", "driver": "580.95.05", "cuda": "13.0",
-                                  "gpu_arch": "12.1", "firmware": "5.36", "vllm": "vllm-0.27.1"},
-                     "engines": {"q38": {"cache_key": KEY, "cold_start_s": 600, "start_s": 40}}})
+RECORD = json.dumps(
+    {
+        "versions": {
+            "kernel": "6.11.0-1016-nvidia",
+            "driver": "580.95.05",
+            "cuda": "13.0",
+            "gpu_arch": "12.1",
+            "firmware": "5.36",
+            "vllm": "vllm-0.27.1",
+        },
+        "engines": {"q38": {"cache_key": KEY, "cold_start_s": 600, "start_s": 40}},
+    }
+)
 
 
-@pytest.mark.parametrize("section, line, field_name, untrusted", [
-    ("pins", f"/m/.pins/a--b@main:{SHELL}", "pins", "/m/.pins/a--b@main holds '$(id > /tmp/x)', which is not a commit id"),
-    ("pins", f"/m/.pins/a--b@main;id:{'1' * 40}", "pins", "which is not a pin name"),
-    ("cache_keys", f"/r/cache-keys/q38:{SHELL}", "cache_keys", "/r/cache-keys/q38 holds '$(id > /tmp/x)', which is not a cache key"),
-    ("cache_keys", f"/r/cache-keys/Q38 x:{KEY}", "cache_keys", "which is not a cache key file of an engine"),
-    ("markers", "/v/.sparkform-complete:vllm==0.27.1 $(id)", "markers", "which is not a stamp sparkform writes"),
-    ("checkpoints", f"/m/a--b@{'1' * 40}|1.0|{SHELL}|ok", "checkpoints", "which is not a commit id"),
-    ("checkpoints", "/m/a--b@main;id|1.0||-", "checkpoints", "which is not a checkpoint folder name"),
-    ("checkpoints", f"/m/a--b@{'1' * 40}|1.0|{'1' * 40}|x.bin,$(id).bin", "checkpoints", "which is not a checkpoint file"),
-    ("caches_aside", f"/c/q38.stale-{SHELL}", "caches_aside", "which is not a cache folder moved aside"),
-    ("rendered_units", "/etc/systemd/system/vllm-x;id.service", "rendered_units", "which is not a unit file name"),
-    ("unit_files", "vllm-$(id).service enabled", "unit_files", "which is not a unit file name"),
-    ("record", RECORD.replace(KEY, SHELL), "record", "the host record: cache_key '$(id > /tmp/x)' is not what sparkform writes"),
-    ("record", RECORD.replace("5.36", "5.36\\n`id`"), "record", "versions.firmware"),
-])
-def test_a_value_read_back_in_a_shape_sparkform_never_writes_is_untrusted_and_left_out(section, line, field_name,
-                                                                                       untrusted):
+@pytest.mark.parametrize(
+    "section, line, field_name, untrusted",
+    [
+        (
+            "pins",
+            f"/m/.pins/a--b@main:{SHELL}",
+            "pins",
+            "/m/.pins/a--b@main holds '$(id > /tmp/x)', which is not a commit id",
+        ),
+        ("pins", f"/m/.pins/a--b@main;id:{'1' * 40}", "pins", "which is not a pin name"),
+        (
+            "cache_keys",
+            f"/r/cache-keys/q38:{SHELL}",
+            "cache_keys",
+            "/r/cache-keys/q38 holds '$(id > /tmp/x)', which is not a cache key",
+        ),
+        ("cache_keys", f"/r/cache-keys/Q38 x:{KEY}", "cache_keys", "which is not a cache key file of an engine"),
+        ("markers", "/v/.sparkform-complete:vllm==0.27.1 $(id)", "markers", "which is not a stamp sparkform writes"),
+        ("checkpoints", f"/m/a--b@{'1' * 40}|1.0|{SHELL}|ok", "checkpoints", "which is not a commit id"),
+        ("checkpoints", "/m/a--b@main;id|1.0||-", "checkpoints", "which is not a checkpoint folder name"),
+        (
+            "checkpoints",
+            f"/m/a--b@{'1' * 40}|1.0|{'1' * 40}|x.bin,$(id).bin",
+            "checkpoints",
+            "which is not a checkpoint file",
+        ),
+        ("caches_aside", f"/c/q38.stale-{SHELL}", "caches_aside", "which is not a cache folder moved aside"),
+        ("rendered_units", "/etc/systemd/system/vllm-x;id.service", "rendered_units", "which is not a unit file name"),
+        ("unit_files", "vllm-$(id).service enabled", "unit_files", "which is not a unit file name"),
+        (
+            "record",
+            RECORD.replace(KEY, SHELL),
+            "record",
+            "the host record: cache_key '$(id > /tmp/x)' is not what sparkform writes",
+        ),
+        ("record", RECORD.replace("5.36", "5.36\\n`id`"), "record", "versions.firmware"),
+    ],
+)
+def test_a_value_read_back_in_a_shape_sparkform_never_writes_is_untrusted_and_left_out(
+    section, line, field_name, untrusted
+):
     snapshot = HostSnapshot().process([f"{SECTION}{section}", line])
     assert len(snapshot.untrusted) == 1 and untrusted in snapshot.untrusted[0], snapshot.untrusted
     assert not getattr(snapshot, field_name)  # nothing of it is used
 
 
 def test_values_in_the_shapes_sparkform_writes_are_read():
-    snapshot = HostSnapshot().process([f"{SECTION}cache_keys", f"/r/cache-keys/q38:{KEY}",
-                                        f"{SECTION}caches_aside", f"/c/q38.stale-{KEY}",
-                                        f"{SECTION}record", RECORD])
+    snapshot = HostSnapshot().process(
+        [
+            f"{SECTION}cache_keys",
+            f"/r/cache-keys/q38:{KEY}",
+            f"{SECTION}caches_aside",
+            f"/c/q38.stale-{KEY}",
+            f"{SECTION}record",
+            RECORD,
+        ]
+    )
     assert snapshot.untrusted == []
     assert snapshot.cache_keys == {"q38": KEY} and snapshot.caches_aside == [f"/c/q38.stale-{KEY}"]
     assert snapshot.record.engines["q38"].cache_key == KEY and snapshot.record.versions.firmware == "5.36"
@@ -192,11 +282,19 @@ def test_the_command_follows_no_link_where_root_reads_back_a_file(tmp_path):
     record.symlink_to(secret)
     marker = tmp_path / "venv-marker"
     marker.symlink_to(secret)
-    command = HostSnapshot().command(packages=["coreutils"], users=["root"], paths=[str(tmp_path)],
-                                      markers=[str(marker)], units=["none.service"],
-                                      unit_glob=str(tmp_path / "none-*.service"), models_dir=str(tmp_path / "m"),
-                                      pins_dir=str(pins), cache_root=str(tmp_path / "c"), cache_keys_dir=str(keys),
-                                      record_path=str(record))
+    command = HostSnapshot().command(
+        packages=["coreutils"],
+        users=["root"],
+        paths=[str(tmp_path)],
+        markers=[str(marker)],
+        units=["none.service"],
+        unit_glob=str(tmp_path / "none-*.service"),
+        models_dir=str(tmp_path / "m"),
+        pins_dir=str(pins),
+        cache_root=str(tmp_path / "c"),
+        cache_keys_dir=str(keys),
+        record_path=str(record),
+    )
     output = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout
     assert "SECRET" not in output
     snapshot = HostSnapshot().process(output.splitlines())

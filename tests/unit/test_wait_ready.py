@@ -138,9 +138,13 @@ def test_wait_ready_takes_a_main_process_it_may_not_signal_as_alive(make_box, se
     root_owned = subprocess.Popen(["sleep", "30"])  # this test runs as root
     try:
         start = time.monotonic()
-        result = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(helper),
-                                 str(engine.port), "10", "a"], capture_output=True, text=True, timeout=60,
-                                env={"PATH": "/usr/bin:/bin", "MAINPID": str(root_owned.pid)})
+        result = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(helper), str(engine.port), "10", "a"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PATH": "/usr/bin:/bin", "MAINPID": str(root_owned.pid)},
+        )
     finally:
         root_owned.kill()
         root_owned.wait()

@@ -29,13 +29,18 @@ def _seconds(systemd_timespan: str) -> float:
 KEY_FROM_SNIPPET = r's/^set [$]sparkform_api_key "\(.*\)";$/\1/p'
 
 
-def _curl(remote, config, engine, path: str, data: dict | None = None, key: bool = True,
-          status_only: bool = False) -> str:
+def _curl(
+    remote, config, engine, path: str, data: dict | None = None, key: bool = True, status_only: bool = False
+) -> str:
     """Ask the engine through the front, from the host itself, as a client would; the API key
     (if any) is read from the front's snippet there and handed to curl on a pipe, never in argv."""
     body = f"-H 'Content-Type: application/json' -d '{json.dumps(data)}'" if data else ""
-    header = (f"--config <(printf 'header = \"Authorization: Bearer %s\"\\n' "
-              f"\"$(sed -n '{KEY_FROM_SNIPPET}' {config.paths.front_key} 2>/dev/null)\")" if key else "")
+    header = (
+        f"--config <(printf 'header = \"Authorization: Bearer %s\"\\n' "
+        f"\"$(sed -n '{KEY_FROM_SNIPPET}' {config.paths.front_key} 2>/dev/null)\")"
+        if key
+        else ""
+    )
     address = config.front_local_address
     url = f"http://{'[' + address + ']' if ':' in address else address}:{engine.port}{path}"
     output = "-s -o /dev/null -w '%{http_code}'" if status_only else "-fsS"
@@ -71,15 +76,25 @@ def test_memory_ceilings(remote, engine, config):
 def test_start_timeout_above_readiness_budget(remote, engine, config):
     props = remote.service(engine.unit).systemd_properties
     assert _seconds(props["TimeoutStartUSec"]) > config.readiness_budget_s
-    assert f"sparkform-wait-ready {config.internal_port(engine)} {config.readiness_budget_s}" in _exec_start_post(remote, engine)
+    assert f"sparkform-wait-ready {config.internal_port(engine)} {config.readiness_budget_s}" in _exec_start_post(
+        remote, engine
+    )
 
 
 def test_caps_path_and_cuda_in_unit_environment(remote, engine, config):
-    environment = dict(item.split("=", 1) for item in
-                       remote.service(engine.unit).systemd_properties["Environment"].split())
+    environment = dict(
+        item.split("=", 1) for item in remote.service(engine.unit).systemd_properties["Environment"].split()
+    )
     expected = engine_environment(config, engine)
-    for key in ("MAX_JOBS", "NVCC_THREADS", "FLASHINFER_NVCC_THREADS", "TORCHINDUCTOR_COMPILE_THREADS",
-                "CUDA_HOME", "VLLM_CACHE_ROOT", "FLASHINFER_WORKSPACE_BASE"):
+    for key in (
+        "MAX_JOBS",
+        "NVCC_THREADS",
+        "FLASHINFER_NVCC_THREADS",
+        "TORCHINDUCTOR_COMPILE_THREADS",
+        "CUDA_HOME",
+        "VLLM_CACHE_ROOT",
+        "FLASHINFER_WORKSPACE_BASE",
+    ):
         assert environment.get(key) == expected[key], key
     assert environment["PATH"].startswith(f"{config.cuda_home}/bin:")
 
@@ -93,11 +108,16 @@ def test_caps_reach_the_running_engine(remote, engine, config):
 def test_after_edges_point_at_enabled_units(remote, engine, config):
     after = tuple(remote.service(engine.unit).systemd_properties.get("After", "").split())
     # Only "enabled" joins the boot transaction; "static" and "disabled" units do not.
-    states = {unit: remote.run(f"systemctl is-enabled {unit}").stdout.strip()
-              for unit in after if unit.startswith(UNIT_PREFIX)}
+    states = {
+        unit: remote.run(f"systemctl is-enabled {unit}").stdout.strip()
+        for unit in after
+        if unit.startswith(UNIT_PREFIX)
+    }
     for unit, dep, state in bootchain.holes({engine.unit: after}, states):
-        pytest.fail(f"{unit} is ordered after {dep}, which is not enabled ({state}): the boot chain has a "
-                    f"hole (docs/incidents.md#boot-chain-hole); enable {dep} or remove the edge")
+        pytest.fail(
+            f"{unit} is ordered after {dep}, which is not enabled ({state}): the boot chain has a "
+            f"hole (docs/incidents.md#boot-chain-hole); enable {dep} or remove the edge"
+        )
     assert set(bootchain.after_units(config, engine)) <= set(after), "an edge of the inventory is missing"
 
 
@@ -131,15 +151,25 @@ def test_host_record_is_roots_and_keys_each_engines_caches(remote, config):
 def test_root_reads_back_only_from_root_only_folders(remote, config):
     """The engine user can rename or replace nothing root reads back or runs: every such folder
     and each of its parents up to / is root's and writable by root alone."""
-    trusted = [record_dir(config.state_dir), cache_keys_dir(config.state_dir), config.pins_dir, config.models_dir,
-               config.config_dir, config.lib_dir, config.venv, config.cache_root]
+    trusted = [
+        record_dir(config.state_dir),
+        cache_keys_dir(config.state_dir),
+        config.pins_dir,
+        config.models_dir,
+        config.config_dir,
+        config.lib_dir,
+        config.venv,
+        config.cache_root,
+    ]
     for path in trusted:
         while path != "/":
             folder = remote.file(path)
             assert folder.is_directory and not folder.is_symlink, path
             assert folder.user == "root" and folder.mode & 0o022 == 0, f"{path}: {folder.user} {folder.mode:o}"
             path = path.rsplit("/", 1)[0] or "/"
-    for path in [config.paths.engine_home, config.paths.lock_dir] + [config.engine_cache_dir(e) for e in config.engines]:
+    for path in [config.paths.engine_home, config.paths.lock_dir] + [
+        config.engine_cache_dir(e) for e in config.engines
+    ]:
         assert remote.file(path).user == config.engine_user, path
 
 
@@ -157,15 +187,22 @@ def test_models_lists_every_served_name(remote, engine, config):
 
 
 def test_one_token_completion(remote, engine, config):
-    answer = json.loads(_curl(remote, config, engine, "/v1/completions",
-                              {"model": engine.names[0], "prompt": "hello", "max_tokens": 1}))
+    answer = json.loads(
+        _curl(remote, config, engine, "/v1/completions", {"model": engine.names[0], "prompt": "hello", "max_tokens": 1})
+    )
     assert answer["usage"]["completion_tokens"] == 1
 
 
 def test_chat_completion(remote, engine, config):
-    answer = json.loads(_curl(remote, config, engine, "/v1/chat/completions",
-                              {"model": engine.names[-1], "max_tokens": 4,
-                               "messages": [{"role": "user", "content": "hello"}]}))
+    answer = json.loads(
+        _curl(
+            remote,
+            config,
+            engine,
+            "/v1/chat/completions",
+            {"model": engine.names[-1], "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]},
+        )
+    )
     assert answer["choices"][0]["message"]["role"] == "assistant"
     assert answer["usage"]["completion_tokens"] >= 1
 
@@ -179,8 +216,19 @@ def test_api_key_guards_the_api(remote, engine, config):
 
 # Routes vLLM serves that the front must not pass: vLLM's own key check guards only /v1, /v2,
 # /inference and /cohere (docs/incidents.md#open-lan-api).
-NOT_PASSED = ("/invocations", "/generative_scoring", "/tokenize", "/detokenize", "/metrics", "/docs",
-              "/openapi.json", "/scale_elastic_ep", "/version", "/load", "/ping")
+NOT_PASSED = (
+    "/invocations",
+    "/generative_scoring",
+    "/tokenize",
+    "/detokenize",
+    "/metrics",
+    "/docs",
+    "/openapi.json",
+    "/scale_elastic_ep",
+    "/version",
+    "/load",
+    "/ping",
+)
 
 
 def test_front_passes_only_the_openai_routes(remote, engine, config):
@@ -213,8 +261,7 @@ def test_kv_pool_read_back(remote, engine):
     pool = parse_kv_pool(journal.splitlines())
     assert pool is not None, f"{engine.unit} printed no KV cache size line this boot"
     assert pool.tokens > 0 and pool.max_model_len == engine.max_model_len
-    print(f"{engine.name}: {pool.device} KV pool {pool.tokens:,} tokens, {pool.concurrency}x "
-          f"at {pool.max_model_len:,}")
+    print(f"{engine.name}: {pool.device} KV pool {pool.tokens:,} tokens, {pool.concurrency}x at {pool.max_model_len:,}")
 
 
 def test_checkpoint_complete_at_pinned_revision(remote, engine, config):
@@ -222,8 +269,9 @@ def test_checkpoint_complete_at_pinned_revision(remote, engine, config):
     assert remote.file(f"{folder}/.sparkform-complete").exists
     assert remote.file(f"{folder}/config.json").exists
     # hf download records the commit it fetched in each file's metadata (first line).
-    commits = set(remote.check_output(
-        f"head -qn1 {folder}/.cache/huggingface/download/*.metadata 2>/dev/null || true").split())
+    commits = set(
+        remote.check_output(f"head -qn1 {folder}/.cache/huggingface/download/*.metadata 2>/dev/null || true").split()
+    )
     assert config.commit(engine), f"no pin of {engine.checkpoint.pin_name} in {config.pins_dir}"
     assert commits == {config.commit(engine)}, f"files of {folder} come from commits {commits}"
 
@@ -245,8 +293,7 @@ for entry in json.load(open(os.path.join(folder, sys.argv[2])))["files"]:
 def test_checkpoint_files_hash_as_verified(remote, engine, config, request):
     if not request.config.getoption("--deep"):
         pytest.skip("re-hashing runs with --deep")
-    out = remote.check_output("python3 -c %s %s %s", DEEP_CHECK, config.checkpoint_dir(engine),
-                              CHECKPOINT_MANIFEST)
+    out = remote.check_output("python3 -c %s %s %s", DEEP_CHECK, config.checkpoint_dir(engine), CHECKPOINT_MANIFEST)
     assert out == "", f"files of {config.checkpoint_dir(engine)} differ from their verified sha256: {out}"
 
 
@@ -262,8 +309,9 @@ def test_no_secret_in_a_world_readable_file(remote, config):
                 f"umask 077; sed -n '{KEY_FROM_SNIPPET}; /^set /!p' {path} > {pattern}; "
                 f"grep -rlF -f {pattern} /etc /usr/local/lib /var/lib/sparkform /opt/sparkform "
                 f"/run/systemd 2>/dev/null | while read -r f; do "
-                f"[ $(( 0$(stat -c %a \"$f\") & 4 )) -ne 0 ] && echo \"$f\"; done; "
-                f"journalctl -b --no-pager -o cat | grep -cF -f {pattern}; rm -f {pattern}")
+                f'[ $(( 0$(stat -c %a "$f") & 4 )) -ne 0 ] && echo "$f"; done; '
+                f"journalctl -b --no-pager -o cat | grep -cF -f {pattern}; rm -f {pattern}"
+            )
             lines = leaks.stdout.split()
             assert lines[-1] == "0", f"the secret of {path} appears in the journal"
             assert lines[:-1] == [], f"world-readable files hold the secret of {path}: {lines[:-1]}"
