@@ -93,7 +93,7 @@ sandbox = hosts(
                     "after": ["nemotron"],
                 },
             ],
-        },
+        }
     },
     __file__,
 )

@@ -39,10 +39,7 @@ spark = hosts(
                     # The fast "hands": a Mamba hybrid, ~305K KV tokens per GiB.
                     "name": "nemotron",
                     "port": 8012,
-                    "checkpoint": {
-                        "repo": "nvidia/Nemotron-3.5-Lightning-30B-A3B-NVFP4",
-                        "revision": "main",
-                    },
+                    "checkpoint": {"repo": "nvidia/Nemotron-3.5-Lightning-30B-A3B-NVFP4", "revision": "main"},
                     "quantization": "modelopt",
                     "gpu_memory_utilization": 0.25,
                     "max_model_len": 262_144,
@@ -85,7 +82,7 @@ spark = hosts(
                     },
                 },
             ],
-        },
+        }
     },
     __file__,
 )

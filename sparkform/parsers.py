@@ -220,10 +220,7 @@ def cuda_version_from_nvidia_smi(lines: list[str]) -> str | None:
 def parse_gpu_report(lines: list[str]) -> GpuReport:
     """Parse query rows and the banner line printed together (`nvidia-smi --query-gpu`, then
     `nvidia-smi`)."""
-    return GpuReport(
-        gpus=tuple(parse_nvidia_smi_csv(lines)),
-        cuda_version=cuda_version_from_nvidia_smi(lines),
-    )
+    return GpuReport(gpus=tuple(parse_nvidia_smi_csv(lines)), cuda_version=cuda_version_from_nvidia_smi(lines))
 
 
 # --- systemctl show ------------------------------------------------------------------------------

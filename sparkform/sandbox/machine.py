@@ -305,16 +305,7 @@ def memory_controller_writable(name: str) -> None:
         init = nspawn.container_init(sandbox.runtime_dir)
         run_step(
             "remount the guest's memory controller read-write",
-            [
-                "nsenter",
-                "-t",
-                str(init),
-                "-m",
-                "mount",
-                "-o",
-                "remount,bind,rw",
-                "/sys/fs/cgroup/memory",
-            ],
+            ["nsenter", "-t", str(init), "-m", "mount", "-o", "remount,bind,rw", "/sys/fs/cgroup/memory"],
         )
         run_step("re-exec the guest's systemd", [*sandbox.ssh_args(), "systemctl", "daemon-reexec"], timeout=60)
     (sandbox.runtime_dir / "memory-writable").touch()

@@ -87,10 +87,7 @@ SPECS: dict[str, ModelSpec] = {
     ),
 }
 
-TINY_MODELS: dict[str, str] = {
-    "sparkform-test/tiny-llama": "llama",
-    "sparkform-test/tiny-qwen3": "qwen3",
-}
+TINY_MODELS: dict[str, str] = {"sparkform-test/tiny-llama": "llama", "sparkform-test/tiny-qwen3": "qwen3"}
 
 
 # --- files ------------------------------------------------------------------------------------

@@ -39,19 +39,7 @@ def create_network(name: str, index: int) -> None:
     run_step("create the network namespace", ["ip", "netns", "add", netns])
     run_step(
         "create the veth pair",
-        [
-            "ip",
-            "link",
-            "add",
-            host_if,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            GUEST_INTERFACE,
-            "netns",
-            netns,
-        ],
+        ["ip", "link", "add", host_if, "type", "veth", "peer", "name", GUEST_INTERFACE, "netns", netns],
     )
     run_step("address the host side", ["ip", "addr", "add", f"{host_side}/{LINK_PREFIX_LENGTH}", "dev", host_if])
     run_step("bring the host side up", ["ip", "link", "set", host_if, "up"])

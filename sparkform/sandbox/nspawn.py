@@ -45,13 +45,7 @@ done
 """
 
 
-def start(
-    name: str,
-    runtime_dir: Path,
-    root: Path,
-    binds: Sequence[tuple[str, str]],
-    cgroups: list[Path],
-) -> None:
+def start(name: str, runtime_dir: Path, root: Path, binds: Sequence[tuple[str, str]], cgroups: list[Path]) -> None:
     """Start the supervisor (which runs systemd-nspawn on `root`) detached, logging to nspawn.log."""
     nspawn = [
         "systemd-nspawn",

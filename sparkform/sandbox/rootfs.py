@@ -173,12 +173,7 @@ def _debootstrap(target: Path, packages: Sequence[str], mirror: str, log: Path, 
     try:
         with open(log, "w") as out:
             code = subprocess.run(
-                cmd,
-                check=False,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                pass_fds=[lock_fd],
+                cmd, check=False, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, pass_fds=[lock_fd]
             ).returncode
     except FileNotFoundError:
         raise SandboxError("build rootfs: `debootstrap` is not installed (apt-get install debootstrap)") from None

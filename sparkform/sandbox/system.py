@@ -19,12 +19,7 @@ class SandboxError(RuntimeError):
     """A sandbox step failed; the message names the step and what to look at."""
 
 
-def run_step(
-    step: str,
-    cmd: Sequence[str],
-    *,
-    timeout: float | None = None,
-) -> subprocess.CompletedProcess[str]:
+def run_step(step: str, cmd: Sequence[str], *, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
     """Run `cmd` (check=True); a failure raises SandboxError naming the step, command and stderr."""
     try:
         return subprocess.run(list(cmd), check=True, capture_output=True, text=True, timeout=timeout)

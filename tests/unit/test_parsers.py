@@ -33,42 +33,26 @@ def captured(name: str) -> list[str]:
 
 def test_kv_pool_two_line_format_of_0_27():
     assert parse_kv_pool(captured("vllm-0.27-two-line.log")) == KvPool(
-        device="GPU",
-        tokens=2_703_604,
-        max_model_len=262_144,
-        concurrency=10.31,
-        available_gib=8.26,
+        device="GPU", tokens=2_703_604, max_model_len=262_144, concurrency=10.31, available_gib=8.26
     )
 
 
 def test_kv_pool_one_line_format_of_0_29():
     assert parse_kv_pool(captured("vllm-0.29-one-line.log")) == KvPool(
-        device="GPU",
-        tokens=858_483,
-        max_model_len=262_144,
-        concurrency=3.27,
-        available_gib=26.8,
+        device="GPU", tokens=858_483, max_model_len=262_144, concurrency=3.27, available_gib=26.8
     )
 
 
 def test_kv_pool_cpu_line_of_0_32_has_no_available_memory():
     assert parse_kv_pool(captured("vllm-0.32-cpu.log")) == KvPool(
-        device="CPU",
-        tokens=1_048_576,
-        max_model_len=2_048,
-        concurrency=512.0,
-        available_gib=None,
+        device="CPU", tokens=1_048_576, max_model_len=2_048, concurrency=512.0, available_gib=None
     )
 
 
 def test_kv_pool_latest_of_three_boots_in_journal_output():
     # Boot 1 at 131K, boot 2 died after "Available", boot 3 at 262K: boot 3 is the answer.
     assert parse_kv_pool(captured("vllm-0.33-journal-three-boots.log")) == KvPool(
-        device="GPU",
-        tokens=2_703_604,
-        max_model_len=262_144,
-        concurrency=10.31,
-        available_gib=8.26,
+        device="GPU", tokens=2_703_604, max_model_len=262_144, concurrency=10.31, available_gib=8.26
     )
 
 
@@ -89,7 +73,7 @@ def test_kv_pool_xpu_line():
             (
                 "INFO 08-20 12:00:01 [kv_cache_utils.py:1311] XPU KV cache size: 65,536 tokens, "
                 "Maximum concurrency for 8,192 tokens per request: 8.00x"
-            ),
+            )
         ]
     )
     assert (pool.device, pool.tokens, pool.max_model_len, pool.concurrency) == ("XPU", 65_536, 8_192, 8.0)
@@ -127,11 +111,7 @@ def test_kv_pool_orphan_concurrency_line_does_not_rewrite_a_complete_pool():
 
 def test_kv_pool_size_without_concurrency_when_nothing_completed():
     assert parse_kv_pool(["GPU KV cache size: 2,703,604 tokens"]) == KvPool(
-        device="GPU",
-        tokens=2_703_604,
-        max_model_len=None,
-        concurrency=None,
-        available_gib=None,
+        device="GPU", tokens=2_703_604, max_model_len=None, concurrency=None, available_gib=None
     )
 
 
@@ -140,11 +120,7 @@ def test_kv_pool_on_a_grep_filtered_journal():
     wanted = ("KV cache size:", "Maximum concurrency for", "Available KV cache memory:", "vLLM API server version")
     lines = [line for line in captured("vllm-0.33-journal-three-boots.log") if any(text in line for text in wanted)]
     assert parse_kv_pool(lines) == KvPool(
-        device="GPU",
-        tokens=2_703_604,
-        max_model_len=262_144,
-        concurrency=10.31,
-        available_gib=8.26,
+        device="GPU", tokens=2_703_604, max_model_len=262_144, concurrency=10.31, available_gib=8.26
     )
 
 
@@ -206,7 +182,7 @@ def test_nvidia_smi_gb10_memory_not_available():
             memory_total_mib=None,
             memory_used_mib=None,
             compute_cap="12.1",
-        ),
+        )
     ]
 
 

@@ -118,10 +118,7 @@ def test_the_hybrid_gets_ten_times_the_tokens_per_gib_of_dense_attention():
 
 @pytest.mark.parametrize(
     ("fixture", "text"),
-    [
-        ("no_attention_heads.json", "'num_attention_heads'"),
-        ("no_full_attention.json", "no full-attention layer"),
-    ],
+    [("no_attention_heads.json", "'num_attention_heads'"), ("no_full_attention.json", "no full-attention layer")],
 )
 def test_geometry_refuses_configs_without_kv_layers(fixture, text):
     with pytest.raises(modelconfig.ModelConfigError, match=text):

@@ -88,8 +88,7 @@ def test_sandbox_bind_without_a_colon_is_refused(ups) -> None:
 
 
 def test_sandbox_names_and_status_of_a_name_that_is_not_up(
-    runtime_root: Path,
-    capsys: pytest.CaptureFixture[str],
+    runtime_root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake_up(runtime_root, "one", 1)
     fake_up(runtime_root, "two", 2)
