@@ -180,6 +180,19 @@ class HostSnapshot(FactBase):
             untrusted.append(f"{where} holds {value!r}, which is not {what}")
             return False
 
+        def named_lines(section: str, name_shape: tuple[re.Pattern, str], value_shape: tuple[re.Pattern, str]):
+            """File name -> its one line, for the `path:line` lines of `section` whose name and line
+            both have their shape."""
+            found = {}
+            for line in sections.get(section, []):
+                path, _, value = line.partition(":")
+                name = path.rsplit("/", 1)[-1]
+                if shaped(name_shape[0], name, path, name_shape[1]) and shaped(
+                    value_shape[0], value, path, value_shape[1]
+                ):
+                    found[name] = value
+            return found
+
         for line in sections.get("markers", []):
             path, _, content = line.partition(":")
             if shaped(STAMP, content, path, "a stamp sparkform writes"):
@@ -206,13 +219,7 @@ class HostSnapshot(FactBase):
                 )
             ):
                 snapshot.checkpoints[folder] = CheckpointFolder(marker or None, drift, float(mtime))
-        for line in sections.get("pins", []):
-            path, _, commit = line.partition(":")
-            name = path.rsplit("/", 1)[-1]
-            if shaped(REPO_AT, name, path, "a pin name (repo@revision)") and shaped(
-                COMMIT_ID, commit, path, "a commit id"
-            ):
-                snapshot.pins[name] = commit
+        snapshot.pins = named_lines("pins", (REPO_AT, "a pin name (repo@revision)"), (COMMIT_ID, "a commit id"))
         snapshot.live_versions = sections.get("versions", [])
         try:
             snapshot.record = HostRecord.from_json("\n".join(sections.get("record", [])))
@@ -220,13 +227,9 @@ class HostSnapshot(FactBase):
             untrusted.append(f"the host record: {err}")
         boot = sections.get("boot", [""])[0] if sections.get("boot") else ""
         snapshot.booted_at = float(boot[1:]) if boot.startswith("@") and boot[1:].isdigit() else None
-        for line in sections.get("cache_keys", []):
-            path, _, key = line.partition(":")
-            engine = path.rsplit("/", 1)[-1]
-            if shaped(ENGINE_NAME_PATTERN, engine, path, "a cache key file of an engine") and shaped(
-                CACHE_KEY_PATTERN, key, path, "a cache key"
-            ):
-                snapshot.cache_keys[engine] = key
+        snapshot.cache_keys = named_lines(
+            "cache_keys", (ENGINE_NAME_PATTERN, "a cache key file of an engine"), (CACHE_KEY_PATTERN, "a cache key")
+        )
         for path in sections.get("caches_aside", []):
             if shaped(CACHE_KEY_PATTERN, path.rsplit(STALE_MARK, 1)[-1], path, "a cache folder moved aside"):
                 snapshot.caches_aside.append(path)

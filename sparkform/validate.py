@@ -289,19 +289,16 @@ def _mtp_and_vision(host: Host) -> list[Problem]:
 
 
 def _timeouts(host: Host) -> list[Problem]:
-    cfg = host.config
-    if cfg.timeout_start_s > cfg.readiness_budget_s:
+    """systemd's start timeout must outlast the readiness helper, which says why a start failed."""
+    timeout, budget = host.config.timeout_start_s, host.config.readiness_budget_s
+    if timeout > budget:
         return []
-    return [
-        Problem(
-            host.name,
-            "timeout_start_s",
-            cfg.timeout_start_s,
-            f"TimeoutStartSec must exceed the readiness budget ({cfg.readiness_budget_s} s), or "
-            "systemd kills the start before the helper can report why it failed",
-            f"set timeout_start_s above {cfg.readiness_budget_s} (the shipped Spark inventory: 1200 against 1080)",
-        )
-    ]
+    why = (
+        f"TimeoutStartSec must exceed the readiness budget ({budget} s), or systemd kills the start "
+        "before the helper can report why it failed"
+    )
+    fix = f"set timeout_start_s above {budget} (the shipped Spark inventory: 1200 against 1080)"
+    return [Problem(host.name, "timeout_start_s", timeout, why, fix)]
 
 
 def _cgroup_caps(host: Host) -> list[Problem]:

@@ -55,37 +55,16 @@ class ModelSpec:
     shards: int  # >1 splits the weights so multi-file downloads are exercised
 
 
+# One row per architecture (a table: the formatter leaves it aligned).
+# fmt: off
 SPECS: dict[str, ModelSpec] = {
     # The sandbox's engine is vLLM's CPU build, whose attention accepts head sizes 32, 64, 80, ...
-    "llama": ModelSpec(
-        "LlamaForCausalLM",
-        "llama",
-        hidden=128,
-        intermediate=256,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        head_dim=32,
-        vocab=1024,
-        tie_embeddings=False,
-        qk_norm=False,
-        shards=1,
-    ),
-    "qwen3": ModelSpec(
-        "Qwen3ForCausalLM",
-        "qwen3",
-        hidden=256,
-        intermediate=512,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        head_dim=64,
-        vocab=2048,
-        tie_embeddings=True,
-        qk_norm=True,
-        shards=2,
-    ),
+    "llama": ModelSpec("LlamaForCausalLM", "llama", hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2,
+                       head_dim=32, vocab=1024, tie_embeddings=False, qk_norm=False, shards=1),
+    "qwen3": ModelSpec("Qwen3ForCausalLM", "qwen3", hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2,
+                       head_dim=64, vocab=2048, tie_embeddings=True, qk_norm=True, shards=2),
 }
+# fmt: on
 
 TINY_MODELS: dict[str, str] = {"sparkform-test/tiny-llama": "llama", "sparkform-test/tiny-qwen3": "qwen3"}
 

@@ -35,6 +35,7 @@ from deploy_helpers import (
 )
 
 from sparkform import layout
+from sparkform.render import VLLM_UNGUARDED_ROUTES
 from sparkform.sandbox import machine, stage
 from sparkform.sandbox.fakehub import FakeHub
 
@@ -103,22 +104,8 @@ def test_broken_inventory_fails_before_connecting(box, tmp_path):
 
 # --- the front: nothing runs the models without the key (from outside the host) ----------------
 
-# vLLM's --api-key guards only /v1, /v2, /inference and /cohere, so it answers these without a key
-# (docs/incidents.md#open-lan-api); the front must not pass them.
-UNGUARDED = (
-    "/invocations",
-    "/generative_scoring",
-    "/tokenize",
-    "/detokenize",
-    "/metrics",
-    "/docs",
-    "/openapi.json",
-    "/scale_elastic_ep",
-    "/version",
-    "/load",
-    "/ping",
-    "/v1/responses",
-)
+# Besides vLLM's routes without a key check, one under /v1 that is not on the front's allow-list.
+UNGUARDED = (*VLLM_UNGUARDED_ROUTES, "/v1/responses")
 OPENAI = ("/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
@@ -292,6 +279,16 @@ KEY_FILE = f"{STATE}/record/cache-keys/q38"
 RECORD = f"{STATE}/record/host-record.json"
 
 
+def what_a_deploy_could_change(box) -> tuple:
+    """The engines' processes, and what lies in the caches, the record and the pins."""
+    listing = ssh(
+        box,
+        f"ls -a /var/cache/sparkform {STATE}/record {STATE}/models/.pins; "
+        f"sha256sum {TOKEN_FILE} {STATE}/record/* 2>/dev/null; true",
+    ).stdout
+    return main_pids(box), listing
+
+
 @pytest.mark.parametrize(
     "plant, named",
     [
@@ -313,29 +310,14 @@ RECORD = f"{STATE}/record/host-record.json"
 )
 def test_a_planted_value_stops_the_deploy_before_anything_changes(box, plant, named):
     ssh(box, plant)
-    before = (
-        main_pids(box),
-        ssh(
-            box,
-            f"ls -a /var/cache/sparkform {STATE}/record {STATE}/models/.pins; "
-            f"sha256sum {TOKEN_FILE} {STATE}/record/* 2>/dev/null; true",
-        ).stdout,
-    )
+    before = what_a_deploy_could_change(box)
     try:
         result = pyinfra(SANDBOX_INVENTORY, "-y")
         assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
         assert named in result.stderr, result.stderr[-3000:]
         assert "nothing was changed" in result.stderr and "Fix:" in result.stderr
         assert ssh(box, "test -e /tmp/pwned", check=False).returncode != 0
-        after = (
-            main_pids(box),
-            ssh(
-                box,
-                f"ls -a /var/cache/sparkform {STATE}/record {STATE}/models/.pins; "
-                f"sha256sum {TOKEN_FILE} {STATE}/record/* 2>/dev/null; true",
-            ).stdout,
-        )
-        assert after == before
+        assert what_a_deploy_could_change(box) == before
         token = ssh(box, f"cat {TOKEN_FILE}").stdout.strip()
         assert token not in result.stdout + result.stderr  # a link to the token was never read
     finally:

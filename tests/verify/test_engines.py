@@ -11,7 +11,7 @@ from sparkform import bootchain
 from sparkform.hostrecord import HostRecord
 from sparkform.layout import CHECKPOINT_MANIFEST, ENGINES_TARGET, UNIT_PREFIX, cache_keys_dir, record_dir, record_path
 from sparkform.parsers import parse_kv_pool
-from sparkform.render import engine_environment
+from sparkform.render import VLLM_UNGUARDED_ROUTES, engine_environment
 
 UNIT_LIMITS_USEC = re.compile(r"^(\d+)")
 
@@ -214,25 +214,8 @@ def test_api_key_guards_the_api(remote, engine, config):
     assert _curl(remote, config, engine, "/v1/models", key=False, status_only=True) == "401"
 
 
-# Routes vLLM serves that the front must not pass: vLLM's own key check guards only /v1, /v2,
-# /inference and /cohere (docs/incidents.md#open-lan-api).
-NOT_PASSED = (
-    "/invocations",
-    "/generative_scoring",
-    "/tokenize",
-    "/detokenize",
-    "/metrics",
-    "/docs",
-    "/openapi.json",
-    "/scale_elastic_ep",
-    "/version",
-    "/load",
-    "/ping",
-)
-
-
 def test_front_passes_only_the_openai_routes(remote, engine, config):
-    for path in NOT_PASSED:
+    for path in VLLM_UNGUARDED_ROUTES:
         if path == "/metrics" and config.metrics_allow:
             continue  # answered to the allowed addresses
         assert _curl(remote, config, engine, path, status_only=True) == "404", path
