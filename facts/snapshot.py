@@ -21,7 +21,7 @@ from sparkform.hostrecord import (
 )
 from sparkform.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
 from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES, engine_states
-from sparkform.schema import COMMIT_ID
+from sparkform.shapes import COMMIT_ID
 from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
 
 SECTION = "@@sparkform:"

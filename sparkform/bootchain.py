@@ -9,9 +9,10 @@ orders nothing and both engines start at once: the compile storm of two cold sta
 
 from __future__ import annotations
 
+from sparkform.engine import Engine
 from sparkform.layout import UNIT_PREFIX
 from sparkform.model import Host, Problem
-from sparkform.schema import Engine, HostConfig
+from sparkform.schema import HostConfig
 
 
 def edges(config: HostConfig, engine: Engine) -> list[str]:

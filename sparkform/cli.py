@@ -20,13 +20,14 @@ import time
 from pathlib import Path
 
 from sparkform import locks, planner, ssh
+from sparkform.engine import Checkpoint, Engine, Measured
 from sparkform.hostrecord import HostRecord, UntrustedValue
 from sparkform.hub import resolve_pins
 from sparkform.inventory import exit_invalid, load_inventory, raw_inventory
 from sparkform.layout import record_path
 from sparkform.model import Host, InventoryError, Problem
 from sparkform.render import render_host
-from sparkform.schema import Checkpoint, CompileCaps, Engine, HostConfig, Measured
+from sparkform.schema import CompileCaps, HostConfig
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

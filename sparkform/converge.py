@@ -15,11 +15,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sparkform import bootchain, hostrecord, layout
+from sparkform.engine import Engine
 from sparkform.hostrecord import EngineRecord, HostRecord, HostVersions
 from sparkform.layout import FRONT_CONFIG, FRONT_DROP_IN
 from sparkform.parsers import EngineState
 from sparkform.render import RenderedFile, guard_files, prerequisite_packages, render_host
-from sparkform.schema import Engine, HostConfig
+from sparkform.schema import HostConfig
 from sparkform.snapshot import RemoteFile, Snapshot
 
 

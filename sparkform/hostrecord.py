@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from sparkform.parsers import cuda_version_from_nvidia_smi
-from sparkform.schema import NAME_PATTERN
+from sparkform.shapes import NAME_PATTERN
 
 STALE_MARK = ".stale-"  # <cache folder>.stale-<old key>: caches moved aside, kept until a warm start
 

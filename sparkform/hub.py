@@ -14,8 +14,10 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from sparkform.engine import Engine
 from sparkform.model import InventoryError, Problem
-from sparkform.schema import COMMIT_ID, Engine, HostConfig
+from sparkform.schema import HostConfig
+from sparkform.shapes import COMMIT_ID
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 TIMEOUT_S = 20.0

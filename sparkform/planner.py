@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from sparkform import modelconfig
+from sparkform.engine import Engine
 from sparkform.model import Host, Problem
 from sparkform.modelconfig import GIB
-from sparkform.schema import Engine
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 import jinja2
 
 from sparkform import bootchain, layout
+from sparkform.engine import Engine
 from sparkform.layout import (
     CHECKPOINT_MANIFEST,
     COMPLETE_MARKER,
@@ -29,7 +30,8 @@ from sparkform.layout import (
     unit_path,
 )
 from sparkform.modelconfig import GIB
-from sparkform.schema import CONTROL_CHARACTERS, Engine, HostConfig
+from sparkform.schema import HostConfig
+from sparkform.shapes import CONTROL_CHARACTERS
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 

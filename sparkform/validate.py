@@ -1,4 +1,5 @@
-"""Validation of one host's data before any connection is opened.
+"""The validation rules: what one host's data must hold, beyond each field's own shape, before any
+connection is opened (sparkform.inventory.load_host runs them).
 
 Each problem names the host, the engine, the field, the value and the fix. Field-shape errors
 come from the pydantic schema; the rules here are the ones that need the whole host: the memory
@@ -9,136 +10,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
-
-from pydantic import ValidationError
 
 from sparkform import bootchain, locks, modelconfig
-from sparkform.model import Host, InventoryError, Problem
+from sparkform.model import Host, Problem
 from sparkform.planner import state_block_problems
-from sparkform.schema import API_KEY_MIN_LENGTH, API_KEY_PATTERN, HostConfig, owned_flag
+from sparkform.shapes import API_KEY_MIN_LENGTH, API_KEY_PATTERN
 
-
-def _pydantic_problems(host: str, data: dict[str, Any], err: ValidationError) -> list[Problem]:
-    problems = []
-    engines = data.get("engines") if isinstance(data.get("engines"), list) else []
-    for error in err.errors():
-        loc = list(error["loc"])
-        engine = None
-        if len(loc) >= 2 and loc[0] == "engines" and isinstance(loc[1], int):
-            index = loc[1]
-            raw = engines[index] if index < len(engines) else None
-            engine = raw.get("name", f"#{index}") if isinstance(raw, dict) else f"#{index}"
-            loc = loc[2:]
-        path = ".".join(str(part) for part in loc) or "engines"
-        kind = error["type"]
-        if kind == "extra_forbidden":
-            fix = "remove it or correct its spelling (see the field table in the README)"
-            message = "unknown key"
-        elif kind == "missing":
-            fix = "set it (see the field table in the README)"
-            message = "required field is missing"
-        else:
-            message = error["msg"].removeprefix("Value error, ")
-            fix = "give a value of the documented type and range (README field table)"
-        value = _redact_api_key(error.get("input")) if path == "extra_args" else error.get("input")
-        problems.append(Problem(host, path, value, message, fix, engine))
-    return problems
-
-
-def _redact_api_key(args: Any) -> Any:
-    """extra_args refused for an `--api-key`: print them without the key (CI logs, terminals)."""
-    if not isinstance(args, list):
-        return args
-    redacted, hide_next = [], False
-    for arg in args:
-        if hide_next:
-            redacted.append("***")
-            hide_next = False
-        elif isinstance(arg, str) and owned_flag(arg) == "--api-key":
-            hide_next = "=" not in arg
-            redacted.append(arg if hide_next else f"{arg.split('=', 1)[0]}=***")
-        else:
-            redacted.append(arg)
-    return redacted
-
-
-def _model_configs(host: str, config: HostConfig, base_dir: Path) -> tuple[dict, list[Problem]]:
-    configs, problems = {}, []
-    for engine in config.engines:
-        if not engine.model_config_path:
-            continue
-        path = (base_dir / engine.model_config_path).resolve()
-        try:
-            configs[engine.name] = modelconfig.load(path)
-            modelconfig.geometry(configs[engine.name])
-        except modelconfig.ModelConfigError as err:
-            configs.pop(engine.name, None)
-            problems.append(
-                Problem(
-                    host,
-                    "model_config_path",
-                    engine.model_config_path,
-                    str(err),
-                    "point it at the checkpoint's config.json",
-                    engine.name,
-                )
-            )
-    return configs, problems
-
-
-# Files on the control machine; relative paths resolve against the inventory's folder.
-LOCAL_PATH_FIELDS = ("hf_token_file", "api_key_file", "alert_webhook_file", "wheelhouse_source", "lock_file")
 SECRET_FILE_FIELDS = ("hf_token_file", "api_key_file", "alert_webhook_file")
 WEBHOOK_URL = re.compile(r"https?://[^\s\x00-\x1f]+")  # one URL, nothing a shell or header could split
-
-
-def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Host:
-    """Validate one host's data; raise InventoryError with every problem found.
-
-    Relative local paths (secret files, the wheelhouse source, the lock, model configs) resolve against `base_dir`, the
-    inventory's folder, whatever the current directory is.
-    """
-    data = {
-        **data,
-        **{
-            key: str((base_dir / Path(data[key]).expanduser()).resolve())
-            for key in LOCAL_PATH_FIELDS
-            if isinstance(data.get(key), str)
-        },
-    }
-    try:
-        config = HostConfig.model_validate(data)
-    except ValidationError as err:
-        raise InventoryError(_pydantic_problems(name, data, err) + _host_key_problems(name, data, base_dir)) from None
-    model_configs, problems = _model_configs(name, config, base_dir)
-    problems += _host_key_problems(name, data, base_dir)
-    host = Host(name, config, model_configs)
-    problems += host_problems(host)
-    if problems:
-        raise InventoryError(problems)
-    return host
-
-
-def _host_key_problems(name: str, data: dict[str, Any], base_dir: Path) -> list[Problem]:
-    """Strict host key checking with a known_hosts file that is not there refuses every
-    connection, late and with a paramiko error: say so now, with how to record the key."""
-    known_hosts = data.get("ssh_known_hosts_file")
-    if data.get("ssh_strict_host_key_checking") != "yes" or not isinstance(known_hosts, str):
-        return []
-    if (base_dir / Path(known_hosts).expanduser()).is_file():
-        return []
-    return [
-        Problem(
-            name,
-            "ssh_known_hosts_file",
-            known_hosts,
-            "no such file, and strict host key checking trusts no key it does not hold",
-            f'record the host\'s key once (README, "Pinned host keys"): ssh-keyscan -t ed25519 '
-            f"{data.get('ssh_hostname', name)} >> {known_hosts}, after comparing its fingerprint with "
-            "the one the host's console shows",
-        )
-    ]
 
 
 def host_problems(host: Host) -> list[Problem]:

@@ -8,8 +8,9 @@ import shlex
 from pyinfra import host
 from pyinfra.api import operation
 
+from sparkform.engine import Engine
 from sparkform.layout import COMPLETE_MARKER
-from sparkform.schema import Engine, HostConfig
+from sparkform.schema import HostConfig
 from sparkform.snapshot import Snapshot
 from tasks.files import replaced_file
 from tasks.venv import own_pattern

@@ -8,12 +8,12 @@ from pyinfra import host
 from pyinfra.api import operation
 
 from sparkform.converge import starts
+from sparkform.engine import Engine
 from sparkform.parsers import EngineState
-from sparkform.schema import Engine
 
 JOURNAL_LINES = 30
 # Journal lines that say why a start failed: exceptions, refusals, the helper's verdict.
-WHY = r"(Error|error:|exceeds|refus|sparkform-|Failed with result|start request repeated)"
+FAILURE_REASON_PATTERN = r"(Error|error:|exceeds|refus|sparkform-|Failed with result|start request repeated)"
 
 
 def _explained(command: str, unit: str) -> str:
@@ -21,7 +21,7 @@ def _explained(command: str, unit: str) -> str:
     journal = f"journalctl -u {shlex.quote(unit)} --since @$since --no-pager -o cat"
     return (
         f"since=$(date +%s); {command} || {{ rc=$?; echo 'sparkform: {unit} failed to start; "
-        f"its journal:' >&2; {journal} | grep -E '{WHY}' | tail -n {JOURNAL_LINES} >&2; exit $rc; }}"
+        f"its journal:' >&2; {journal} | grep -E '{FAILURE_REASON_PATTERN}' | tail -n {JOURNAL_LINES} >&2; exit $rc; }}"
     )
 
 

@@ -9,9 +9,10 @@ from pyinfra import host
 from pyinfra.api import operation
 
 from sparkform.converge import caches_aside
+from sparkform.engine import Engine
 from sparkform.hostrecord import STALE_MARK
 from sparkform.layout import cache_keys_dir
-from sparkform.schema import Engine, HostConfig
+from sparkform.schema import HostConfig
 from sparkform.snapshot import Snapshot
 from tasks.files import replaced_file
 

@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import pytest
 
+from sparkform.inventory import load_host
 from sparkform.model import Host, InventoryError, Problem
-from sparkform.validate import load_host
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"

@@ -19,9 +19,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from sparkform.inventory import load_host
 from sparkform.render import RenderedFile, render_host
 from sparkform.schema import HostConfig
-from sparkform.validate import load_host
 
 # What every launch path (the unit, the env file, the launch script) hands the engine.
 CACHE_VARS = ("VLLM_CACHE_ROOT", "FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "CUTE_DSL_CACHE_DIR")

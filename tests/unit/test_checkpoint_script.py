@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from sparkform.inventory import load_host
 from sparkform.layout import COMPLETE_MARKER
 from sparkform.render import render_host
 from sparkform.sandbox.fakehub import FakeHub
 from sparkform.sandbox.models import TINY_MODELS, cached_checkpoint
 from sparkform.schema import HostConfig
-from sparkform.validate import load_host
 from tasks.checkpoints import _fetch
 
 QWEN = "sparkform-test/tiny-qwen3"  # two weight shards

@@ -8,9 +8,9 @@ import dataclasses
 from sparkform import converge, layout
 from sparkform.bootchain import after_units
 from sparkform.converge import plan
+from sparkform.inventory import load_host
 from sparkform.parsers import EngineState
 from sparkform.snapshot import RemoteFile, Snapshot
-from sparkform.validate import load_host
 
 # `fast` waits for nothing, `slow` for `fast`; listed slow first, so the order is decided, not copied.
 HOST_DATA = {

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from sparkform.converge import secrets
+from sparkform.inventory import load_host
 from sparkform.layout import FRONT_CONFIG, FRONT_DROP_IN
 from sparkform.render import FRONT_ROUTES, render_host
 from sparkform.schema import HostConfig
-from sparkform.validate import load_host
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 OFFSET = 10000  # stub engines take ephemeral ports (above 32767): the front's stay above 1023

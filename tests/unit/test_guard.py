@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from sparkform.inventory import load_host
 from sparkform.render import ALERT_MESSAGE_ID, guard_files, render_host
 from sparkform.sandbox.alerts import make_server, read_alerts
-from sparkform.validate import load_host
 
 WEBHOOK_SECRET = "sf-webhook-token-0123456789"
 

@@ -10,9 +10,9 @@ import pytest
 
 from sparkform.cli import main
 from sparkform.hub import HubError, resolve_pins, resolve_revision
+from sparkform.inventory import load_host
 from sparkform.model import InventoryError
 from sparkform.sandbox.fakehub import FakeHub
-from sparkform.validate import load_host
 
 REPO = "org/model"
 

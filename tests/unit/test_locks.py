@@ -22,12 +22,11 @@ import pytest
 from pyinfra.api import FileUploadCommand
 
 from sparkform import cli, layout
-from sparkform.inventory import load_inventory
+from sparkform.inventory import load_host, load_inventory
 from sparkform.locks import CPU_EXCLUDED, LOCKS, TARGETS, lock_name, lock_problems, read_lock
 from sparkform.sandbox import wheelhouse
 from sparkform.schema import HostConfig
 from sparkform.snapshot import Snapshot
-from sparkform.validate import load_host
 from tasks import venv
 
 INVENTORY = Path(__file__).resolve().parents[2] / "inventory"

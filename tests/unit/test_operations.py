@@ -24,10 +24,10 @@ from pyinfra.facts.files import FindFiles
 import tasks
 from sparkform import converge, layout
 from sparkform.hostrecord import EngineRecord, HostRecord, HostVersions
+from sparkform.inventory import load_host
 from sparkform.layout import cache_keys_dir, record_path
 from sparkform.parsers import EngineState
 from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
-from sparkform.validate import load_host
 from tasks import checkpoints, engines, files, front, guard, host_record, jit, system, venv
 
 HOST_DATA = {

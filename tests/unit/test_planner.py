@@ -457,7 +457,7 @@ def test_measured_pool_follows_a_changed_utilization(monkeypatch):
     (spark,) = load_inventory(REPO / "inventory" / "spark.py")
     data = spark.config.model_dump(exclude_none=True)
     data["engines"][1]["gpu_memory_utilization"] = 0.49  # what the plan recommends
-    from sparkform.validate import load_host
+    from sparkform.inventory import load_host
 
     q38 = by_name(planner.plan(load_host("spark", data)))["q38"]
     # Measured 26.8 GiB at 0.45; at 0.49 the share is 4.84 GiB larger and so is the pool.

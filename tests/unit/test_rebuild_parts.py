@@ -12,10 +12,10 @@ from sparkform.bootchain import holes as boot_chain_holes
 from sparkform.cli import start_table
 from sparkform.converge import planned_record
 from sparkform.hostrecord import EngineRecord, HostRecord, HostVersions, cache_key
+from sparkform.inventory import load_host
 from sparkform.parsers import EngineState
 from sparkform.render import render_host
 from sparkform.snapshot import Snapshot
-from sparkform.validate import load_host
 
 VERSIONS = HostVersions(kernel="6.11", driver="580.95.05", cuda="13.0", gpu_arch="12.1", vllm="vllm-0.27.1")
 KEY = cache_key(VERSIONS)

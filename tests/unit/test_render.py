@@ -25,11 +25,10 @@ from pathlib import Path
 import pytest
 from script_box import CACHE_VARS, CAPS
 
-from sparkform.inventory import load_inventory
+from sparkform.inventory import load_host, load_inventory
 from sparkform.layout import ENGINES_TARGET
 from sparkform.render import RenderedFile, engine_args, min_available_kib, render_host
 from sparkform.schema import HostConfig
-from sparkform.validate import load_host
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "fixtures" / "golden" / "spark.local"

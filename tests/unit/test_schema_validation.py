@@ -16,10 +16,11 @@ import pytest
 
 from sparkform import inventory as inventory_module
 from sparkform.bootchain import edges, start_order
+from sparkform.inventory import load_host
 from sparkform.locks import LOCKS, lock_id
 from sparkform.model import InventoryError, Problem
-from sparkform.schema import KNOWN_QUANTIZATIONS, HostConfig
-from sparkform.validate import load_host
+from sparkform.schema import HostConfig
+from sparkform.shapes import KNOWN_QUANTIZATIONS
 
 Mutator = Callable[[dict[str, Any]], None]
 

@@ -1,0 +1,229 @@
+"""An engine in the inventory: the checkpoint it serves, the figures measured from its boot log,
+and every setting of its `vllm serve`."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from sparkform.layout import engine_unit
+from sparkform.shapes import (
+    CONTROL_CHARACTERS,
+    IMAGE_REQUEST_MIB,
+    INCLUDE_PATTERN,
+    KNOWN_KV_CACHE_DTYPES,
+    KNOWN_QUANTIZATIONS,
+    NAME_PATTERN,
+    OWNED_FLAGS,
+    PARSER_PATTERN,
+    REQUEST_BYTES_PER_TOKEN,
+    REVISION_PATTERN,
+    SERVED_NAME_PATTERN,
+    StrictModel,
+    checked_path,
+    owned_flag,
+)
+
+
+class Checkpoint(StrictModel):
+    repo: str = Field(...)
+    """Hugging Face repo id of the checkpoint (required)."""
+    revision: str = Field(...)
+    """A commit id, or a branch/tag: resolved to a commit by the first deploy and recorded on the host; a moved branch
+    changes nothing until this changes (required)."""
+    include: list[str] = Field(default_factory=list)
+    """`hf download --include` patterns; empty means every file."""
+
+    @field_validator("repo")
+    @classmethod
+    def _repo_shape(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", value, re.ASCII) or ".." in value:
+            raise ValueError(f"{value!r} is not a repo id of the form 'owner/name'")
+        return value
+
+    @field_validator("revision")
+    @classmethod
+    def _revision_shape(cls, value: str) -> str:
+        if not REVISION_PATTERN.fullmatch(value) or ".." in value or "//" in value or value.endswith("/"):
+            raise ValueError(f"{value!r} is not a branch, tag or commit id (letters, digits, . _ / -; no '..')")
+        return value
+
+    @field_validator("include")
+    @classmethod
+    def _include_shape(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            if not re.fullmatch(INCLUDE_PATTERN, pattern) or ".." in pattern:
+                raise ValueError(
+                    f"{pattern!r} is not a file pattern (letters, digits, . _ / - and the "
+                    "glob characters * ? [ ] { } ! ,; no '..')"
+                )
+        return patterns
+
+    @property
+    def folder_prefix(self) -> str:
+        """Folders of this repo on the host are named <prefix><commit>."""
+        return f"{self.repo.replace('/', '--')}@"
+
+    @property
+    def pin_name(self) -> str:
+        """The name of the host's record of the commit a named revision resolved to."""
+        return f"{self.folder_prefix}{self.revision.replace('/', '--')}"
+
+
+class Measured(StrictModel):
+    """Figures read off this engine's own boot log; they override the planner's estimates."""
+
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=0.95)
+    """Utilization the figures were read at; when the engine's differs, the pool is re-derived (same non-KV size)."""
+    kv_cache_gib: float | None = Field(None, gt=0)
+    """`Available KV cache memory` the engine printed, GiB."""
+    kv_pool_tokens: int | None = Field(None, gt=0)
+    """`KV cache size: N tokens` the engine printed at that memory."""
+    cold_start_s: float | None = Field(None, gt=0)
+    """Cold start to readiness, seconds (sets expectations after a reboot)."""
+
+    @property
+    def tokens_per_gib(self) -> float | None:
+        if self.kv_cache_gib and self.kv_pool_tokens:
+            return self.kv_pool_tokens / self.kv_cache_gib
+        return None
+
+
+class Engine(StrictModel):
+    name: str = Field(..., pattern=NAME_PATTERN)
+    """Engine name; the unit is `vllm-<name>.service` (required)."""
+    port: int = Field(..., ge=1024, le=65535)
+    """Port of the OpenAI-compatible server (required)."""
+    checkpoint: Checkpoint = Field(...)
+    """What to serve: repo, pinned revision, include patterns (required)."""
+    enabled: bool = Field(True)
+    """False stops and disables the unit; no `after` edge may point at it."""
+    after: list[str] = Field(default_factory=list)
+    """Engines that must be ready before this one starts (the boot chain)."""
+    served_names: list[str] = Field(default_factory=list)
+    """`--served-model-name` values; defaults to the engine name."""
+    multimodal: bool = Field(False)
+    """The engine answers image requests (e.g. a `vision` alias); excludes language_model_only."""
+    quantization: str | None = Field(None)
+    """`--quantization`; None lets vLLM detect it from the checkpoint."""
+    gpu_memory_utilization: float = Field(0.25, gt=0, le=0.95)
+    """Share of unified memory this engine may take (weights, workspace and KV pool)."""
+    kv_cache_memory_bytes: int | None = Field(None, gt=0)
+    """Pin the KV pool to exactly this many bytes (required on CPU; overrides the utilization's pool)."""
+    kv_cache_dtype: str = Field("auto")
+    """`--kv-cache-dtype`: auto, fp8, fp8_e4m3, fp8_e5m2, nvfp4, ..."""
+    max_model_len: int = Field(262144, ge=256)
+    """Per-request window (prompt + output); a ceiling, not a reservation."""
+    max_num_seqs: int = Field(128, ge=1)
+    """Concurrent sequences; on Mamba hybrids at most the Mamba cache blocks."""
+    enable_prefix_caching: bool = Field(True)
+    """Prefix caching (costs ~7 % of the pool: docs/incidents.md#kv-pool-ledger)."""
+    tool_call_parser: str | None = Field(None, pattern=PARSER_PATTERN)
+    """`--tool-call-parser` (also turns on `--enable-auto-tool-choice`)."""
+    reasoning_parser: str | None = Field(None, pattern=PARSER_PATTERN)
+    """`--reasoning-parser`, e.g. nemotron_v3."""
+    generation_config: str = Field("auto")
+    """`--generation-config`: auto, vllm (ignore the checkpoint's sampling defaults) or a folder."""
+    speculative_config: dict[str, Any] | None = Field(None)
+    """`--speculative-config`, e.g. {method: mtp, num_speculative_tokens: 3}."""
+    language_model_only: bool = Field(False)
+    """`--language-model-only`: drops the vision tower (MTP needs it)."""
+    trust_remote_code: bool = Field(False)
+    """`--trust-remote-code`: the engine runs Python code shipped with the checkpoint. Only for a checkpoint you
+    trust."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Further `vllm serve` arguments, one token per item; not the flags sparkform sets (`--host`, `--port`,
+    `--api-key`, `--model`, `--served-model-name`) nor `--trust-remote-code` (a field) or
+    `--allowed-local-media-path`, in any spelling."""
+    max_request_mib: int | None = Field(None, ge=1)
+    """Largest request body the front accepts, MiB; None derives it from max_model_len (16 bytes a token, plus 64 MiB of
+    images when multimodal)."""
+    priority: int = Field(0)
+    """Which engine the memory guard stops first when memory runs out: the lowest; the highest is never stopped."""
+    memory_high_gib: float | None = Field(None, gt=0)
+    """MemoryHigh= of this engine's unit; None takes the host's."""
+    memory_max_gib: float | None = Field(None, gt=0)
+    """MemoryMax= of this engine's unit; None takes the host's."""
+    model_config_path: str | None = Field(None)
+    """config.json of the checkpoint (path relative to the inventory) for the planner."""
+    weights_gib: float | None = Field(None, gt=0)
+    """Size of the weights in memory, GiB, for the planner when no KV figure was measured."""
+    non_kv_overhead_gib: float = Field(2.5, ge=0)
+    """Activations, CUDA graphs and workspace besides weights and KV, GiB (~2.3 for Qwen3.8:
+    docs/incidents.md#kv-pool-ledger)."""
+    measured: Measured = Field(default_factory=Measured)
+    """Figures from this engine's boot log; they override estimates."""
+
+    @field_validator("served_names")
+    @classmethod
+    def _served_name_shape(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not re.fullmatch(SERVED_NAME_PATTERN, name):
+                raise ValueError(
+                    f"served name {name!r} is not a model name: letters, digits and . _ : / -, "
+                    "starting with a letter or digit, at most 128"
+                )
+        return names
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config_shape(cls, value: str) -> str:
+        return value if value in ("auto", "vllm") else checked_path(value)
+
+    @field_validator("after")
+    @classmethod
+    def _after_shape(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not re.fullmatch(NAME_PATTERN, name):
+                raise ValueError(f"{name!r} is not an engine name")
+        return names
+
+    @field_validator("quantization")
+    @classmethod
+    def _known_quantization(cls, value: str | None) -> str | None:
+        if value is not None and value not in KNOWN_QUANTIZATIONS:
+            raise ValueError(
+                f"unknown quantization {value!r}; vLLM would fail at engine start with "
+                f"'Unknown quantization method'. Use one of: {', '.join(sorted(KNOWN_QUANTIZATIONS))}, "
+                f"or leave it unset to let vLLM detect it"
+            )
+        return value
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _known_kv_dtype(cls, value: str) -> str:
+        if value not in KNOWN_KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {value!r}; use one of {', '.join(KNOWN_KV_CACHE_DTYPES)}")
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _args_shape(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            if CONTROL_CHARACTERS.search(arg):
+                raise ValueError(
+                    f"argument {arg!r} holds a control character (a newline splits the args "
+                    "file); give one token per item"
+                )
+            owned = owned_flag(arg)
+            if owned:
+                raise ValueError(f"{arg.split('=', 1)[0]} (read as {owned}) is refused: {OWNED_FLAGS[owned]}")
+        return args
+
+    @property
+    def unit(self) -> str:
+        return engine_unit(self.name)
+
+    @property
+    def names(self) -> list[str]:
+        return self.served_names or [self.name]
+
+    @property
+    def request_limit_mib(self) -> int:
+        """The front's client_max_body_size for this engine."""
+        if self.max_request_mib:
+            return self.max_request_mib
+        window = -(-self.max_model_len * REQUEST_BYTES_PER_TOKEN // 2**20) + 1
+        return window + (IMAGE_REQUEST_MIB if self.multimodal else 0)

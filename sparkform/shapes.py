@@ -1,0 +1,127 @@
+"""What a value in host data may look like: names, paths, patterns, the flags and folders that are
+refused, and the strict base of every inventory model (an unknown key is an error: a typo in an
+inventory must never be silently ignored). The schema and the validation rules check with them;
+the snapshot fact reads values back against some of them.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+
+from pydantic import BaseModel, ConfigDict
+
+NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
+COMMIT_ID = re.compile(r"[0-9a-f]{40}")  # a revision that is already a commit
+# What a bearer token may hold (RFC 6750's b64token): the front compares it inside a quoted
+# nginx string, where these characters need no escaping.
+API_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/-]+=*")
+API_KEY_MIN_LENGTH = 16
+# Request body room per token of the window (JSON-escaped text), and for images on top.
+REQUEST_BYTES_PER_TOKEN = 16
+IMAGE_REQUEST_MIB = 64
+
+# Quantization methods `vllm serve --quantization` accepts (0.27-0.33); an unknown string only
+# fails later, at engine start, with "Unknown quantization method".
+KNOWN_QUANTIZATIONS = frozenset(
+    {
+        "awq", "awq_marlin", "bitsandbytes", "compressed-tensors", "experts_int8", "fbgemm_fp8",
+        "fp8", "gguf", "gptq", "gptq_marlin", "hqq", "inc", "ipex", "modelopt", "modelopt_fp4",
+        "modelopt_mxfp8", "moe_wna16", "mxfp4", "petit_nvfp4", "ptpc_fp8", "quark", "torchao",
+        "tpu_int8",
+    }
+)  # fmt: skip
+KNOWN_KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "nvfp4")
+
+# What a path may hold. Paths reach unit files, shell scripts, env files and argv, so nothing
+# systemd (%, $, quotes, backslash) or a shell (; $ ` spaces, newlines) would read as syntax.
+SAFE_PATH = re.compile(r"(/[A-Za-z0-9._+-]+)+")
+# Folders the deploy creates and sets the owner and mode of: never one the system owns.
+SYSTEM_FOLDERS = frozenset({
+    "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/media", "/mnt", "/opt", "/proc",
+    "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/usr/bin", "/usr/lib", "/usr/lib64",
+    "/usr/local", "/usr/local/bin", "/usr/local/lib", "/usr/local/sbin", "/usr/local/share", "/usr/sbin",
+    "/usr/share", "/var", "/var/cache", "/var/lib", "/var/log", "/var/tmp", "/var/run", "/var/spool",
+    "/etc/systemd", "/etc/systemd/system", "/etc/nginx", "/etc/profile.d", "/etc/ssh", "/etc/sudoers.d",
+})  # fmt: skip
+# Kernel and runtime file systems, and the boot partition: nothing of sparkform's belongs there.
+VOLATILE_ROOTS = ("/proc/", "/sys/", "/dev/", "/run/", "/boot/")
+# Debian's static accounts (uid < 100) and nginx's: an engine user must be a user of its own.
+SHARED_USERS = frozenset({
+    "root", "daemon", "bin", "sys", "sync", "games", "man", "lp", "mail", "news", "uucp", "proxy",
+    "www-data", "backup", "list", "irc", "gnats", "_apt", "nobody", "nginx", "sshd", "systemd-network",
+})  # fmt: skip
+# `--served-model-name` values: they reach ExecStartPost argv and JSON; no systemd or shell syntax.
+SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
+PARSER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # tool-call and reasoning parser names
+REVISION_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")  # a branch, tag or commit
+INCLUDE_PATTERN = r"^[A-Za-z0-9._/*?\[\]{}!,-]{1,200}$"  # an `hf download --include` glob
+URL_PATTERN = r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?$"
+# `vllm serve` flags sparkform sets itself, or that open the engine beyond what its fields allow:
+# flag -> why it is refused. vLLM's parser maps `_` to `-` and argparse takes unambiguous
+# abbreviations, so every spelling is compared after both.
+_BOUND_BEHIND_THE_FRONT = (
+    "sparkform's: the engine binds 127.0.0.1 on its internal port behind the front; set listen_address and port instead"
+)
+OWNED_FLAGS = {
+    "--host": _BOUND_BEHIND_THE_FRONT,
+    "--port": _BOUND_BEHIND_THE_FRONT,
+    "--uds": _BOUND_BEHIND_THE_FRONT,
+    "--api-key": "--api-key would put the key in argv (visible in ps): set api_key_file instead",
+    "--model": "sparkform's: the checkpoint folder; set checkpoint instead",
+    "--served-model-name": "sparkform's: set served_names instead",
+    "--trust-remote-code": (
+        "runs the checkpoint's own Python code in the engine: set trust_remote_code: true if you mean it"
+    ),
+    "--allowed-local-media-path": "lets any request read the engine's files: not through extra_args",
+}
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def checked_path(value: str) -> str:
+    """An absolute, normalized path of SAFE_PATH characters, or a ValueError saying why not."""
+    if CONTROL_CHARACTERS.search(value) or not SAFE_PATH.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not an absolute path of letters, digits and . _ + - (no spaces, "
+            "quotes, $, %, ; or control characters)"
+        )
+    if posixpath.normpath(value) != value or "/./" in f"{value}/" or "/../" in f"{value}/":
+        raise ValueError(f"{value!r} is not normalized: write it without '.', '..', '//' or a trailing '/'")
+    return value
+
+
+def checked_managed_folder(value: str) -> str:
+    """A folder the deploy creates and owns: a safe path, never a system folder."""
+    if value in SYSTEM_FOLDERS or checked_path(value).startswith(VOLATILE_ROOTS):
+        raise ValueError(
+            f"{value!r} is a system folder (or lies in /proc, /sys, /dev, /run or /boot): the deploy sets "
+            "the owner and mode of this folder; give it a folder of its own, e.g. "
+            "/var/lib/sparkform"
+        )
+    return value
+
+
+def owned_flag(arg: str) -> str | None:
+    """The OWNED_FLAGS entry an argument sets, in any spelling vLLM's parser accepts (`_` for `-`,
+    an unambiguous abbreviation: `--api_k=x` is `--api-key`), or None."""
+    flag = arg.split("=", 1)[0]
+    if not flag.startswith("--"):
+        return None
+    flag = "--" + flag[2:].replace("_", "-")
+    return next(
+        (name for name in OWNED_FLAGS if flag == name or (len(flag) > len("--xx") and name.startswith(flag))), None
+    )
+
+
+# Host data keys pyinfra itself reads (connectors, sudo, ...). They live in the same dict as
+# ours, so they are let through; anything else unknown is a typo.
+PYINFRA_KEY_PREFIXES = ("ssh_", "_", "docker_", "chroot_", "local_", "winrm_", "terraform_")
+PYINFRA_KEYS = frozenset({"sudo", "sudo_user", "use_sudo_password", "su_user", "doas", "env",
+                          "shell_executable", "preserve_sudo_env", "sudo_password"})  # fmt: skip
+
+
+class StrictModel(BaseModel):
+    """Unknown keys are errors; values never change once validated; each field's docstring is its
+    description (docs/fields.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
