@@ -23,7 +23,8 @@ from sparkform.inventory import load_host
 from sparkform.render import RenderedFile, render_host
 from sparkform.schema import HostConfig
 
-# What every launch path (the unit, the env file, the launch script) hands the engine.
+# What every launch path (the unit, the env file, the launch script) hands the engine: its cache
+# folders, and the compile caps a host gets by default (compile_caps.as_env()).
 CACHE_VARS = ("VLLM_CACHE_ROOT", "FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "CUTE_DSL_CACHE_DIR")
 CAPS = {"MAX_JOBS": "4", "NVCC_THREADS": "1", "FLASHINFER_NVCC_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "4"}
 

@@ -86,11 +86,21 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def sparkform(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
+def sparkform(*args: str, cwd: Path, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    """The console script run with `args` in a clean environment (plus `env`): its result and how long it took."""
     command = [str(CONSOLE_SCRIPT)] if CONSOLE_SCRIPT.exists() else [sys.executable, "-m", "sparkform.cli"]
     start = time.monotonic()
-    result = subprocess.run([*command, *args], capture_output=True, text=True, cwd=cwd, env=clean_env(), timeout=60)
+    result = subprocess.run(
+        [*command, *args], capture_output=True, text=True, cwd=cwd, env=clean_env() | (env or {}), timeout=60
+    )
     return result, time.monotonic() - start
+
+
+def plan_exits_2(inventory: Path) -> None:
+    """`sparkform plan` of the inventory, run in process, exits 2."""
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["plan", str(inventory)])
+    assert caught.value.code == 2
 
 
 class ConnectionAttempted(AssertionError):
@@ -155,9 +165,7 @@ def test_broken_inventory_exits_2_naming_the_field(path, tmp_path):
 
 @pytest.mark.parametrize("path", BROKEN_FILES, ids=[p.stem for p in BROKEN_FILES])
 def test_broken_inventory_in_process_without_any_connection(path, no_network, capsys):
-    with pytest.raises(SystemExit) as caught:
-        cli.main(["plan", str(path)])
-    assert caught.value.code == 2
+    plan_exits_2(path)
     assert no_network == []
     err = capsys.readouterr().err
     assert EXPECTED[path.stem][0] in err
@@ -179,9 +187,7 @@ def test_every_problem_of_an_inventory_is_listed(tmp_path, no_network, capsys):
         "    'two': {'memory_max_gib': 90.0, 'engines': engines, 'gpu_memory_utilisation': 0.3},\n"
         "}, __file__)\n"
     )
-    with pytest.raises(SystemExit) as caught:
-        cli.main(["plan", str(inventory)])
-    assert caught.value.code == 2
+    plan_exits_2(inventory)
     problems = [line for line in capsys.readouterr().err.splitlines() if line.startswith("  - ")]
     assert [p.split(" = ")[0] for p in problems] == ["  - one: timeout_start_s", "  - two: gpu_memory_utilisation"]
     assert no_network == []
@@ -194,18 +200,14 @@ def test_problems_found_after_loading_also_exit_2(tmp_path, no_network, capsys):
         "spark = [('spark-test', {'engines': [{'name': 'a', 'port': 80, "
         "'checkpoint': {'repo': 'o/a', 'revision': 'r'}}]})]\n"
     )
-    with pytest.raises(SystemExit) as caught:
-        cli.main(["plan", str(inventory)])
-    assert caught.value.code == 2
+    plan_exits_2(inventory)
     assert "spark-test: engine a: port = 80: " in capsys.readouterr().err
 
 
 def test_an_inventory_without_hosts_is_invalid(tmp_path, capsys):
     inventory = tmp_path / "empty.py"
     inventory.write_text("NOTHING = 1\n")
-    with pytest.raises(SystemExit) as caught:
-        cli.main(["plan", str(inventory)])
-    assert caught.value.code == 2
+    plan_exits_2(inventory)
     assert "the inventory defines no host" in capsys.readouterr().err
 
 
@@ -373,9 +375,7 @@ def test_there_are_at_least_fifteen_hostile_inventories():
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_hostile_inventory_exits_2_naming_the_field_before_any_connection(case, tmp_path, no_network, capsys):
     path = hostile_inventory(case, tmp_path)
-    with pytest.raises(SystemExit) as caught:
-        cli.main(["plan", str(path)])
-    assert caught.value.code == 2
+    plan_exits_2(path)
     assert no_network == []
     err = capsys.readouterr().err
     named, detail = HOSTILE[case][2:]
@@ -433,15 +433,8 @@ def test_seed_inventory_plan_in_process_without_any_connection(no_network, capsy
 
 
 def test_plan_host_name_follows_spark_host(tmp_path):
-    env = clean_env() | {"SPARK_HOST": "gb10.lan", "SPARK_USER": "ops"}
-    result = subprocess.run(
-        [sys.executable, "-m", "sparkform.cli", "plan", str(SEED_INVENTORY)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=60,
-    )
+    spark_host = {"SPARK_HOST": "gb10.lan", "SPARK_USER": "ops"}
+    result, _ = sparkform("plan", str(SEED_INVENTORY), cwd=tmp_path, env=spark_host)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("host gb10.lan: ")
 
@@ -450,15 +443,8 @@ def test_the_spark_inventory_pins_the_host_key_and_refuses_without_one(tmp_path)
     data = dict(cli.raw_inventory(SEED_INVENTORY)["spark.local"])
     assert data["ssh_strict_host_key_checking"] == "yes"  # never pyinfra's accept-new
     assert Path(data["ssh_known_hosts_file"]).is_file()
-    env = clean_env() | {"SPARK_KNOWN_HOSTS": str(tmp_path / "nowhere" / "known_hosts")}
-    result = subprocess.run(
-        [sys.executable, "-m", "sparkform.cli", "plan", str(SEED_INVENTORY)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=60,
-    )
+    known_hosts = str(tmp_path / "nowhere" / "known_hosts")
+    result, _ = sparkform("plan", str(SEED_INVENTORY), cwd=tmp_path, env={"SPARK_KNOWN_HOSTS": known_hosts})
     assert result.returncode == 2, result.stdout
     assert f"spark.local: ssh_known_hosts_file = '{tmp_path}/nowhere/known_hosts': no such file" in result.stderr
     assert "ssh-keyscan -t ed25519 spark.local >> " in result.stderr

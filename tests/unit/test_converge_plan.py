@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from samples import engine_state
+
 from sparkform import converge, layout
 from sparkform.bootchain import after_units
 from sparkform.converge import plan
@@ -47,19 +49,7 @@ def engine_data(name: str, **changes) -> list[dict]:
 
 
 def running(unit: str, after: tuple[str, ...] = (), enabled: str = "enabled") -> EngineState:
-    return EngineState(
-        unit=unit,
-        active_state="active",
-        sub_state="running",
-        n_restarts=0,
-        main_pid=42,
-        exec_main_status=0,
-        result="success",
-        unit_file_state=enabled,
-        after=after,
-        started_at=1000.0,
-        start_s=30.0,
-    )
+    return engine_state(unit, unit_file_state=enabled, after=after, started_at=1000.0, start_s=30.0)
 
 
 def converged(cfg, versions: list[str] = DRIVER_580) -> Snapshot:

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from samples import SPARK_VERSIONS as SPARK
 
 from sparkform.hostrecord import (
     LIVE_VERSIONS_COMMAND,
@@ -32,14 +33,7 @@ BANNER = (CAPTURED / "nvidia-smi-gb10.txt").read_text()
 GB10_ROW = (CAPTURED / "nvidia-smi-query-gb10.csv").read_text().strip().split(", ")
 GB10_DRIVER, GB10_CAP = GB10_ROW[1], GB10_ROW[4]
 
-SPARK = HostVersions(
-    kernel="6.11.0-1016-nvidia",
-    driver="580.95.05",
-    cuda="13.0",
-    gpu_arch="12.1",
-    firmware="5.36_0ACUM018",
-    vllm="vllm-0.27.1",
-)
+# SPARK (samples.py): the versions of the owner's Spark.
 ENGINES = ["nemotron", "q38"]
 
 

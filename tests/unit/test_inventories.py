@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from script_box import CAPS
+
 from sparkform.inventory import load_inventory
 from sparkform.locks import CPU_EXCLUDED, LOCKS
 from sparkform.sandbox import wheelhouse
@@ -30,12 +32,7 @@ def test_spark_inventory_is_the_seeds_pair(monkeypatch, seed_data):
     assert (config.readiness_budget_s, config.timeout_start_s) == (1080, 1200)
     assert (config.start_limit_interval_s, config.start_limit_burst) == (3600, 3)
     assert (config.memory_high_gib, config.memory_max_gib) == (105, 112)
-    assert config.compile_caps.as_env() == {
-        "MAX_JOBS": "4",
-        "NVCC_THREADS": "1",
-        "FLASHINFER_NVCC_THREADS": "1",
-        "TORCHINDUCTOR_COMPILE_THREADS": "4",
-    }
+    assert config.compile_caps.as_env() == CAPS
 
 
 def test_sandbox_inventory_is_the_pair_scaled_down(monkeypatch):

@@ -346,32 +346,25 @@ def test_a_lock_of_another_version_is_refused(seed_data, problems_of):
 # --- sparkform lock ---------------------------------------------------------------------------------------
 
 
-def test_sparkform_lock_resolves_hashes_every_wheel_and_the_venv_installs_the_lock(tmp_path):
+def demo_wheelhouse(tmp_path: Path) -> Path:
+    """demo-dep 1.0 and 2.0, and demo-vllm, which requires demo-dep>=1."""
     wheels = tmp_path / "wheelhouse"
     for version in ("1.0", "2.0"):
         make_wheel(wheels, "demo-dep", version)
     make_wheel(wheels, PACKAGE, VERSION, ("demo-dep>=1",))
+    return wheels
+
+
+def sparkform_lock(wheels: Path, out: Path, *options: str) -> int:
+    """`sparkform lock` of the demo package for a CPU host, resolved from `wheels` alone (no index)."""
+    command = ["lock", "--vllm", VERSION, "--device", "cpu", "--package", PACKAGE, *options]
+    return cli.main([*command, "--find-links", str(wheels), "--out", str(out), "--", "--no-index"])
+
+
+def test_sparkform_lock_resolves_hashes_every_wheel_and_the_venv_installs_the_lock(tmp_path):
+    wheels = demo_wheelhouse(tmp_path)
     out = tmp_path / "locks" / "demo.txt"
-    assert (
-        cli.main(
-            [
-                "lock",
-                "--vllm",
-                VERSION,
-                "--device",
-                "cpu",
-                "--package",
-                PACKAGE,
-                "--find-links",
-                str(wheels),
-                "--out",
-                str(out),
-                "--",
-                "--no-index",
-            ]
-        )
-        == 0
-    )
+    assert sparkform_lock(wheels, out) == 0
     text = out.read_text()
     assert f"sparkform lock --vllm 1.0 --device cpu --package {PACKAGE}" in text.splitlines()[1]
     pins = {pin.name: pin for pin in read_lock(text)[0]}
@@ -385,36 +378,12 @@ def test_sparkform_lock_resolves_hashes_every_wheel_and_the_venv_installs_the_lo
 
 
 def test_sparkform_lock_with_pins_keeps_them(tmp_path):
-    wheels = tmp_path / "wheelhouse"
-    for version in ("1.0", "2.0"):
-        make_wheel(wheels, "demo-dep", version)
-    make_wheel(wheels, PACKAGE, VERSION, ("demo-dep>=1",))
+    wheels = demo_wheelhouse(tmp_path)
     make_wheel(wheels, "triton", "3.0")
     pins = tmp_path / "pins.txt"
     pins.write_text(f"{PACKAGE}=={VERSION}\ndemo_dep==1.0\ntriton==3.0\n")
     out = tmp_path / "locks" / "demo.txt"
-    assert (
-        cli.main(
-            [
-                "lock",
-                "--vllm",
-                VERSION,
-                "--device",
-                "cpu",
-                "--package",
-                PACKAGE,
-                "--pins",
-                str(pins),
-                "--find-links",
-                str(wheels),
-                "--out",
-                str(out),
-                "--",
-                "--no-index",
-            ]
-        )
-        == 0
-    )
+    assert sparkform_lock(wheels, out, "--pins", str(pins)) == 0
     # Exactly the pins, less what a CPU engine must not have.
     assert {pin.name: pin.version for pin in read_lock(out.read_text())[0]} == {"demo-dep": "1.0", PACKAGE: VERSION}
 
@@ -423,25 +392,6 @@ def test_sparkform_lock_that_cannot_resolve_exits_1_and_writes_nothing(tmp_path,
     wheels = tmp_path / "wheelhouse"
     make_wheel(wheels, PACKAGE, VERSION, ("demo-dep>=1",))  # demo-dep is nowhere
     out = tmp_path / "locks" / "demo.txt"
-    assert (
-        cli.main(
-            [
-                "lock",
-                "--vllm",
-                VERSION,
-                "--device",
-                "cpu",
-                "--package",
-                PACKAGE,
-                "--find-links",
-                str(wheels),
-                "--out",
-                str(out),
-                "--",
-                "--no-index",
-            ]
-        )
-        == 1
-    )
+    assert sparkform_lock(wheels, out) == 1
     assert "sparkform lock: uv pip compile exited" in capsys.readouterr().err
     assert list(out.parent.iterdir()) == []

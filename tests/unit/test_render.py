@@ -144,25 +144,29 @@ def test_render_is_deterministic(monkeypatch):
 
 
 def test_rendered_file_list_and_modes(seed_files):
+    # Two executables; every other file is 0644, and each engine's three files carry its name.
+    executables = ["/usr/local/lib/sparkform/sparkform-launch", "/usr/local/lib/sparkform/sparkform-wait-ready"]
+    host_files = [
+        "/usr/local/lib/sparkform/sparkform-checkpoint",
+        "/usr/local/lib/sparkform/sparkform-record",
+        "/etc/profile.d/sparkform-caps.sh",
+        "/etc/systemd/system/sparkform-engines.target",
+        "/etc/nginx/conf.d/sparkform.conf",
+        "/etc/systemd/system/nginx.service.d/sparkform-hardening.conf",
+        "/usr/local/lib/sparkform/sparkform-guard",
+        "/etc/sparkform/guard.json",
+        "/etc/systemd/system/sparkform-guard.service",
+        "/etc/systemd/system/sparkform-recover@.service",
+    ]
+    engine_files = [
+        "/etc/systemd/system/vllm-{}.service",
+        "/etc/sparkform/engines/{}.env",
+        "/etc/sparkform/engines/{}.args",
+    ]
     assert {path: (f.mode, f.engine) for path, f in seed_files.items()} == {
-        "/usr/local/lib/sparkform/sparkform-launch": ("755", None),
-        "/usr/local/lib/sparkform/sparkform-wait-ready": ("755", None),
-        "/usr/local/lib/sparkform/sparkform-checkpoint": ("644", None),
-        "/usr/local/lib/sparkform/sparkform-record": ("644", None),
-        "/etc/profile.d/sparkform-caps.sh": ("644", None),
-        "/etc/systemd/system/sparkform-engines.target": ("644", None),
-        "/etc/systemd/system/vllm-nemotron.service": ("644", "nemotron"),
-        "/etc/sparkform/engines/nemotron.env": ("644", "nemotron"),
-        "/etc/sparkform/engines/nemotron.args": ("644", "nemotron"),
-        "/etc/systemd/system/vllm-q38.service": ("644", "q38"),
-        "/etc/sparkform/engines/q38.env": ("644", "q38"),
-        "/etc/sparkform/engines/q38.args": ("644", "q38"),
-        "/etc/nginx/conf.d/sparkform.conf": ("644", None),
-        "/etc/systemd/system/nginx.service.d/sparkform-hardening.conf": ("644", None),
-        "/usr/local/lib/sparkform/sparkform-guard": ("644", None),
-        "/etc/sparkform/guard.json": ("644", None),
-        "/etc/systemd/system/sparkform-guard.service": ("644", None),
-        "/etc/systemd/system/sparkform-recover@.service": ("644", None),
+        **{path: ("755", None) for path in executables},
+        **{path: ("644", None) for path in host_files},
+        **{path.format(name): ("644", name) for name in ("nemotron", "q38") for path in engine_files},
     }
     # The engines, their target, the guard, the recovery template and nginx's drop-in.
     assert [f.is_unit for f in seed_files.values()].count(True) == 6

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from script_box import CAPS
 
 from sparkform import inventory as inventory_module
 from sparkform.bootchain import edges, start_order
@@ -68,6 +69,17 @@ def both(*mutators: Mutator) -> Mutator:
             mutator(data)
 
     return mutate
+
+
+def embed(**fields: Any) -> dict[str, Any]:
+    """A third engine, small: bge-m3 at 0.05 of the memory on port 8004."""
+    engine = {
+        "name": "embed",
+        "port": 8004,
+        "gpu_memory_utilization": 0.05,
+        "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"},
+    }
+    return engine | fields
 
 
 def problems_for(field: str, problems: list[Problem]) -> list[Problem]:
@@ -177,33 +189,15 @@ INVALID = [
     ),
     # The checkpoint's native window (qwen3_32b_dense.json: max_position_embeddings 40,960).
     ("window-over-native", at("q38", model_config_path="qwen3_32b_dense.json"), "max_model_len", "q38", ["40,960"]),
-    (
-        "model-config-missing",
-        at("q38", model_config_path="no-such-config.json"),
-        "model_config_path",
-        "q38",
-        ["does not exist"],
-    ),
-    (
-        "model-config-without-heads",
-        at("q38", model_config_path="no_attention_heads.json"),
-        "model_config_path",
-        "q38",
-        ["num_attention_heads"],
-    ),
-    (
-        "model-config-without-attention",
-        at("q38", model_config_path="no_full_attention.json"),
-        "model_config_path",
-        "q38",
-        ["no full-attention layer"],
-    ),
-    (
-        "model-config-not-json",
-        at("q38", model_config_path="not_json.json"),
-        "model_config_path",
-        "q38",
-        ["not valid JSON"],
+    # A config.json that is not there, or without what the planner reads from it.
+    *(
+        (case, at("q38", model_config_path=path), "model_config_path", "q38", [text])
+        for case, path, text in [
+            ("model-config-missing", "no-such-config.json", "does not exist"),
+            ("model-config-without-heads", "no_attention_heads.json", "num_attention_heads"),
+            ("model-config-without-attention", "no_full_attention.json", "no full-attention layer"),
+            ("model-config-not-json", "not_json.json", "not valid JSON"),
+        ]
     ),
     # Secrets that are not there.
     (
@@ -281,26 +275,14 @@ INVALID = [
         ["Unknown quantization method", "compressed-tensors"],
     ),
     ("unknown-kv-cache-dtype", at("q38", kv_cache_dtype="fp16"), "kv_cache_dtype", "q38", ["fp8"]),
-    (
-        "api-key-in-extra-args",
-        at("q38", extra_args=["--api-key", "sk-test-123"]),
-        "extra_args",
-        "q38",
-        ["api_key_file"],
-    ),
-    (
-        "api-key-equals-in-extra-args",
-        at("q38", extra_args=["--api-key=sk-test-123"]),
-        "extra_args",
-        "q38",
-        ["api_key_file"],
-    ),
-    (
-        "newline-in-extra-args",
-        at("q38", extra_args=["--max-num-batched-tokens 8192\n--x"]),
-        "extra_args",
-        "q38",
-        ["newline"],
+    # Extra arguments that would hand the engine a key, or smuggle in a second argument.
+    *(
+        (case, at("q38", extra_args=args), "extra_args", "q38", [text])
+        for case, args, text in [
+            ("api-key-in-extra-args", ["--api-key", "sk-test-123"], "api_key_file"),
+            ("api-key-equals-in-extra-args", ["--api-key=sk-test-123"], "api_key_file"),
+            ("newline-in-extra-args", ["--max-num-batched-tokens 8192\n--x"], "newline"),
+        ]
     ),
     # The front: the LAN without a key, addresses, ports sparkform owns.
     (
@@ -364,15 +346,7 @@ VALID = [
     # A disabled engine's share does not count.
     (
         "disabled-engine-outside-pool",
-        lambda data: data["engines"].append(
-            {
-                "name": "embed",
-                "port": 8004,
-                "enabled": False,
-                "gpu_memory_utilization": 0.5,
-                "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"},
-            }
-        ),
+        lambda data: data["engines"].append(embed(enabled=False, gpu_memory_utilization=0.5)),
     ),
     (
         "mtp-with-language-model-only-and-no-vision",
@@ -444,12 +418,7 @@ def test_seed_pair_values_survive_validation(seed_data, make_host):
     assert config.timeout_start_s == 1200 and config.readiness_budget_s == 1080
     assert config.start_limit_burst == 3 and config.start_limit_interval_s == 3600
     assert (config.memory_high_gib, config.memory_max_gib) == (105.0, 112.0)
-    assert config.compile_caps.as_env() == {
-        "MAX_JOBS": "4",
-        "NVCC_THREADS": "1",
-        "FLASHINFER_NVCC_THREADS": "1",
-        "TORCHINDUCTOR_COMPILE_THREADS": "4",
-    }
+    assert config.compile_caps.as_env() == CAPS
     # One venv per lock: the repo's lock of vLLM 0.27.1 for a Spark.
     assert config.lock == str(LOCKS / "vllm-0.27.1-cuda-aarch64.txt")
     assert config.venv == f"/opt/sparkform/venvs/vllm-0.27.1-{lock_id(config.lock)}"
@@ -508,15 +477,7 @@ def test_after_missing_lists_the_engines_that_exist(seed_data, problems_of):
 
 
 def test_three_engine_cycle_is_found(seed_data, problems_of):
-    seed_data["engines"].append(
-        {
-            "name": "embed",
-            "port": 8004,
-            "gpu_memory_utilization": 0.05,
-            "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"},
-            "after": ["q38"],
-        }
-    )
+    seed_data["engines"].append(embed(after=["q38"]))
     eng(seed_data, "nemotron")["after"] = ["embed"]
     problem = problems_for("after", problems_of(seed_data))[0]
     assert "cycle" in problem.message
@@ -524,16 +485,7 @@ def test_three_engine_cycle_is_found(seed_data, problems_of):
 
 
 def test_start_order_follows_the_after_edges(seed_data, make_host):
-    seed_data["engines"].insert(
-        0,
-        {
-            "name": "embed",
-            "port": 8004,
-            "gpu_memory_utilization": 0.05,
-            "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"},
-            "after": ["q38", "nemotron"],
-        },
-    )
+    seed_data["engines"].insert(0, embed(after=["q38", "nemotron"]))
     config = make_host(seed_data).config
     assert [e.name for e in start_order(config)] == ["nemotron", "q38", "embed"]
 
@@ -541,15 +493,7 @@ def test_start_order_follows_the_after_edges(seed_data, make_host):
 def test_a_disabled_engine_in_the_chain_is_bridged_not_a_hole(seed_data, make_host):
     """docs/incidents.md#boot-chain-hole: an After= edge to a disabled unit orders nothing. Disabling the middle of a
     chain must leave the ends ordered; disabling the head leaves the next engine unordered."""
-    seed_data["engines"].append(
-        {
-            "name": "embed",
-            "port": 8004,
-            "gpu_memory_utilization": 0.05,
-            "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"},
-            "after": ["q38"],
-        }
-    )
+    seed_data["engines"].append(embed(after=["q38"]))
     eng(seed_data, "q38")["enabled"] = False
     config = make_host(seed_data).config
     engines = {e.name: e for e in config.engines}

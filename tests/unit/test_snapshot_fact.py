@@ -2,16 +2,36 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 
 import pytest
+from samples import SPARK_VERSIONS
 
 from facts.snapshot import CHECKPOINT_SCAN, SECTION, HostSnapshot
 from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES
 from sparkform.snapshot import CheckpointFolder, RemoteFile
 
+# Every section the command gathers, in its order.
+SECTIONS = (
+    "packages",
+    "users",
+    "stat",
+    "sha256",
+    "markers",
+    "units",
+    "rendered_units",
+    "unit_files",
+    "checkpoints",
+    "pins",
+    "versions",
+    "record",
+    "boot",
+    "cache_keys",
+    "caches_aside",
+)
 CAPTURED = f"""{SECTION}packages
 python3 installed
 python3-venv not-installed
@@ -113,22 +133,7 @@ def test_checkpoint_scan_trusts_size_and_mtime_only(tmp_path):
 
 
 def test_a_fresh_host_reads_as_empty():
-    snapshot = HostSnapshot().process(
-        [
-            f"{SECTION}{name}"
-            for name in (
-                "packages",
-                "users",
-                "stat",
-                "sha256",
-                "markers",
-                "units",
-                "rendered_units",
-                "checkpoints",
-                "pins",
-            )
-        ]
-    )
+    snapshot = HostSnapshot().process([f"{SECTION}{name}" for name in SECTIONS])  # every section empty
     assert (
         snapshot.installed_packages,
         snapshot.users,
@@ -155,30 +160,13 @@ def test_command_is_one_shell_line_that_never_fails_the_host():
         cache_keys_dir="/r/cache-keys",
         record_path="/r/host-record.json",
     )
-    sections = (
-        "packages",
-        "users",
-        "stat",
-        "sha256",
-        "markers",
-        "units",
-        "rendered_units",
-        "unit_files",
-        "checkpoints",
-        "pins",
-        "versions",
-        "record",
-        "boot",
-        "cache_keys",
-        "caches_aside",
-    )
-    for section in sections:
+    for section in SECTIONS:
         assert f"echo {SECTION}{section};" in command
     assert "'/etc/a b'" in command  # quoted paths
     # The units, asked for the one list of properties engine_states reads (sparkform.parsers).
     assert f"systemctl show --timestamp=unix -p {SYSTEMCTL_SHOW_PROPERTIES} vllm-x.service" in command
     # Each section ends in `|| true`: a missing file or unit must not fail the fact.
-    assert command.count("|| true") == len(sections)
+    assert command.count("|| true") == len(SECTIONS)
 
 
 @pytest.mark.parametrize(
@@ -192,63 +180,43 @@ SHELL = "$(id > /tmp/x)"
 KEY = "driver580.95.05-cuda13.0-vllm-0.27.1-sm12.1"
 RECORD = json.dumps(
     {
-        "versions": {
-            "kernel": "6.11.0-1016-nvidia",
-            "driver": "580.95.05",
-            "cuda": "13.0",
-            "gpu_arch": "12.1",
-            "firmware": "5.36",
-            "vllm": "vllm-0.27.1",
-        },
+        "versions": dataclasses.asdict(SPARK_VERSIONS),  # firmware 5.36_0ACUM018
         "engines": {"q38": {"cache_key": KEY, "cold_start_s": 600, "start_s": 40}},
     }
 )
 
 
+# Each section is read into the snapshot's field of the same name.
 @pytest.mark.parametrize(
-    "section, line, field_name, untrusted",
+    "section, line, untrusted",
     [
-        (
-            "pins",
-            f"/m/.pins/a--b@main:{SHELL}",
-            "pins",
-            "/m/.pins/a--b@main holds '$(id > /tmp/x)', which is not a commit id",
-        ),
-        ("pins", f"/m/.pins/a--b@main;id:{'1' * 40}", "pins", "which is not a pin name"),
+        ("pins", f"/m/.pins/a--b@main:{SHELL}", "/m/.pins/a--b@main holds '$(id > /tmp/x)', which is not a commit id"),
+        ("pins", f"/m/.pins/a--b@main;id:{'1' * 40}", "which is not a pin name"),
         (
             "cache_keys",
             f"/r/cache-keys/q38:{SHELL}",
-            "cache_keys",
             "/r/cache-keys/q38 holds '$(id > /tmp/x)', which is not a cache key",
         ),
-        ("cache_keys", f"/r/cache-keys/Q38 x:{KEY}", "cache_keys", "which is not a cache key file of an engine"),
-        ("markers", "/v/.sparkform-complete:vllm==0.27.1 $(id)", "markers", "which is not a stamp sparkform writes"),
-        ("checkpoints", f"/m/a--b@{'1' * 40}|1.0|{SHELL}|ok", "checkpoints", "which is not a commit id"),
-        ("checkpoints", "/m/a--b@main;id|1.0||-", "checkpoints", "which is not a checkpoint folder name"),
-        (
-            "checkpoints",
-            f"/m/a--b@{'1' * 40}|1.0|{'1' * 40}|x.bin,$(id).bin",
-            "checkpoints",
-            "which is not a checkpoint file",
-        ),
-        ("caches_aside", f"/c/q38.stale-{SHELL}", "caches_aside", "which is not a cache folder moved aside"),
-        ("rendered_units", "/etc/systemd/system/vllm-x;id.service", "rendered_units", "which is not a unit file name"),
-        ("unit_files", "vllm-$(id).service enabled", "unit_files", "which is not a unit file name"),
+        ("cache_keys", f"/r/cache-keys/Q38 x:{KEY}", "which is not a cache key file of an engine"),
+        ("markers", "/v/.sparkform-complete:vllm==0.27.1 $(id)", "which is not a stamp sparkform writes"),
+        ("checkpoints", f"/m/a--b@{'1' * 40}|1.0|{SHELL}|ok", "which is not a commit id"),
+        ("checkpoints", "/m/a--b@main;id|1.0||-", "which is not a checkpoint folder name"),
+        ("checkpoints", f"/m/a--b@{'1' * 40}|1.0|{'1' * 40}|x.bin,$(id).bin", "which is not a checkpoint file"),
+        ("caches_aside", f"/c/q38.stale-{SHELL}", "which is not a cache folder moved aside"),
+        ("rendered_units", "/etc/systemd/system/vllm-x;id.service", "which is not a unit file name"),
+        ("unit_files", "vllm-$(id).service enabled", "which is not a unit file name"),
         (
             "record",
             RECORD.replace(KEY, SHELL),
-            "record",
             "the host record: cache_key '$(id > /tmp/x)' is not what sparkform writes",
         ),
-        ("record", RECORD.replace("5.36", "5.36\\n`id`"), "record", "versions.firmware"),
+        ("record", RECORD.replace("5.36", "5.36\\n`id`"), "versions.firmware"),
     ],
 )
-def test_a_value_read_back_in_a_shape_sparkform_never_writes_is_untrusted_and_left_out(
-    section, line, field_name, untrusted
-):
+def test_a_value_read_back_in_a_shape_sparkform_never_writes_is_untrusted_and_left_out(section, line, untrusted):
     snapshot = HostSnapshot().process([f"{SECTION}{section}", line])
     assert len(snapshot.untrusted) == 1 and untrusted in snapshot.untrusted[0], snapshot.untrusted
-    assert not getattr(snapshot, field_name)  # nothing of it is used
+    assert not getattr(snapshot, section)  # nothing of it is used
 
 
 def test_values_in_the_shapes_sparkform_writes_are_read():
@@ -264,7 +232,8 @@ def test_values_in_the_shapes_sparkform_writes_are_read():
     )
     assert snapshot.untrusted == []
     assert snapshot.cache_keys == {"q38": KEY} and snapshot.caches_aside == [f"/c/q38.stale-{KEY}"]
-    assert snapshot.record.engines["q38"].cache_key == KEY and snapshot.record.versions.firmware == "5.36"
+    record = snapshot.record
+    assert record.engines["q38"].cache_key == KEY and record.versions.firmware == SPARK_VERSIONS.firmware
 
 
 def test_the_command_follows_no_link_where_root_reads_back_a_file(tmp_path):
