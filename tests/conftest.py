@@ -1,9 +1,9 @@
 """Shared fixtures for sparkform's unit tests.
 
 `seed_data` is the owner's served pair (docs/incidents.md#the-served-pair; "seed" in test names:
-the pair sparkform was first built for) as host data, read from inventory/spark.py; `make_host` validates host data the way an
-inventory does (config.json paths resolve against tests/fixtures/model_configs); `problems_of`
-returns every Problem of invalid data.
+the pair sparkform was first built for) as host data, read from inventory/spark.py; `make_host`
+validates host data the way an inventory does (config.json paths resolve against
+tests/fixtures/model_configs); `problems_of` returns every Problem of invalid data.
 """
 
 from __future__ import annotations

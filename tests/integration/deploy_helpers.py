@@ -27,6 +27,14 @@ DEFAULT_FOLDERS = {
 PATHS = layout.HostPaths(DEFAULT_FOLDERS["lib_dir"], DEFAULT_FOLDERS["config_dir"], DEFAULT_FOLDERS["state_dir"])
 
 
+CONVERGED: set[str] = set()  # sandboxes a deploy of inventory/sandbox.py converged in this session
+
+
+def mark_converged(box: machine.Sandbox) -> None:
+    """A test's own deploy converged the sandbox: the `converged` fixture need not deploy again."""
+    CONVERGED.add(box.name)
+
+
 def pyinfra(inventory: Path, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(BIN / "pyinfra"), str(inventory), "deploy.py", *args],

@@ -28,6 +28,7 @@ from deploy_helpers import (
     edited_inventory,
     journal_times,
     main_pids,
+    mark_converged,
     pyinfra,
     ssh,
     unit_properties,
@@ -39,14 +40,18 @@ from sparkform.render import VLLM_UNGUARDED_ROUTES
 from sparkform.sandbox import machine, stage
 from sparkform.sandbox.fakehub import FakeHub
 
+pytestmark = pytest.mark.usefixtures("converged")
+
 PORTS = {"nemotron": 8012, "q38": 8011}  # the front's, on the sandbox's LAN address
 INTERNAL_OFFSET = 10000
 
 
+@pytest.mark.from_scratch
 def test_converge_from_scratch_then_verify(box):
     started = time.monotonic()
     result = pyinfra(SANDBOX_INVENTORY, "-y")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    mark_converged(box)
     print(f"\nconverge from scratch: {time.monotonic() - started:.0f} s")
     result = verify()
     assert result.returncode == 0, result.stdout[-4000:]

@@ -14,6 +14,7 @@ import shlex
 import subprocess
 import time
 
+import pytest
 from deploy_helpers import (
     BIN,
     DEFAULT_FOLDERS,
@@ -24,6 +25,7 @@ from deploy_helpers import (
     edited_inventory,
     journal_times,
     main_pids,
+    mark_converged,
     pyinfra,
     serving,
     ssh,
@@ -37,6 +39,8 @@ from sparkform.locks import lock_id
 from sparkform.sandbox import machine
 from sparkform.sandbox.fakehub import FakeHub
 from sparkform.sandbox.wheelhouse import LOCK
+
+pytestmark = pytest.mark.usefixtures("converged")
 
 LAUNCH = PATHS.launch
 HELPER = PATHS.wait_ready
@@ -66,12 +70,14 @@ def hand_run(box: machine.Sandbox, engine: str, env: str = "") -> subprocess.Com
 def converge_back(box: machine.Sandbox) -> None:
     result = pyinfra(SANDBOX_INVENTORY, "-y")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    mark_converged(box)
     assert serving(box, "vllm-nemotron.service") and serving(box, "vllm-q38.service")
 
 
 # --- a deploy killed halfway (docs/incidents.md#deploy-cut-halfway) --------------------------------
 
 
+@pytest.mark.from_scratch
 def test_deploy_killed_during_the_venv_install_leaves_no_venv_taken_as_complete(box):
     deploy = start_pyinfra()
     try:
@@ -82,6 +88,7 @@ def test_deploy_killed_during_the_venv_install_leaves_no_venv_taken_as_complete(
     assert ssh(box, f"test -e {VENV_MARKER}", check=False).returncode == 1
 
 
+@pytest.mark.from_scratch
 def test_deploy_killed_during_the_download_leaves_no_checkpoint_taken_as_complete(box):
     hub = FakeHub(box.runtime_dir / "hub")
     hub.stall()
@@ -105,6 +112,7 @@ def test_deploy_killed_during_the_download_leaves_no_checkpoint_taken_as_complet
     assert complete.strip() == ""
 
 
+@pytest.mark.from_scratch
 def test_the_next_run_converges_and_verifies(box):
     converge_back(box)
     result = verify()

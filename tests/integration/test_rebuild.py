@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
 from deploy_helpers import (
     BIN,
     PATHS,
@@ -20,11 +21,14 @@ from deploy_helpers import (
     checkpoint_dir,
     journal_times,
     main_pids,
+    mark_converged,
     pyinfra,
     ssh,
 )
 
 from sparkform.sandbox import machine, stage
+
+pytestmark = pytest.mark.usefixtures("converged")
 
 RECORD = PATHS.host_record
 CACHES = "/var/cache/sparkform"
@@ -46,9 +50,11 @@ def now(box: machine.Sandbox) -> str:
     return ssh(box, "date +%s.%N").stdout.strip()
 
 
+@pytest.mark.from_scratch
 def test_converge_records_versions_keys_and_cold_starts_and_reaches_the_engines_target(box):
     result = pyinfra(SANDBOX_INVENTORY, "-y")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    mark_converged(box)
     written = record(box)
     versions = written["versions"]
     assert versions["driver"] == stage.DEFAULT_NVIDIA_ENV["DRIVER_VERSION"]

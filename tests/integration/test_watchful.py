@@ -13,6 +13,7 @@ import json
 import os
 import time
 
+import pytest
 from deploy_helpers import (
     SANDBOX_INVENTORY,
     UNITS,
@@ -20,6 +21,7 @@ from deploy_helpers import (
     checkpoint_dir,
     edited_inventory,
     main_pids,
+    mark_converged,
     pyinfra,
     serving,
     ssh,
@@ -29,6 +31,8 @@ from deploy_helpers import (
 
 from sparkform.sandbox import stage
 from sparkform.sandbox.alerts import read_alerts
+
+pytestmark = pytest.mark.usefixtures("converged")
 
 PORTS = {"vllm-nemotron.service": 8012, "vllm-q38.service": 8011}
 NAMES = {"vllm-nemotron.service": "nemotron", "vllm-q38.service": "q38"}
@@ -96,9 +100,11 @@ def now(box) -> str:
     return ssh(box, "date +%s.%N").stdout.strip()
 
 
+@pytest.mark.from_scratch
 def test_converge(box):
     result = pyinfra(SANDBOX_INVENTORY, "-y")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    mark_converged(box)
     assert ssh(box, "systemctl is-active sparkform-guard.service").stdout.strip() == "active"
 
 
