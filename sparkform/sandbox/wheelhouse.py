@@ -9,7 +9,6 @@ place only when complete, so an interrupted run never looks finished.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import shutil
 import subprocess
@@ -108,16 +107,3 @@ def build_wheelhouse(dest: Path | None = None, lock: Path = LOCK) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
     say(f"{dest} complete: {len(names)} wheels")
     return dest
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m sparkform.sandbox.wheelhouse [--dest DIR] [--lock FILE]`: prints the folder."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dest", type=Path, help="default: $SPARKFORM_SANDBOX_CACHE/wheelhouse-<lockhash>")
-    parser.add_argument("--lock", type=Path, default=LOCK)
-    args = parser.parse_args(argv)
-    print(build_wheelhouse(args.dest, args.lock))
-
-
-if __name__ == "__main__":
-    main()
