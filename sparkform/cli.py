@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
 import os
 import shlex
@@ -243,9 +244,13 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
             stage.down(args.name)
         elif args.action == "status":
             state = machine.status(args.name)
-            print(json.dumps(state, indent=2, default=str))
-            if state["up"]:
+            if args.json:
+                print(json.dumps(state, indent=2, default=str))
+            elif state["up"]:
+                print(f"{args.name}: up at {state['address']} (systemd: {state['state'] or 'unreachable'})")
                 print(_sandbox_howto(machine.get(args.name)))
+            else:
+                print(f"{args.name}: not up")
         elif args.action == "names":
             print("\n".join(registry.names()))
         elif args.action == "reboot":
@@ -302,7 +307,8 @@ def _add_sandbox_parser(sub: argparse._SubParsersAction) -> None:
         help="also bind this folder of this machine read-only into the guest (repeatable)",
     )
     action("down", "power the machine off and remove every trace of it (a name that is not up: nothing)")
-    action("status", "whether the machine runs, its address and systemd's state; how to reach its engines")
+    status = action("status", "whether the machine runs, its address and systemd's state; how to reach its engines")
+    status.add_argument("--json", action="store_true", help="only the state, as one JSON object")
     action("names", "the sandboxes that are up (or died without `down`)", named=False)
     action("reboot", "reboot the guest and wait until every enabled unit started again")
     action("memory", "make the guest enforce MemoryMax= (`up` does this unless --bare)")
@@ -361,6 +367,7 @@ def _cmd_fields(_: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sparkform", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"sparkform {importlib.metadata.version('sparkform')}")
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="validate an inventory and print each host's memory plan")
     plan.add_argument("inventory", type=Path)
@@ -413,6 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     args.command_line = shlex.join(["sparkform", *argv])  # what `lock` writes into the lock's header
     try:
         return args.run(args)
+    except BrokenPipeError:
+        # The reader left (`sparkform plan ... | head -1`): no traceback, and none at exit when
+        # Python flushes stdout into the closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except InventoryError as err:
         exit_invalid(err, str(args.inventory))
     except (FileNotFoundError, IsADirectoryError) as err:

@@ -121,7 +121,8 @@ PYINFRA_KEYS = frozenset({"sudo", "sudo_user", "use_sudo_password", "su_user", "
 
 
 class StrictModel(BaseModel):
-    """Unknown keys are errors; values never change once validated; each field's docstring is its
-    description (docs/fields.md)."""
+    """Unknown keys are errors; values never change once validated; no number is infinite or NaN
+    (inf GiB of memory would plan anything); each field's docstring is its description
+    (docs/fields.md)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False)

@@ -9,6 +9,7 @@ fail loudly and record the attempt.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import socket
@@ -47,6 +48,7 @@ EXPECTED = {
     "after_cycle": ("spark-test: after = ", "cycle"),
     "memory_max_not_above_high": ("spark-test: memory_max_gib = 100.0", "MemoryHigh"),
     "memory_max_over_total": ("spark-test: memory_max_gib = 125.0", "121.0 GiB the host has"),
+    "memory_total_infinite": ("spark-test: memory_total_gib = inf", "finite number"),
     "compile_storm": ("spark-test: compile_caps.max_jobs = 20", "66.0 GiB"),
     "cpu_without_kv_bytes": ("spark-test: engine fast: kv_cache_memory_bytes = None", "CPU"),
     "window_over_native": ("spark-test: engine slow: max_model_len = 131072", "40,960"),
@@ -392,6 +394,24 @@ def test_hostile_inventory_exits_2_from_the_console_script(case, tmp_path):
     result, _ = sparkform("plan", str(path), cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert HOSTILE[case][2] in result.stderr and KEY not in result.stderr
+
+
+def test_version_names_the_installed_release(tmp_path):
+    result, _ = sparkform("--version", cwd=tmp_path)
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"sparkform {importlib.metadata.version('sparkform')}"
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """`sparkform plan ... | head -1`: the pipe closes before the plan is printed."""
+    command = [str(CONSOLE_SCRIPT)] if CONSOLE_SCRIPT.exists() else [sys.executable, "-m", "sparkform.cli"]
+    plan = subprocess.Popen(
+        [*command, "plan", str(SEED_INVENTORY)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env()
+    )
+    plan.stdout.close()  # the reader is gone before the plan prints a line
+    stderr = plan.stderr.read().decode()
+    assert plan.wait(timeout=60) == 1
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
 
 
 def test_render_never_writes_outside_its_out_folder(tmp_path):

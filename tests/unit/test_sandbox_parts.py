@@ -95,7 +95,9 @@ def test_sandbox_names_and_status_of_a_name_that_is_not_up(
     assert cli.main(["sandbox", "names"]) == 0
     assert capsys.readouterr().out.split() == ["one", "two"]
     assert cli.main(["sandbox", "status", "--name", "three"]) == 0
-    assert json.loads(capsys.readouterr().out)["up"] is False
+    assert capsys.readouterr().out == "three: not up\n"
+    assert cli.main(["sandbox", "status", "--name", "three", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["up"] is False  # nothing but the JSON object
 
 
 def test_sandbox_errors_name_the_action(runtime_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
