@@ -1,5 +1,5 @@
 # The README's two commands. Both install what they need on a fresh Debian machine (as root).
-#   make sandbox   boot the local sandbox, converge it with inventory/sandbox.py, verify it
+#   make sandbox   boot the local sandbox (or keep the one that is up), converge it with inventory/sandbox.py, verify it
 #   make test      lint, then the whole test suite, unit and integration (what CI runs)
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
@@ -29,7 +29,7 @@ venv: $(VENV)/.installed
 
 sandbox: system-deps venv
 	@echo "== sandbox host (first run: builds a Debian rootfs, ~1.5 min, and a wheelhouse of vLLM's CPU build)"
-	$(SPARKFORM) sandbox up
+	$(SPARKFORM) sandbox up --keep
 	@echo "== converging it with inventory/sandbox.py (first run: the vLLM venv and two engine starts, ~3 min)"
 	$(VENV)/bin/pyinfra -y inventory/sandbox.py deploy.py
 	@echo "== verifying it"

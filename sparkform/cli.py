@@ -238,7 +238,11 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
             built = [rootfs.build_rootfs()] if args.bare else stage.build()
             print("\n".join(str(path) for path in built))
         elif args.action == "up":
-            box = machine.up(args.name, args.bind_ro) if args.bare else stage.up(args.name, args.bind_ro)
+            if args.keep and machine.status(args.name)["up"]:
+                box = machine.get(args.name)
+                print(f"{args.name} is already up: kept as it is")
+            else:
+                box = machine.up(args.name, args.bind_ro) if args.bare else stage.up(args.name, args.bind_ro)
             print(f"ssh: ssh -F {box.ssh_config} {box.host_alias}")
         elif args.action == "down":
             stage.down(args.name)
@@ -297,6 +301,9 @@ def _add_sandbox_parser(sub: argparse._SubParsersAction) -> None:
         "--bare",
         action="store_true",
         help="a bare machine: base packages only; no hub, alert receiver, secrets, wheelhouse or nvidia-smi",
+    )
+    up.add_argument(
+        "--keep", action="store_true", help="a machine of that name that is up stays as it is (no error, no reboot)"
     )
     up.add_argument(
         "--bind-ro",

@@ -81,6 +81,19 @@ def test_sandbox_up_with_name_before_or_after_the_action(ups, capsys: pytest.Cap
     assert capsys.readouterr().out.splitlines()[-1] == "ssh: ssh -F /x/ssh_config sfsb-b"
 
 
+def test_sandbox_up_keep_leaves_a_machine_that_is_up_as_it_is(
+    ups, runtime_root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`make sandbox` a second time: the running machine is kept, then converged and verified."""
+    fake_up(runtime_root, "kept", 3)
+    monkeypatch.setattr(machine, "status", lambda name: {"up": name == "kept"})
+    assert cli.main(["sandbox", "up", "--keep", "--name", "kept"]) == 0
+    assert cli.main(["sandbox", "up", "--keep", "--name", "fresh"]) == 0
+    assert [call[:2] for call in ups] == [("staged", "fresh")]
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == ["kept is already up: kept as it is", f"ssh: ssh -F {runtime_root}/kept/ssh_config sfsb-kept"]
+
+
 def test_sandbox_bind_without_a_colon_is_refused(ups) -> None:
     with pytest.raises(SystemExit) as exit_:
         cli.main(["sandbox", "up", "--bare", "--bind-ro", "/only-a-host-path"])
