@@ -10,6 +10,14 @@ fact (HostSnapshot) reads the host in one round trip; `sparkform.converge.plan` 
 everything from it; each step below is one operation.
 """
 
+import sys
+from pathlib import Path
+
+# facts/ and tasks/ lie beside this file: importable whatever folder pyinfra runs in.
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
 from pyinfra import host, logger
 
 from facts.snapshot import HostSnapshot

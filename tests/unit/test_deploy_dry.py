@@ -51,8 +51,18 @@ local = hosts({{"@local": {{
     return inventory
 
 
-def _pyinfra(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(PYINFRA), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def _pyinfra(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([str(PYINFRA), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_the_deploy_runs_from_any_folder(tmp_path, hub):
+    """`cd elsewhere && pyinfra INVENTORY CHECKOUT/deploy.py`: facts/ and tasks/ still import."""
+    _publish(hub, tmp_path, "v1")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = _pyinfra(str(_inventory(tmp_path, endpoint=hub.url)), str(ROOT / "deploy.py"), "--dry", cwd=elsewhere)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Engine slow serving" in result.stdout + result.stderr
 
 
 def test_dry_run_plans_every_task_and_changes_nothing(tmp_path, hub):
