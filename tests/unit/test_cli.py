@@ -396,6 +396,24 @@ def test_hostile_inventory_exits_2_from_the_console_script(case, tmp_path):
     assert HOSTILE[case][2] in result.stderr and KEY not in result.stderr
 
 
+def test_verify_of_a_host_that_does_not_answer_says_so_in_one_line(tmp_path, free_port):
+    """Nothing listens on the host's SSH port: one line naming the host, no test run."""
+    inventory = tmp_path / "unreachable.py"
+    inventory.write_text(
+        "import runpy\n"
+        "from sparkform.inventory import hosts\n"
+        f"pair = runpy.run_path({str(INVENTORIES / 'broken_base.py')!r})['pair']()\n"
+        f"pair.update(ssh_hostname='127.0.0.1', ssh_port={free_port()})\n"
+        "spark = hosts({'gone-box': pair}, __file__)\n"
+    )
+    result, _ = sparkform("verify", str(inventory), cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("sparkform verify: gone-box does not answer over SSH (") and "Connection refused" in line
+    assert line.endswith("; nothing was checked")
+
+
 def test_version_names_the_installed_release(tmp_path):
     result, _ = sparkform("--version", cwd=tmp_path)
     assert result.returncode == 0
