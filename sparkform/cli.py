@@ -108,7 +108,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
 VERIFY_SUITE = Path(__file__).resolve().parent.parent / "tests" / "verify"
 
 
-def _unreachable(inventory: Path, hosts: list[Host], command: str) -> list[str]:
+def _unreachable(inventory: Path, hosts: list[Host]) -> list[str]:
     """One line for each host that does not answer over SSH now (the reason is ssh's last line)."""
     raw = raw_inventory(inventory)
     lines = []
@@ -121,7 +121,7 @@ def _unreachable(inventory: Path, hosts: list[Host], command: str) -> list[str]:
             except subprocess.TimeoutExpired:
                 result, reason = None, "no answer within 30 s"
             if result is None or result.returncode != 0:
-                lines.append(f"sparkform {command}: {h.name} does not answer over SSH ({reason}); nothing was checked")
+                lines.append(f"sparkform verify: {h.name} does not answer over SSH ({reason}); nothing was checked")
     return lines
 
 
@@ -129,7 +129,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     """Run the testinfra suite against every host of the inventory (exit code: pytest's; 1 when a
     host does not answer over SSH, in one line, before any test)."""
     hosts = load_inventory(args.inventory)  # a broken inventory stops here, before any connection
-    unreachable = _unreachable(args.inventory, hosts, "verify")
+    unreachable = _unreachable(args.inventory, hosts)
     if unreachable:
         print("\n".join(unreachable), file=sys.stderr)
         return 1
