@@ -1,7 +1,7 @@
-"""`sparkform`: plan, render and verify an inventory's hosts, lock a vLLM version, and run the local sandbox.
+"""`sparkform`: plan, render, verify and read the logs of an inventory's hosts; lock vLLM; run the local sandbox.
 
-`plan` (unless --resolve), `render` and `fields` never connect; `verify` and `rebuild` validate
-the inventory before they do; `lock` asks the package indexes.
+`plan` (unless --resolve), `render` and `fields` never connect; `verify`, `rebuild` and `logs`
+validate the inventory before they do; `lock` asks the package indexes.
 Exit codes: 0 success; 2 the inventory is invalid (each problem printed with host, engine,
 field, value and fix); 1 any other error (e.g. the inventory file is missing).
 """
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparkform import locks, planner, ssh
+from sparkform import locks, logs, planner, ssh
 from sparkform.engine import Checkpoint, Engine, Measured
 from sparkform.hostrecord import HostRecord, UntrustedValue
 from sparkform.hub import resolve_pins
@@ -28,6 +28,7 @@ from sparkform.inventory import exit_invalid, load_inventory, raw_inventory
 from sparkform.layout import record_path
 from sparkform.model import Host, InventoryError, Problem
 from sparkform.render import render_host
+from sparkform.sandbox import command as sandbox_command
 from sparkform.schema import CompileCaps, HostConfig
 
 
@@ -149,7 +150,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 ROOT = Path(__file__).resolve().parent.parent
-SANDBOX_INVENTORY = ROOT / "inventory" / "sandbox.py"
 WAIT_POLL_S = 5.0
 
 
@@ -226,125 +226,6 @@ def _cmd_rebuild(args: argparse.Namespace) -> int:
     return deploy.returncode
 
 
-def _sandbox_howto(box) -> str:
-    """How to reach a sandbox and its engines from this machine (a bare one: only SSH)."""
-    from sparkform.sandbox import stage
-
-    key = stage.secret_file(box.runtime_dir, "api_key")
-    lines = [f"ssh in:  sparkform sandbox ssh --name {box.name}   (or: ssh -F {box.ssh_config} {box.host_alias})"]
-    if not key.exists():  # up --bare: no secrets, so the sandbox inventory does not load
-        return "\n".join(lines)
-    os.environ["SPARKFORM_SANDBOX"] = box.name  # the inventory points at this sandbox
-    for target in load_inventory(SANDBOX_INVENTORY):
-        for engine in target.config.enabled_engines:
-            body = json.dumps(
-                {"model": engine.names[0], "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}
-            )
-            lines.append(
-                f'{engine.name}: curl -s -H "Authorization: Bearer $(cat {key})" '
-                f"-H 'Content-Type: application/json' -d '{body}' "
-                f"http://{box.address}:{engine.port}/v1/chat/completions"
-            )
-    return "\n".join(lines)
-
-
-def _cmd_sandbox(args: argparse.Namespace) -> int:
-    """Local rehearsal machines (Linux, root): build the caches, up, down, status, names, reboot,
-    memory, or an SSH session. `--bare` works on a machine without the stage (hub, alert receiver,
-    secrets, wheelhouse, nvidia-smi), on the rootfs with the base packages only."""
-    from sparkform.sandbox import machine, registry, rootfs, stage
-    from sparkform.sandbox.system import SandboxError
-
-    try:
-        if args.action == "build":
-            built = [rootfs.build_rootfs()] if args.bare else stage.build()
-            print("\n".join(str(path) for path in built))
-        elif args.action == "up":
-            if args.keep and machine.status(args.name)["up"]:
-                box = machine.get(args.name)
-                print(f"{args.name} is already up: kept as it is")
-            else:
-                box = machine.up(args.name, args.bind_ro) if args.bare else stage.up(args.name, args.bind_ro)
-            print(f"ssh: ssh -F {box.ssh_config} {box.host_alias}")
-        elif args.action == "down":
-            stage.down(args.name)
-        elif args.action == "status":
-            state = machine.status(args.name)
-            if args.json:
-                print(json.dumps(state, indent=2, default=str))
-            elif state["up"]:
-                print(f"{args.name}: up at {state['address']} (systemd: {state['state'] or 'unreachable'})")
-                print(_sandbox_howto(machine.get(args.name)))
-            else:
-                print(f"{args.name}: not up")
-        elif args.action == "names":
-            print("\n".join(registry.names()))
-        elif args.action == "reboot":
-            machine.reboot(args.name)
-        elif args.action == "memory":
-            machine.memory_controller_writable(args.name)
-        else:
-            box = machine.get(args.name)
-            return subprocess.call([*box.ssh_args(), *args.remote_command])
-    except SandboxError as err:
-        print(f"sparkform sandbox {args.action}: {err}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _bind(text: str) -> tuple[str, str]:
-    """HOST:GUEST of --bind-ro as a (host path, guest path) pair."""
-    host_path, colon, guest_path = text.partition(":")
-    if not colon:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:GUEST")
-    return host_path, guest_path
-
-
-def _add_sandbox_parser(sub: argparse._SubParsersAction) -> None:
-    """`sparkform sandbox [--name N] ACTION [--name N] ...`."""
-    sandbox = sub.add_parser(
-        "sandbox", help="a local real-systemd machine running real vLLM (root)", description=_cmd_sandbox.__doc__
-    )
-    name_help = "sandbox name (default: $SPARKFORM_SANDBOX or 'sandbox')"
-    sandbox.add_argument("--name", default=os.environ.get("SPARKFORM_SANDBOX", "sandbox"), help=name_help)
-    sandbox.set_defaults(run=_cmd_sandbox)
-    actions = sandbox.add_subparsers(dest="action", required=True, metavar="ACTION")
-
-    def action(verb: str, help: str, named: bool = True) -> argparse.ArgumentParser:
-        parser = actions.add_parser(verb, help=help, description=help)
-        if named:  # SUPPRESS: a --name after ACTION wins; else the one before it (or the default) stays
-            parser.add_argument("--name", default=argparse.SUPPRESS, help=name_help)
-        return parser
-
-    build = action("build", "build the cached rootfs and wheelhouse that `up` boots (prints their paths)", named=False)
-    build.add_argument("--bare", action="store_true", help="only the rootfs of a bare machine")
-    up = action("up", "boot a machine and stage it for a deploy; prints how to ssh in")
-    up.add_argument(
-        "--bare",
-        action="store_true",
-        help="a bare machine: base packages only; no hub, alert receiver, secrets, wheelhouse or nvidia-smi",
-    )
-    up.add_argument(
-        "--keep", action="store_true", help="a machine of that name that is up stays as it is (no error, no reboot)"
-    )
-    up.add_argument(
-        "--bind-ro",
-        type=_bind,
-        action="append",
-        default=[],
-        metavar="HOST:GUEST",
-        help="also bind this folder of this machine read-only into the guest (repeatable)",
-    )
-    action("down", "power the machine off and remove every trace of it (a name that is not up: nothing)")
-    status = action("status", "whether the machine runs, its address and systemd's state; how to reach its engines")
-    status.add_argument("--json", action="store_true", help="only the state, as one JSON object")
-    action("names", "the sandboxes that are up (or died without `down`)", named=False)
-    action("reboot", "reboot the guest and wait until every enabled unit started again")
-    action("memory", "make the guest enforce MemoryMax= (`up` does this unless --bare)")
-    ssh = action("ssh", "an SSH session in the guest, or one command (after --)")
-    ssh.add_argument("remote_command", nargs="*", metavar="command", help="a command to run instead of a shell")
-
-
 def field_table() -> str:
     """The table of inventory fields in docs/fields.md, from the schema's own descriptions."""
     sections = [
@@ -417,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("--deep", action="store_true", help="also re-hash every checkpoint file against its manifest")
     verify.add_argument("pytest_args", nargs="*", help="further pytest arguments (after --)")
     verify.set_defaults(run=_cmd_verify)
-    _add_sandbox_parser(sub)
+    sandbox_command.add_parser(sub)
+    logs.add_parser(sub)
     rebuild = sub.add_parser("rebuild", help="after a reboot: wait for the hosts, converge, print engine start times")
     rebuild.add_argument("inventory", type=Path)
     rebuild.add_argument("--wait", type=float, default=900.0, help="seconds to wait for each host's SSH (default 900)")

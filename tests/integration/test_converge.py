@@ -12,12 +12,14 @@ import re
 import shlex
 import shutil
 import socket
+import subprocess
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 from deploy_helpers import (
+    BIN,
     DEFAULT_FOLDERS,
     PATHS,
     SANDBOX_INVENTORY,
@@ -203,6 +205,21 @@ def test_a_jit_path_through_the_internal_port_does_not_kill_the_engine(box):
     time.sleep(3)
     assert unit_properties(box, "vllm-nemotron.service", "MainPID", "NRestarts") == before
     assert call(box, "nemotron", "/v1/chat/completions", key=api_key(box), body=chat("nemotron"))[0] == 200
+
+
+def test_logs_print_that_engines_journal_and_follow_it(box):
+    logs = [str(BIN / "sparkform"), "logs", str(SANDBOX_INVENTORY), "nemotron"]
+    result = subprocess.run([*logs, "--boot"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "vllm-nemotron[" in result.stdout and "vllm-q38[" not in result.stdout
+    follow = subprocess.Popen([*logs, "-f", "--since", "-1h"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "vllm-nemotron" in follow.stdout.readline()
+        time.sleep(2)
+        assert follow.poll() is None  # still following
+    finally:
+        follow.terminate()
+        follow.wait(timeout=30)
 
 
 def test_rotating_the_key_reloads_the_front_and_restarts_no_engine(box):

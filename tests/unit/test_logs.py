@@ -1,0 +1,43 @@
+"""`sparkform logs`: which host and unit, the journalctl line it runs, and what it refuses before
+connecting. Reading a real journal over SSH: tests/integration/test_converge.py."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from sparkform import cli
+from sparkform.logs import engine_host, journal_command
+
+
+def test_the_journal_command_quotes_every_value():
+    command = journal_command("vllm-q38.service", "1 hour ago", boot=True, follow=True)
+    assert shlex.split(command) == [
+        "journalctl", "-u", "vllm-q38.service", "--no-pager", "-o", "short-iso", "--since", "1 hour ago", "-b", "-f",
+    ]  # fmt: skip
+    assert journal_command("vllm-a.service", None, boot=False, follow=False).endswith("-o short-iso")
+
+
+def test_the_engine_is_found_on_its_host_or_named_as_missing(make_host, seed_data):
+    spark = make_host(seed_data, name="spark")
+    other = make_host(seed_data, name="spark-2")
+    assert engine_host([spark], "q38", None) is spark
+    assert engine_host([spark, other], "q38", "spark-2") is other
+    with pytest.raises(ValueError, match=r"engine q38 runs on spark, spark-2: choose one with --host"):
+        engine_host([spark, other], "q38", None)
+    with pytest.raises(ValueError, match=r"the inventory has no engine 'q83' \(engines: nemotron, q38\)"):
+        engine_host([spark], "q83", None)
+    with pytest.raises(ValueError, match=r"host spark-3 has no engine 'q38' \(engines: none\)"):
+        engine_host([spark], "q38", "spark-3")
+
+
+@pytest.mark.parametrize("since", ["$(id)", "1h; reboot", "a" * 41])
+def test_a_since_journalctl_would_not_read_is_refused_before_connecting(since, capsys):
+    assert cli.main(["logs", "inventory/spark.py", "q38", "--since", since]) == 2
+    assert capsys.readouterr().err.startswith(f"sparkform logs: --since {since!r} is not a time journalctl reads")
+
+
+def test_an_engine_the_inventory_lacks_is_named_before_connecting(capsys):
+    assert cli.main(["logs", "inventory/spark.py", "q83"]) == 2
+    assert capsys.readouterr().err == "sparkform logs: the inventory has no engine 'q83' (engines: nemotron, q38)\n"
