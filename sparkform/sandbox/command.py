@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +13,8 @@ from pathlib import Path
 from sparkform.inventory import load_inventory
 
 SANDBOX_INVENTORY = Path(__file__).resolve().parents[2] / "inventory" / "sandbox.py"
+# pyproject's `sandbox` extra: the stage's fake hub builds its tiny checkpoints with them.
+SANDBOX_EXTRA = ("numpy", "tokenizers", "safetensors")
 
 
 def _howto(box) -> str:
@@ -40,6 +43,10 @@ def run(args: argparse.Namespace) -> int:
     """Local rehearsal machines (Linux, root): build the caches, up, down, status, names, reboot,
     memory, or an SSH session. `--bare` works on a machine without the stage (hub, alert receiver,
     secrets, wheelhouse, nvidia-smi), on the rootfs with the base packages only."""
+    missing = [name for name in SANDBOX_EXTRA if importlib.util.find_spec(name) is None]
+    if missing and args.action in ("build", "up") and not args.bare:
+        print(f"sparkform sandbox: {', '.join(missing)} missing: pip install 'sparkform[sandbox]'", file=sys.stderr)
+        return 1
     from sparkform.sandbox import machine, registry, rootfs, stage
     from sparkform.sandbox.system import SandboxError
 

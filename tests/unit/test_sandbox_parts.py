@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -116,3 +117,15 @@ def test_sandbox_names_and_status_of_a_name_that_is_not_up(
 def test_sandbox_errors_name_the_action(runtime_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["sandbox", "--name", "Not_A_Name", "reboot"]) == 1
     assert capsys.readouterr().err.startswith("sparkform sandbox reboot: bad sandbox name 'Not_A_Name'")
+
+
+def test_without_the_sandbox_extra_the_sandbox_says_what_to_install(
+    ups, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A laptop install without `sparkform[sandbox]`: one line naming the packages, nothing booted;
+    a bare machine needs none of them."""
+    monkeypatch.setitem(sys.modules, "numpy", None)  # as if it were not installed
+    assert cli.main(["sandbox", "up"]) == 1
+    assert capsys.readouterr().err == "sparkform sandbox: numpy missing: pip install 'sparkform[sandbox]'\n"
+    assert cli.main(["sandbox", "up", "--bare"]) == 0
+    assert [call[0] for call in ups] == ["bare"]
