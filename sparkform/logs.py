@@ -19,8 +19,8 @@ from sparkform import ssh
 from sparkform.inventory import load_inventory, raw_inventory
 from sparkform.model import Host
 
-# What journalctl's --since takes (`-1h`, `2026-11-30 10:00`, `today`, `1 hour ago`); nothing a
-# shell would read as syntax.
+# What journalctl's --since takes (`-1h`, given as --since=-1h; `2026-11-30 10:00`, `today`,
+# `1 hour ago`); nothing a shell would read as syntax.
 SINCE_PATTERN = re.compile(r"[A-Za-z0-9 :+.-]{1,40}")
 EXIT_USAGE = 2
 
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     """Exit code: journalctl's (255: no SSH connection); 2 for an engine or --since it cannot use."""
     if args.since is not None and not SINCE_PATTERN.fullmatch(args.since):
         print(
-            f"sparkform logs: --since {args.since!r} is not a time journalctl reads (e.g. -1h, today)", file=sys.stderr
+            f"sparkform logs: --since {args.since!r} is not a time journalctl reads (e.g. today, -1h)", file=sys.stderr
         )
         return EXIT_USAGE
     hosts = load_inventory(args.inventory)
@@ -71,7 +71,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     logs.add_argument("inventory", type=Path)
     logs.add_argument("engine", help="the engine's name in the inventory")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines (Ctrl-C stops)")
-    logs.add_argument("--since", help="from this time on, as journalctl reads it (e.g. -1h, today)")
+    logs.add_argument("--since", help="from this time on, as journalctl reads it: today, '1 hour ago', --since=-1h")
     logs.add_argument("--boot", action="store_true", help="this boot only")
     logs.add_argument("--host", help="the host, when several run an engine of that name")
     logs.set_defaults(run=run)

@@ -212,7 +212,7 @@ def test_logs_print_that_engines_journal_and_follow_it(box):
     result = subprocess.run([*logs, "--boot"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "vllm-nemotron[" in result.stdout and "vllm-q38[" not in result.stdout
-    follow = subprocess.Popen([*logs, "-f", "--since", "-1h"], stdout=subprocess.PIPE, text=True)
+    follow = subprocess.Popen([*logs, "-f", "--since", "1 hour ago"], stdout=subprocess.PIPE, text=True)
     try:
         assert "vllm-nemotron" in follow.stdout.readline()
         time.sleep(2)
