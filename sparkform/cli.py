@@ -166,7 +166,7 @@ def _wait_for_ssh(config: Path, name: str, wait_s: float) -> bool:
 
 
 def _read_record(config: Path, name: str, state_dir: str) -> HostRecord | None:
-    result = ssh.run(config, name, f"cat {record_path(state_dir)} 2>/dev/null || true")
+    result = ssh.run(config, name, f"cat {shlex.quote(record_path(state_dir))} 2>/dev/null || true")
     try:
         return HostRecord.from_json(result.stdout)
     except UntrustedValue:
