@@ -21,14 +21,12 @@ from sparkform.hostrecord import (
 )
 from sparkform.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
 from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES, engine_states
+from sparkform.readback import LINK, REPO_AT, link_line, named_lines, pins, pins_command, plain_files, shaped
 from sparkform.shapes import COMMIT_ID
 from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
 
 SECTION = "@@sparkform:"
-LINK = "@@link:"  # a symbolic link where sparkform reads back a file
 # What sparkform writes into the files it reads back; anything else was written by someone else.
-# A pin (owner--name@revision) and a checkpoint folder (owner--name@commit) share one shape.
-REPO_AT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")
 STAMP = re.compile(r"[A-Za-z0-9._+=@ -]{0,200}")  # venv pins, digests of what nginx and the guard loaded
 UNIT_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]*\.service")  # a unit sparkform may have written
 MANIFEST_PATH = re.compile(r"[A-Za-z0-9._/+-]{1,400}")  # a checkpoint file, relative to its folder
@@ -55,14 +53,6 @@ for folder in glob.glob(os.path.join(sys.argv[1], "*@*")):
         verdict = "-"
     print("|".join((folder, str(os.stat(folder).st_mtime), marker, verdict)))
 """
-
-
-def _plain_files(words: str) -> str:
-    """Print `path:line` for each line of each plain file among `words` (paths or a glob); a
-    symbolic link is named after LINK, never followed (it could point at a secret)."""
-    return (
-        f'for f in {words}; do if [ -L "$f" ]; then echo "{LINK}$f"; elif [ -f "$f" ]; then grep -H . -- "$f"; fi; done'
-    )
 
 
 def _section(name: str, command: str) -> str:
@@ -117,7 +107,7 @@ class HostSnapshot(FactBase):
             _section("users", " ; ".join(f"getent passwd {shlex.quote(u)}" for u in users)),
             _section("stat", f"stat -c '%F|%a|%U|%G|%n' {quoted_paths}"),
             _section("sha256", f"sha256sum {quoted_paths}"),
-            _section("markers", _plain_files(" ".join(shlex.quote(m) for m in markers)) if markers else "true"),
+            _section("markers", plain_files(" ".join(shlex.quote(m) for m in markers)) if markers else "true"),
             _section(
                 "units",
                 f"systemctl show --timestamp=unix -p {SYSTEMCTL_SHOW_PROPERTIES} "
@@ -129,7 +119,7 @@ class HostSnapshot(FactBase):
                 f"systemctl list-unit-files --no-legend --no-pager {shlex.quote(unit_glob.rsplit('/', 1)[-1])}",
             ),
             _section("checkpoints", f"python3 -c {shlex.quote(CHECKPOINT_SCAN)} {shlex.quote(models_dir)}"),
-            _section("pins", _plain_files(f"{shlex.quote(pins_dir)}/*")),
+            _section("pins", pins_command(pins_dir)),
             _section("versions", LIVE_VERSIONS_COMMAND),
             _section(
                 "record",
@@ -137,7 +127,7 @@ class HostSnapshot(FactBase):
                 f"else cat {shlex.quote(record_path)}; fi",
             ),
             _section("boot", "systemctl show --timestamp=unix -p UserspaceTimestamp --value"),
-            _section("cache_keys", _plain_files(f"{shlex.quote(cache_keys_dir)}/*")),
+            _section("cache_keys", plain_files(f"{shlex.quote(cache_keys_dir)}/*")),
             _section("caches_aside", f"ls -d {shlex.quote(cache_root)}/*{STALE_MARK}*"),
         ]
         return " ; ".join(sections)
@@ -149,11 +139,8 @@ class HostSnapshot(FactBase):
         for line in output:
             if line.startswith(SECTION):
                 current = sections.setdefault(line[len(SECTION) :], [])
-            elif line.startswith(LINK):
-                snapshot.untrusted.append(
-                    f"{line[len(LINK) :]} is a symbolic link: sparkform writes a plain file "
-                    "there, and root follows no link"
-                )
+            elif link := link_line(line):
+                snapshot.untrusted.append(link)
             else:
                 current.append(line)
         for line in sections.get("packages", []):
@@ -174,52 +161,36 @@ class HostSnapshot(FactBase):
             snapshot.paths[path] = RemoteFile(None if kind == "directory" else digests.get(path), mode, user, group)
         untrusted = snapshot.untrusted
 
-        def shaped(pattern: re.Pattern, value: str, where: str, what: str) -> bool:
-            if pattern.fullmatch(value):
-                return True
-            untrusted.append(f"{where} holds {value!r}, which is not {what}")
-            return False
-
-        def named_lines(section: str, name_shape: tuple[re.Pattern, str], value_shape: tuple[re.Pattern, str]):
-            """File name -> its one line, for the `path:line` lines of `section` whose name and line
-            both have their shape."""
-            found = {}
-            for line in sections.get(section, []):
-                path, _, value = line.partition(":")
-                name = path.rsplit("/", 1)[-1]
-                if shaped(name_shape[0], name, path, name_shape[1]) and shaped(
-                    value_shape[0], value, path, value_shape[1]
-                ):
-                    found[name] = value
-            return found
+        def checked(pattern: re.Pattern, value: str, where: str, what: str) -> bool:
+            return shaped((pattern, what), value, where, untrusted)
 
         for line in sections.get("markers", []):
             path, _, content = line.partition(":")
-            if shaped(STAMP, content, path, "a stamp sparkform writes"):
+            if checked(STAMP, content, path, "a stamp sparkform writes"):
                 snapshot.markers[path] = content
         snapshot.engines = engine_states(sections.get("units", []))
         snapshot.rendered_units = {
             path
             for path in sections.get("rendered_units", [])
-            if shaped(UNIT_FILE, path.rsplit("/", 1)[-1], path, "a unit file name")
+            if checked(UNIT_FILE, path.rsplit("/", 1)[-1], path, "a unit file name")
         }
         for line in sections.get("unit_files", []):
             unit, *state = line.split()
-            if shaped(UNIT_FILE, unit, unit, "a unit file name"):
+            if checked(UNIT_FILE, unit, unit, "a unit file name"):
                 snapshot.unit_files[unit] = state[0] if state else ""
         for line in sections.get("checkpoints", []):
             folder, mtime, marker, verdict = line.rsplit("|", 3)
             drift = None if verdict == "-" else [] if verdict == "ok" else verdict.split(",")
             if (
-                shaped(REPO_AT, folder.rsplit("/", 1)[-1], folder, "a checkpoint folder name (repo@commit)")
-                and (not marker or shaped(COMMIT_ID, marker, f"{folder}/{COMPLETE_MARKER}", "a commit id"))
+                checked(REPO_AT, folder.rsplit("/", 1)[-1], folder, "a checkpoint folder name (repo@commit)")
+                and (not marker or checked(COMMIT_ID, marker, f"{folder}/{COMPLETE_MARKER}", "a commit id"))
                 and all(
-                    shaped(MANIFEST_PATH, path, f"{folder}/{CHECKPOINT_MANIFEST}", "a checkpoint file")
+                    checked(MANIFEST_PATH, path, f"{folder}/{CHECKPOINT_MANIFEST}", "a checkpoint file")
                     for path in drift or []
                 )
             ):
                 snapshot.checkpoints[folder] = CheckpointFolder(marker or None, drift, float(mtime))
-        snapshot.pins = named_lines("pins", (REPO_AT, "a pin name (repo@revision)"), (COMMIT_ID, "a commit id"))
+        snapshot.pins = pins(sections.get("pins", []), untrusted)
         snapshot.live_versions = sections.get("versions", [])
         try:
             snapshot.record = HostRecord.from_json("\n".join(sections.get("record", [])))
@@ -228,9 +199,12 @@ class HostSnapshot(FactBase):
         boot = sections.get("boot", [""])[0] if sections.get("boot") else ""
         snapshot.booted_at = float(boot[1:]) if boot.startswith("@") and boot[1:].isdigit() else None
         snapshot.cache_keys = named_lines(
-            "cache_keys", (ENGINE_NAME_PATTERN, "a cache key file of an engine"), (CACHE_KEY_PATTERN, "a cache key")
+            sections.get("cache_keys", []),
+            (ENGINE_NAME_PATTERN, "a cache key file of an engine"),
+            (CACHE_KEY_PATTERN, "a cache key"),
+            untrusted,
         )
         for path in sections.get("caches_aside", []):
-            if shaped(CACHE_KEY_PATTERN, path.rsplit(STALE_MARK, 1)[-1], path, "a cache folder moved aside"):
+            if checked(CACHE_KEY_PATTERN, path.rsplit(STALE_MARK, 1)[-1], path, "a cache folder moved aside"):
                 snapshot.caches_aside.append(path)
         return snapshot
