@@ -1,6 +1,6 @@
 """`sparkform`: plan, render, verify and read the logs of an inventory's hosts; lock vLLM; run the local sandbox.
 
-`plan` (unless --resolve), `render` and `fields` never connect; `verify`, `rebuild` and `logs`
+`plan` (unless --resolve), `render`, `fields` and `deploy-path` never connect; `verify`, `rebuild` and `logs`
 validate the inventory before they do; `lock` asks the package indexes.
 Exit codes: 0 success; 2 the inventory is invalid (each problem printed with host, engine,
 field, value and fix); 1 any other error (e.g. the inventory file is missing).
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from sparkform import locks, logs, planner, ssh
+from sparkform.bundle import DEPLOY, VERIFY_SUITE
 from sparkform.engine import Checkpoint, Engine, Measured
 from sparkform.hostrecord import HostRecord, UntrustedValue
 from sparkform.hub import resolve_pins
@@ -106,9 +107,6 @@ def _cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
-VERIFY_SUITE = Path(__file__).resolve().parent.parent / "tests" / "verify"
-
-
 def _unreachable(inventory: Path, hosts: list[Host]) -> list[str]:
     """One line for each host that does not answer over SSH now (the reason is ssh's last line)."""
     raw = raw_inventory(inventory)
@@ -149,7 +147,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return int(pytest.main(options))
 
 
-ROOT = Path(__file__).resolve().parent.parent
 WAIT_POLL_S = 5.0
 
 
@@ -212,7 +209,8 @@ def _cmd_rebuild(args: argparse.Namespace) -> int:
                 return 1
             before[h.name] = _read_record(configs[h.name], h.name, h.config.state_dir)
         deploy = subprocess.run(
-            [str(Path(sys.executable).with_name("pyinfra")), "-y", str(args.inventory.resolve()), "deploy.py"], cwd=ROOT
+            [str(Path(sys.executable).with_name("pyinfra")), "-y", str(args.inventory.resolve()), str(DEPLOY)],
+            cwd=DEPLOY.parent,
         )
         for h in hosts:
             print(f"\n{h.name}: engine starts")
@@ -270,6 +268,12 @@ def _cmd_lock(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_deploy_path(_: argparse.Namespace) -> int:
+    """Where deploy.py is: in the checkout, or in the installed wheel (sparkform/bundle.py)."""
+    print(DEPLOY)
+    return 0
+
+
 def _cmd_fields(_: argparse.Namespace) -> int:
     print(field_table())
     return 0
@@ -304,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     rebuild.add_argument("inventory", type=Path)
     rebuild.add_argument("--wait", type=float, default=900.0, help="seconds to wait for each host's SSH (default 900)")
     rebuild.set_defaults(run=_cmd_rebuild)
+    deploy_path = sub.add_parser(
+        "deploy-path", help='print where deploy.py is: pyinfra INVENTORY "$(sparkform deploy-path)"'
+    )
+    deploy_path.set_defaults(run=_cmd_deploy_path)
     fields = sub.add_parser("fields", help="print the inventory field table (Markdown)")
     fields.set_defaults(run=_cmd_fields)
     lock = sub.add_parser("lock", help="make the hashed lock of a vLLM version for a device (uv pip compile)")

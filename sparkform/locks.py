@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-LOCKS = Path(__file__).resolve().parent.parent / "locks"
+from sparkform.bundle import LOCKS
+
 PIN = re.compile(r"(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)==(?P<version>[A-Za-z0-9.+!_-]+)")
 HASH = re.compile(r"--hash=sha256:[0-9a-f]{64}")
 COMMENT = re.compile(r"(^|\s)#.*$")

@@ -11,11 +11,11 @@ import json
 import re
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
 
 import jinja2
 
 from sparkform import bootchain, layout
+from sparkform.bundle import TEMPLATES
 from sparkform.engine import Engine
 from sparkform.layout import (
     CHECKPOINT_MANIFEST,
@@ -32,8 +32,6 @@ from sparkform.layout import (
 from sparkform.modelconfig import GIB
 from sparkform.schema import HostConfig
 from sparkform.shapes import CONTROL_CHARACTERS
-
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
 _env = jinja2.Environment(
     loader=jinja2.FileSystemLoader(TEMPLATES),

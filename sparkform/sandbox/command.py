@@ -8,11 +8,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
+from sparkform.bundle import INVENTORIES
 from sparkform.inventory import load_inventory
 
-SANDBOX_INVENTORY = Path(__file__).resolve().parents[2] / "inventory" / "sandbox.py"
+SANDBOX_INVENTORY = INVENTORIES / "sandbox.py"
 # pyproject's `sandbox` extra: the stage's fake hub builds its tiny checkpoints with them.
 SANDBOX_EXTRA = ("numpy", "tokenizers", "safetensors")
 

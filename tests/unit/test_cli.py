@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkform import cli
+from sparkform import bundle, cli
 
 REPO = Path(__file__).resolve().parents[2]
 INVENTORIES = REPO / "tests" / "fixtures" / "inventories"
@@ -541,6 +541,14 @@ def test_render_writes_every_file_with_its_mode(tmp_path):
     assert stat.S_IMODE((root / "usr/local/lib/sparkform/sparkform-checkpoint").stat().st_mode) == 0o644
     assert stat.S_IMODE((root / "etc/systemd/system/vllm-q38.service").stat().st_mode) == 0o644
     assert "Restart=always" in (root / "etc/systemd/system/vllm-q38.service").read_text()
+
+
+def test_deploy_path_names_the_deploy_beside_its_tasks_and_facts(tmp_path):
+    result, _ = sparkform("deploy-path", cwd=tmp_path)
+    assert result.returncode == 0
+    deploy = Path(result.stdout.strip())
+    assert deploy == bundle.DEPLOY == REPO / "deploy.py"  # a checkout: its own deploy.py
+    assert (deploy.parent / "tasks" / "__init__.py").is_file() and (deploy.parent / "facts" / "snapshot.py").is_file()
 
 
 def test_render_only_the_named_host(tmp_path):
