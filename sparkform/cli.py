@@ -1,7 +1,8 @@
 """`sparkform`: plan, render, verify and read the logs of an inventory's hosts; lock vLLM; run the local sandbox.
 
-`plan` (unless --resolve), `render`, `fields` and `deploy-path` never connect; `verify`, `rebuild` and `logs`
-validate the inventory before they do; `lock` asks the package indexes.
+`plan` (unless --resolve), `fields`, `deploy-path` and `render --offline` never connect (`render`
+asks each host which commit its branches and tags are pinned to); `verify`, `rebuild` and `logs`
+validate the inventory before they connect; `lock` asks the package indexes.
 Exit codes: 0 success; 2 the inventory is invalid (each problem printed with host, engine,
 field, value and fix); 1 any other error (e.g. the inventory file is missing).
 """
@@ -20,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparkform import locks, logs, planner, ssh
+from sparkform import hostpins, locks, logs, planner, ssh
 from sparkform.bundle import DEPLOY, VERIFY_SUITE
 from sparkform.engine import Checkpoint, Engine, Measured
 from sparkform.hostrecord import HostRecord, UntrustedValue
@@ -77,8 +78,9 @@ def _checkpoints(config: HostConfig) -> dict[str, str]:
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
+    """Every file a deploy writes, per host; a branch or tag as the commit the host recorded for it."""
     out = args.out.resolve()
-    planned, problems = [], []
+    hosts, problems = [], []
     for host in load_inventory(args.inventory):
         if args.host and host.name != args.host:
             continue
@@ -95,10 +97,23 @@ def _cmd_render(args: argparse.Namespace) -> int:
                 )
             )
             continue
-        for file in render_host(host.config):
-            planned.append((root / file.path.lstrip("/"), file))
+        hosts.append((root, host))
     if problems:
         exit_invalid(InventoryError(problems), str(args.inventory))
+    planned, raw = [], {} if args.offline else raw_inventory(args.inventory)
+    with tempfile.TemporaryDirectory(prefix="sparkform-render-") as folder:
+        for root, host in hosts:
+            config = host.config
+            if hostpins.unpinned(config):  # a branch or tag: ask the host which commit it pinned
+                answer = (
+                    hostpins.Answer(why_not="not asked (--offline)")
+                    if args.offline
+                    else hostpins.ask(host.name, raw[host.name], config, Path(folder))
+                )
+                config = hostpins.pinned(config, answer)
+                if line := hostpins.written_instead(host.name, config, answer):
+                    print(line, file=sys.stderr)
+            planned += [(root / file.path.lstrip("/"), file) for file in render_host(config)]
     for target, file in planned:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(file.content)
@@ -116,7 +131,7 @@ def _unreachable(inventory: Path, hosts: list[Host]) -> list[str]:
             config = ssh.write_config(h.name, raw[h.name], Path(folder))
             try:
                 result = ssh.run(config, h.name, "true", timeout=30)
-                reason = (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1]
+                reason = ssh.failure(result)
             except subprocess.TimeoutExpired:
                 result, reason = None, "no answer within 30 s"
             if result is None or result.returncode != 0:
@@ -296,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     render.add_argument("inventory", type=Path)
     render.add_argument("--out", type=Path, required=True)
     render.add_argument("--host", help="only this host")
+    render.add_argument(
+        "--offline",
+        action="store_true",
+        help="ask no host which commit a branch or tag is pinned to (write it as named)",
+    )
     render.set_defaults(run=_cmd_render)
     verify = sub.add_parser("verify", help="check converged hosts over SSH (testinfra suite tests/verify)")
     verify.add_argument("inventory", type=Path)

@@ -45,3 +45,8 @@ def run(config: Path, host_name: str, command: str, timeout: float = 60) -> subp
     return subprocess.run(
         ["ssh", "-F", str(config), alias(host_name), command], capture_output=True, text=True, timeout=timeout
     )
+
+
+def failure(result: subprocess.CompletedProcess) -> str:
+    """Why a command over ssh failed, in ssh's own last line (exit 255: no connection)."""
+    return (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1]

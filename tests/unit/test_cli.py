@@ -396,17 +396,25 @@ def test_hostile_inventory_exits_2_from_the_console_script(case, tmp_path):
     assert HOSTILE[case][2] in result.stderr and KEY not in result.stderr
 
 
-def test_verify_of_a_host_that_does_not_answer_says_so_in_one_line(tmp_path, free_port):
-    """Nothing listens on the host's SSH port: one line naming the host, no test run."""
-    inventory = tmp_path / "unreachable.py"
+def unreachable_inventory(folder: Path, port: int, revision: str | None = None) -> Path:
+    """A host `gone-box` whose SSH port nothing listens on; its checkpoints name the branches
+    abc123 and def456 (or both `revision`)."""
+    inventory = folder / "unreachable.py"
     inventory.write_text(
         "import runpy\n"
         "from sparkform.inventory import hosts\n"
         f"pair = runpy.run_path({str(INVENTORIES / 'broken_base.py')!r})['pair']()\n"
-        f"pair.update(ssh_hostname='127.0.0.1', ssh_port={free_port()})\n"
+        f"pair.update(ssh_hostname='127.0.0.1', ssh_port={port})\n"
+        f"for engine in pair['engines'] if {revision!r} else []:\n"
+        f"    engine['checkpoint']['revision'] = {revision!r}\n"
         "spark = hosts({'gone-box': pair}, __file__)\n"
     )
-    result, _ = sparkform("verify", str(inventory), cwd=tmp_path)
+    return inventory
+
+
+def test_verify_of_a_host_that_does_not_answer_says_so_in_one_line(tmp_path, free_port):
+    """Nothing listens on the host's SSH port: one line naming the host, no test run."""
+    result, _ = sparkform("verify", str(unreachable_inventory(tmp_path, free_port())), cwd=tmp_path)
     assert result.returncode == 1
     assert result.stdout == ""
     (line,) = result.stderr.splitlines()
@@ -507,7 +515,7 @@ def test_plan_json(tmp_path):
 
 def test_render_writes_every_file_with_its_mode(tmp_path):
     out = tmp_path / "rendered"
-    result, _ = sparkform("render", str(SEED_INVENTORY), "--out", str(out), cwd=tmp_path)
+    result, _ = sparkform("render", str(SEED_INVENTORY), "--out", str(out), "--offline", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     root = out / "spark.local"
     written = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
@@ -541,6 +549,42 @@ def test_render_writes_every_file_with_its_mode(tmp_path):
     assert stat.S_IMODE((root / "usr/local/lib/sparkform/sparkform-checkpoint").stat().st_mode) == 0o644
     assert stat.S_IMODE((root / "etc/systemd/system/vllm-q38.service").stat().st_mode) == 0o644
     assert "Restart=always" in (root / "etc/systemd/system/vllm-q38.service").read_text()
+
+
+def test_render_offline_says_in_one_line_what_it_wrote_for_a_branch(tmp_path, free_port):
+    out = tmp_path / "rendered"
+    inventory = unreachable_inventory(tmp_path, free_port())
+    result, _ = sparkform("render", str(inventory), "--out", str(out), "--offline", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "sparkform render: gone-box: not asked (--offline); wrote the revision as named "
+        "(org/fast@abc123, org/slow@def456) where a deploy writes the commit it pins"
+    ]
+    args = (out / "gone-box/etc/sparkform/engines/fast.args").read_text()
+    assert "/var/lib/sparkform/models/org--fast@abc123" in args
+
+
+def test_render_of_a_host_that_does_not_answer_names_it_and_still_renders(tmp_path, free_port):
+    out = tmp_path / "rendered"
+    inventory = unreachable_inventory(tmp_path, free_port())
+    result, elapsed = sparkform("render", str(inventory), "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("sparkform render: gone-box: does not answer over SSH (") and "Connection refused" in line
+    assert line.endswith(
+        "wrote the revision as named (org/fast@abc123, org/slow@def456) where a deploy writes the commit it pins"
+    )
+    assert "org--slow@def456" in (out / "gone-box/etc/sparkform/engines/slow.args").read_text()
+    assert elapsed < 15
+
+
+def test_render_of_commits_asks_no_host(tmp_path, free_port):
+    """Every checkpoint names a commit: nothing to ask, nothing said."""
+    commit = "c" * 40
+    inventory = unreachable_inventory(tmp_path, free_port(), revision=commit)
+    result, _ = sparkform("render", str(inventory), "--out", str(tmp_path / "rendered"), cwd=tmp_path)
+    assert result.returncode == 0 and result.stderr == ""
+    assert f"org--fast@{commit}" in (tmp_path / "rendered/gone-box/etc/sparkform/engines/fast.args").read_text()
 
 
 def test_deploy_path_names_the_deploy_beside_its_tasks_and_facts(tmp_path):

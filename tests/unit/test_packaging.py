@@ -89,7 +89,9 @@ def test_render_and_deploy_path_work_from_the_wheel_in_another_folder(unpacked, 
     assert located.returncode == 0, located.stderr
     assert Path(located.stdout.strip()) == unpacked / "sparkform" / "bundled" / "deploy.py"
     out = tmp_path / "rendered"
-    rendered = run_from_wheel(unpacked, *sparkform, "render", str(SEED_INVENTORY), "--out", str(out), cwd=tmp_path)
+    rendered = run_from_wheel(
+        unpacked, *sparkform, "render", str(SEED_INVENTORY), "--out", str(out), "--offline", cwd=tmp_path
+    )
     assert rendered.returncode == 0, rendered.stderr
     assert "Restart=always" in (out / "spark.local/etc/systemd/system/vllm-q38.service").read_text()
     # The lock the Spark's venv installs from is the wheel's copy.
