@@ -10,7 +10,6 @@ field, value and fix); 1 any other error (e.g. the inventory file is missing).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.metadata
 import json
 import os
@@ -128,13 +127,8 @@ def _unreachable(inventory: Path, hosts: list[Host]) -> list[str]:
     lines = []
     with tempfile.TemporaryDirectory(prefix="sparkform-reach-") as folder:
         for h in hosts:
-            config = ssh.write_config(h.name, raw[h.name], Path(folder))
-            try:
-                result = ssh.run(config, h.name, "true", timeout=30)
-                reason = ssh.failure(result)
-            except subprocess.TimeoutExpired:
-                result, reason = None, "no answer within 30 s"
-            if result is None or result.returncode != 0:
+            reason = ssh.unreachable(ssh.write_config(h.name, raw[h.name], Path(folder)), h.name)
+            if reason is not None:
                 lines.append(f"sparkform verify: {h.name} does not answer over SSH ({reason}); nothing was checked")
     return lines
 
@@ -165,15 +159,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 WAIT_POLL_S = 5.0
 
 
-def _wait_for_ssh(config: Path, name: str, wait_s: float) -> bool:
-    """Poll until the host answers over SSH (it may still be rebooting)."""
+def _wait_for_ssh(config: Path, name: str, wait_s: float) -> str | None:
+    """Poll until the host answers over SSH (it may still be rebooting): None, or why it did not
+    within `wait_s`. A refused host key or login ends the wait at once (waiting mends neither)."""
     deadline = time.monotonic() + wait_s
     while True:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            if ssh.run(config, name, "true", timeout=30).returncode == 0:
-                return True
-        if time.monotonic() >= deadline:
-            return False
+        reason = ssh.unreachable(config, name)
+        if reason is None or ssh.lasting(reason) or time.monotonic() >= deadline:
+            return reason
         time.sleep(WAIT_POLL_S)
 
 
@@ -219,8 +212,12 @@ def _cmd_rebuild(args: argparse.Namespace) -> int:
         before = {}
         for h in hosts:
             print(f"sparkform rebuild: waiting up to {args.wait:.0f} s for {h.name} to answer over SSH", flush=True)
-            if not _wait_for_ssh(configs[h.name], h.name, args.wait):
-                print(f"sparkform rebuild: {h.name} did not answer over SSH within {args.wait:.0f} s", file=sys.stderr)
+            reason = _wait_for_ssh(configs[h.name], h.name, args.wait)
+            if reason is not None:
+                print(
+                    f"sparkform rebuild: {h.name} does not answer over SSH ({reason}); nothing was changed",
+                    file=sys.stderr,
+                )
                 return 1
             before[h.name] = _read_record(configs[h.name], h.name, h.config.state_dir)
         deploy = subprocess.run(

@@ -47,6 +47,24 @@ def run(config: Path, host_name: str, command: str, timeout: float = 60) -> subp
     )
 
 
+# ssh's last words when the host answered and refused the key or the login: waiting mends neither.
+LASTING_FAILURES = ("Host key verification failed", "Permission denied")
+
+
 def failure(result: subprocess.CompletedProcess) -> str:
     """Why a command over ssh failed, in ssh's own last line (exit 255: no connection)."""
     return (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1]
+
+
+def unreachable(config: Path, host_name: str, timeout: float = 30) -> str | None:
+    """Why the host does not answer over SSH now (ssh's last line); None when it does."""
+    try:
+        result = run(config, host_name, "true", timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"no answer within {timeout:.0f} s"
+    return None if result.returncode == 0 else failure(result)
+
+
+def lasting(reason: str) -> bool:
+    """Whether waiting for the host cannot mend why it did not answer."""
+    return any(words in reason for words in LASTING_FAILURES)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import pytest
 from deploy_helpers import (
@@ -19,6 +20,7 @@ from deploy_helpers import (
     UNITS,
     both_serving_after_boot,
     checkpoint_dir,
+    edited_inventory,
     journal_times,
     main_pids,
     mark_converged,
@@ -145,3 +147,20 @@ def test_new_driver_rebuilds_caches_one_engine_at_a_time_and_a_failed_warm_start
     table = result.stdout[result.stdout.index("engine starts") :]
     assert " cold " in next(line for line in table.splitlines() if line.startswith("q38")), table
     assert ssh(box, f"systemctl is-active {' '.join(UNITS)} sparkform-engines.target").stdout.split() == ["active"] * 3
+
+
+def test_rebuild_stops_at_once_when_the_host_refuses_its_key(box, tmp_path):
+    """A host that answers and whose key is not the recorded one: no wait (waiting mends no key),
+    one line naming the host, nothing deployed."""
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text("")  # strict checking trusts no key
+    inventory = edited_inventory(tmp_path, host_changes={"ssh_known_hosts_file": str(known_hosts)})
+    start = time.monotonic()
+    rebuild_command = [str(BIN / "sparkform"), "rebuild", str(inventory), "--wait", "600"]
+    result = subprocess.run(rebuild_command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 1
+    (line,) = result.stderr.splitlines()
+    assert line == (
+        f"sparkform rebuild: {box.name} does not answer over SSH (Host key verification failed.); nothing was changed"
+    )
+    assert time.monotonic() - start < 60

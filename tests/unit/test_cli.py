@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkform import bundle, cli
+from sparkform import bundle, cli, ssh
 
 REPO = Path(__file__).resolve().parents[2]
 INVENTORIES = REPO / "tests" / "fixtures" / "inventories"
@@ -420,6 +420,35 @@ def test_verify_of_a_host_that_does_not_answer_says_so_in_one_line(tmp_path, fre
     (line,) = result.stderr.splitlines()
     assert line.startswith("sparkform verify: gone-box does not answer over SSH (") and "Connection refused" in line
     assert line.endswith("; nothing was checked")
+
+
+def test_rebuild_of_a_host_that_does_not_answer_says_so_in_one_line_and_deploys_nothing(tmp_path, free_port):
+    """--wait 0: one try; the line names the host and ssh's reason, and no deploy runs."""
+    inventory = unreachable_inventory(tmp_path, free_port())
+    result, elapsed = sparkform("rebuild", str(inventory), "--wait", "0", cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stdout == "sparkform rebuild: waiting up to 0 s for gone-box to answer over SSH\n"
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("sparkform rebuild: gone-box does not answer over SSH (") and "Connection refused" in line
+    assert line.endswith("; nothing was changed")
+    assert elapsed < 15
+
+
+def test_rebuild_waits_for_a_host_that_may_still_be_booting(tmp_path, free_port):
+    """A refused connection (sshd not up yet) is tried again until --wait is spent."""
+    result, elapsed = sparkform(
+        "rebuild", str(unreachable_inventory(tmp_path, free_port())), "--wait", "6", cwd=tmp_path
+    )
+    assert result.returncode == 1 and "Connection refused" in result.stderr
+    assert cli.WAIT_POLL_S < elapsed < 30
+
+
+def test_a_refused_host_key_ends_the_wait_at_once():
+    """Waiting mends no refused key or login; a host that is not up yet is waited for."""
+    assert ssh.lasting("Host key verification failed.")
+    assert ssh.lasting("root@10.233.1.2: Permission denied (publickey).")
+    assert not ssh.lasting("ssh: connect to host 10.233.1.2 port 22: Connection refused")
+    assert not ssh.lasting("ssh: Could not resolve hostname spark.local: Name or service not known")
 
 
 def test_version_names_the_installed_release(tmp_path):
