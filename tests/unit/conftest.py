@@ -1,5 +1,6 @@
 """Fixtures of the tests that run the rendered scripts (test_launch_script.py, test_wait_ready.py):
-a host rendered into tmp_path, and stand-in engines on 127.0.0.1 (both in script_box.py)."""
+a host rendered into tmp_path, and stand-in engines on 127.0.0.1 (both in script_box.py); and
+the fake hub of the deploy's dry runs against this machine (local_deploy.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Any, Callable
 
 import pytest
 from script_box import Box, FakeEngine, Staller, build_box
+
+from sparkform.sandbox.fakehub import FakeHub
 
 
 @pytest.fixture
@@ -35,3 +38,10 @@ def servers():
     yield _start
     for server in started:
         server.close()
+
+
+@pytest.fixture
+def hub(tmp_path):
+    """A local fake hub serving org/slow, whose `main` the test may move."""
+    with FakeHub(tmp_path / "hub") as running:
+        yield running

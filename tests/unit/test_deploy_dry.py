@@ -9,46 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from sparkform.sandbox.fakehub import FakeHub
+from local_deploy import FAST_COMMIT, local_inventory, publish
 
 ROOT = Path(__file__).resolve().parents[2]
 PYINFRA = Path(sys.executable).with_name("pyinfra")
-FAST_COMMIT = "f" * 40  # a commit id needs no hub
-
-
-@pytest.fixture
-def hub(tmp_path):
-    """A local fake hub serving org/slow, whose `main` the test may move."""
-    with FakeHub(tmp_path / "hub") as running:
-        yield running
-
-
-def _publish(hub: FakeHub, tmp_path: Path, text: str) -> str:
-    files = tmp_path / f"files-{text}"
-    files.mkdir()
-    (files / "config.json").write_text(f'{{"comment": "{text}"}}')
-    return hub.add_repo("org/slow", files)
-
-
-def _inventory(tmp_path: Path, extra: str = "", endpoint: str = "http://127.0.0.1:9") -> Path:
-    inventory = tmp_path / "local.py"
-    inventory.write_text(f"""
-from sparkform.inventory import hosts
-local = hosts({{"@local": {{
-    "lib_dir": "{tmp_path}/lib", "config_dir": "{tmp_path}/etc", "state_dir": "{tmp_path}/state",
-    "venv_root": "{tmp_path}/venvs", "models_dir": "{tmp_path}/models", "cache_root": "{tmp_path}/cache",
-    "hf_endpoint": "{endpoint}",
-    "engines": [
-        {{"name": "fast", "port": 18012, "checkpoint": {{"repo": "org/fast", "revision": "{FAST_COMMIT}"}},
-          "gpu_memory_utilization": 0.25{extra}}},
-        {{"name": "slow", "port": 18011, "checkpoint": {{"repo": "org/slow", "revision": "main"}},
-          "gpu_memory_utilization": 0.45, "after": ["fast"]}},
-    ],
-}}}}, __file__)
-""")
-    return inventory
 
 
 def _pyinfra(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -57,17 +21,17 @@ def _pyinfra(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 
 def test_the_deploy_runs_from_any_folder(tmp_path, hub):
     """`cd elsewhere && pyinfra INVENTORY CHECKOUT/deploy.py`: facts/ and tasks/ still import."""
-    _publish(hub, tmp_path, "v1")
+    publish(hub, tmp_path, "v1")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    result = _pyinfra(str(_inventory(tmp_path, endpoint=hub.url)), str(ROOT / "deploy.py"), "--dry", cwd=elsewhere)
+    result = _pyinfra(str(local_inventory(tmp_path, endpoint=hub.url)), str(ROOT / "deploy.py"), "--dry", cwd=elsewhere)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Engine slow serving" in result.stdout + result.stderr
 
 
 def test_dry_run_plans_every_task_and_changes_nothing(tmp_path, hub):
-    commit = _publish(hub, tmp_path, "v1")
-    result = _pyinfra(str(_inventory(tmp_path, endpoint=hub.url)), "deploy.py", "--dry")
+    commit = publish(hub, tmp_path, "v1")
+    result = _pyinfra(str(local_inventory(tmp_path, endpoint=hub.url)), "deploy.py", "--dry")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout + result.stderr
     for operation in (
@@ -88,12 +52,12 @@ def test_dry_run_plans_every_task_and_changes_nothing(tmp_path, hub):
 
 
 def test_a_moved_branch_changes_nothing_while_the_host_records_its_pin(tmp_path, hub):
-    first = _publish(hub, tmp_path, "v1")
+    first = publish(hub, tmp_path, "v1")
     pins = tmp_path / "models" / ".pins"
     pins.mkdir(parents=True)
     (pins / "org--slow@main").write_text(first + "\n")  # what the first converge recorded
-    moved = _publish(hub, tmp_path, "v2")
-    result = _pyinfra(str(_inventory(tmp_path, endpoint=hub.url)), "deploy.py", "--dry")
+    moved = publish(hub, tmp_path, "v2")
+    result = _pyinfra(str(local_inventory(tmp_path, endpoint=hub.url)), "deploy.py", "--dry")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout + result.stderr
     assert f"Checkpoint of slow: org/slow main -> {first}" in out
@@ -104,7 +68,7 @@ def test_a_moved_branch_changes_nothing_while_the_host_records_its_pin(tmp_path,
 
 
 def test_unresolvable_branch_stops_naming_engine_revision_and_fix(tmp_path):
-    result = _pyinfra(str(_inventory(tmp_path)), "deploy.py", "--dry")  # nothing listens on :9
+    result = _pyinfra(str(local_inventory(tmp_path)), "deploy.py", "--dry")  # nothing listens on :9
     assert result.returncode == 2
     assert "@local: engine slow: checkpoint.revision = 'main': cannot resolve org/slow@main" in result.stderr, (
         result.stderr
@@ -115,7 +79,7 @@ def test_unresolvable_branch_stops_naming_engine_revision_and_fix(tmp_path):
 
 
 def test_broken_inventory_stops_before_connecting(tmp_path):
-    result = _pyinfra(str(_inventory(tmp_path, ', "max_num_seq": 64')), "deploy.py", "--dry")
+    result = _pyinfra(str(local_inventory(tmp_path, ', "max_num_seq": 64')), "deploy.py", "--dry")
     assert result.returncode == 2
     assert "engine fast: max_num_seq = 64: unknown key" in result.stderr
     assert "Connecting to hosts" not in result.stdout + result.stderr

@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from test_deploy_dry import _inventory, _publish, hub  # noqa: F401 (hub: a fixture)
+from local_deploy import local_inventory, publish
 
 REPO = Path(__file__).resolve().parents[2]
 SEED_INVENTORY = REPO / "inventory" / "spark.py"
@@ -101,12 +101,12 @@ def test_render_and_deploy_path_work_from_the_wheel_in_another_folder(unpacked, 
     assert Path(where.stdout.strip()) == unpacked / "sparkform" / "bundled" / "locks"
 
 
-def test_the_wheels_deploy_plans_a_dry_run_from_another_folder(unpacked, tmp_path, hub):  # noqa: F811
-    _publish(hub, tmp_path, "v1")
+def test_the_wheels_deploy_plans_a_dry_run_from_another_folder(unpacked, tmp_path, hub):
+    publish(hub, tmp_path, "v1")
     deploy = unpacked / "sparkform" / "bundled" / "deploy.py"
     pyinfra = Path(sys.executable).with_name("pyinfra")
     result = run_from_wheel(
-        unpacked, str(pyinfra), str(_inventory(tmp_path, endpoint=hub.url)), str(deploy), "--dry", cwd=tmp_path
+        unpacked, str(pyinfra), str(local_inventory(tmp_path, endpoint=hub.url)), str(deploy), "--dry", cwd=tmp_path
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Engine slow serving" in result.stdout + result.stderr
