@@ -245,6 +245,13 @@ def test_every_shipped_lock_is_complete_and_hashed(lock):
     assert len(pins) == len(requirement_lines) and all(pin.hashes for pin in pins)
 
 
+@pytest.mark.parametrize("lock", SHIPPED, ids=[path.name for path in SHIPPED])
+def test_every_shipped_lock_pins_nvidia_ml_py_for_the_gpu_report(lock):
+    # The GPU report (sparkform.gpu) runs with the engine venv's python, so every venv needs pynvml.
+    pins = {pin.name: pin.version for pin in read_lock(lock.read_text())[0]}
+    assert "nvidia-ml-py" in pins, f"{lock.name}: add nvidia-ml-py==VERSION to its pins and lock it again (--pins)"
+
+
 def test_the_spark_lock_holds_vllm_0_27_1_and_pypi_s_cuda_torch():
     pins = {pin.name: pin.version for pin in read_lock((LOCKS / "vllm-0.27.1-cuda-aarch64.txt").read_text())[0]}
     assert pins["vllm"] == "0.27.1"
