@@ -37,7 +37,8 @@ from deploy_helpers import (
     verify,
 )
 
-from sparkform import layout
+from sparkform import gpu, layout
+from sparkform.inventory import load_inventory
 from sparkform.render import VLLM_UNGUARDED_ROUTES
 from sparkform.sandbox import machine, stage
 from sparkform.sandbox.fakehub import FakeHub
@@ -255,6 +256,33 @@ def test_metrics_answer_only_the_allowed_addresses(box, tmp_path):
 STATE = PATHS.state_dir
 ENGINE_USER = "vllm"
 TOKEN_FILE = PATHS.hf_token
+
+
+def test_the_gpu_report_reads_a_gb10_with_pynvml_in_the_engine_venv_and_follows_a_driver_update(box):
+    """What `sparkform status` runs on the host: the engine venv's python (its lock pins
+    nvidia-ml-py), pynvml, and the sandbox's NVML stand-in in place of libnvidia-ml.so.1."""
+    (host,) = load_inventory(SANDBOX_INVENTORY)
+    command = gpu.report_command(f"{host.config.venv}/bin/python")
+    values = stage.DEFAULT_NVIDIA_ENV
+    gb10 = gpu.NvmlGpu(
+        index=0,
+        name=values["GPU_NAME"],
+        utilization_percent=int(values["GPU_UTILIZATION_PERCENT"]),
+        sm_clock_mhz=int(values["SM_CLOCK_MHZ"]),
+        temperature_c=int(values["GPU_TEMPERATURE_C"]),
+        power_w=int(values["GPU_POWER_MW"]) / 1000,
+        throttle_reasons=(),
+        memory_used_bytes=None,  # NOT_SUPPORTED, as on GB10's unified memory
+    )
+    assert gpu.parse_nvml_report(ssh(box, command).stdout) == gpu.NvmlReport(
+        driver=values["DRIVER_VERSION"], gpus=(gb10,), error=None
+    )
+    stage.set_driver(box, "580.126.09")
+    try:
+        assert gpu.parse_nvml_report(ssh(box, command).stdout).driver == "580.126.09"
+    finally:
+        stage.set_driver(box, values["DRIVER_VERSION"])
+    assert gpu.parse_nvml_report(ssh(box, command).stdout).driver == values["DRIVER_VERSION"]
 
 
 def test_both_live_engine_units_score_2_or_less(box):
