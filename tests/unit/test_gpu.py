@@ -134,9 +134,13 @@ def test_without_pynvml_the_report_says_so(nvml_lib, tmp_path):
     assert report.error == "pynvml cannot be imported: No module named 'pynvml'"
 
 
-def test_the_command_quotes_the_python_path():
-    command = gpu.report_command("/opt/sparkform/venvs/it's here/bin/python")
-    assert command.startswith("'/opt/sparkform/venvs/it'\"'\"'s here/bin/python' -I -c '")
+def test_without_the_venv_the_command_prints_that_error(tmp_path):
+    python = tmp_path / "it's $HOME" / "bin/python"  # quoted, never expanded
+    result = subprocess.run(gpu.report_command(str(python)), shell=True, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert parse_nvml_report(result.stdout) == NvmlReport(
+        driver=None, gpus=(), error=f"no python at {python} (is the venv built?)"
+    )
 
 
 # --- the stand-in as pynvml itself sees it -------------------------------------------------------
