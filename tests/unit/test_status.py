@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -252,18 +253,36 @@ def test_intervals_that_are_not_positive_are_refused(option, capsys):
     assert "must be a positive number of seconds" in capsys.readouterr().err
 
 
-def test_a_host_that_does_not_answer_is_named_in_one_line_and_exits_1(tmp_path, free_port, capsys):
+def unreachable_inventory(tmp_path: Path, port: int) -> Path:
     inventory = tmp_path / "unreachable.py"
     inventory.write_text(
         "import runpy\n"
         "from sparkform.inventory import hosts\n"
         f"pair = runpy.run_path({str(INVENTORIES / 'broken_base.py')!r})['pair']()\n"
-        f"pair.update(ssh_hostname='127.0.0.1', ssh_port={free_port()})\n"
+        f"pair.update(ssh_hostname='127.0.0.1', ssh_port={port})\n"
         "spark = hosts({'gone-box': pair}, __file__)\n"
     )
+    return inventory
+
+
+def test_a_host_that_does_not_answer_is_named_in_one_line_and_exits_1(tmp_path, free_port, capsys):
+    inventory = unreachable_inventory(tmp_path, free_port())
     assert cli.main(["status", str(inventory)]) == 1
     (line,) = capsys.readouterr().out.splitlines()
     assert line.startswith("gone-box: NOT READ: does not answer over SSH (") and "Connection refused" in line
     assert cli.main(["status", str(inventory), "--json"]) == 1
     (document,) = capsys.readouterr().out.splitlines()
     assert json.loads(document)["reachable"] is False
+
+
+def test_watch_reads_again_every_interval_until_stopped(tmp_path, free_port):
+    inventory = unreachable_inventory(tmp_path, free_port())
+    command = [sys.executable, "-m", "sparkform.cli", "status", str(inventory), "--json", "--watch", "0.2"]
+    watch = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        rounds = [json.loads(watch.stdout.readline()) for _ in range(3)]
+    finally:
+        watch.kill()
+        watch.wait()
+    assert [r["host"] for r in rounds] == ["gone-box"] * 3
+    assert rounds[0]["checked_at"] < rounds[1]["checked_at"] < rounds[2]["checked_at"]
