@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pyinfra.api import StringCommand
 
 from sparkform.inventory import load_host
 from sparkform.layout import COMPLETE_MARKER
@@ -146,8 +147,9 @@ def test_the_deploy_s_fetch_command_keeps_the_token_out_of_every_argv(script, hu
     env["HF_HOME"] = str(tmp_path / "hf-home")
     trace = tmp_path / "execve.log"
     for command in _fetch(config, engine, folder, drifted=False):
+        shell = command.get_raw_value() if isinstance(command, StringCommand) else command
         result = subprocess.run(
-            ["strace", "-f", "-qq", "-e", "trace=execve", "-s", "65535", "-o", str(trace), "sh", "-c", command],
+            ["strace", "-f", "-qq", "-e", "trace=execve", "-s", "65535", "-o", str(trace), "sh", "-c", shell],
             env=env,
             capture_output=True,
             text=True,
