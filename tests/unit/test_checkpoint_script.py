@@ -234,9 +234,9 @@ def test_a_slow_file_gets_a_progress_line_every_few_seconds_while_it_downloads(s
             time.sleep(0.2)
     finally:
         hub.stall(False)
-    _, err = process.communicate(timeout=120)
-    reader.join(timeout=10)
-    assert process.returncode == 0, err
+    process.wait(timeout=120)
+    reader.join(timeout=10)  # the reader alone reads stdout, to its end
+    assert process.returncode == 0, process.stderr.read()
     assert sum(bool(re.fullmatch(progress, line)) for line in lines) >= 3, lines
     # Then the line that says it is done, after its progress lines.
     done = [
