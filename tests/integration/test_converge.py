@@ -56,6 +56,21 @@ def test_converge_from_scratch_then_verify(box):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     mark_converged(box)
     print(f"\nconverge from scratch: {time.monotonic() - started:.0f} s")
+    # Without -v the long steps show their progress, each line prefixed with the host's name.
+    shown = result.stdout + result.stderr
+    host = re.escape(f"[{box.name}] ")
+    assert re.search(rf"^{host}venv: \d+ of \d+ wheels collected, \d+ installed \(\d+ s\)$", shown, re.M), shown
+    assert re.search(rf"^{host}venv: \d+ packages installed in \d+ s \(pip's log: \S+\)$", shown, re.M), shown
+    for repo in ("sparkform-test/tiny-qwen3", "sparkform-test/tiny-llama"):
+        fetched = re.search(rf"^{host}sparkform-checkpoint: {repo}@\w+: (\d+) files, .+ to fetch$", shown, re.M)
+        assert fetched, shown
+        files = int(fetched[1])
+        for number in range(1, files + 1):
+            assert re.search(
+                rf"^{host}sparkform-checkpoint: \[{number}/{files}\] \S+: .+ in \d+ s \(.+/s\)$", shown, re.M
+            )
+    for engine in ("q38", "nemotron"):
+        assert re.search(rf"^{host}{engine}: serving after \d+ s$", shown, re.M), shown
     result = verify()
     assert result.returncode == 0, result.stdout[-4000:]
 
@@ -66,6 +81,8 @@ def test_second_run_changes_nothing(box):
     result = pyinfra(SANDBOX_INVENTORY, "-y")
     assert result.returncode == 0, result.stderr[-4000:]
     assert main_pids(box) == before
+    # Nothing ran, so no progress line.
+    assert not re.search(r"venv: |sparkform-checkpoint: | serving after ", result.stdout + result.stderr)
 
 
 def test_dry_diff_shows_only_the_edited_file_and_changes_nothing(box, tmp_path):
