@@ -21,11 +21,11 @@ from sparkform.hostrecord import (
 )
 from sparkform.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
 from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES, engine_states
-from sparkform.readback import LINK, REPO_AT, link_line, named_lines, pins, pins_command, plain_files, shaped
+from sparkform.readback import REPO_AT, named_lines, pins, pins_command, shaped
+from sparkform.remote import plain_file, plain_files, section, split_sections
 from sparkform.shapes import COMMIT_ID
 from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
 
-SECTION = "@@sparkform:"
 # What sparkform writes into the files it reads back; anything else was written by someone else.
 STAMP = re.compile(r"[A-Za-z0-9._+=@ -]{0,200}")  # venv pins, digests of what nginx and the guard loaded
 UNIT_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]*\.service")  # a unit sparkform may have written
@@ -53,10 +53,6 @@ for folder in glob.glob(os.path.join(sys.argv[1], "*@*")):
         verdict = "-"
     print("|".join((folder, str(os.stat(folder).st_mtime), marker, verdict)))
 """
-
-
-def _section(name: str, command: str) -> str:
-    return f"echo {SECTION}{name}; {{ {command} ; }} 2>/dev/null || true"
 
 
 class HostSnapshot(FactBase):
@@ -100,49 +96,41 @@ class HostSnapshot(FactBase):
     ) -> str:
         quoted_paths = " ".join(shlex.quote(p) for p in paths)
         sections = [
-            _section(
+            section(
                 "packages",
                 "dpkg-query -W -f='${Package} ${db:Status-Status}\\n' " + " ".join(shlex.quote(p) for p in packages),
             ),
-            _section("users", " ; ".join(f"getent passwd {shlex.quote(u)}" for u in users)),
-            _section("stat", f"stat -c '%F|%a|%U|%G|%n' {quoted_paths}"),
-            _section("sha256", f"sha256sum {quoted_paths}"),
-            _section("markers", plain_files(" ".join(shlex.quote(m) for m in markers)) if markers else "true"),
-            _section(
+            section("users", " ; ".join(f"getent passwd {shlex.quote(u)}" for u in users)),
+            section("stat", f"stat -c '%F|%a|%U|%G|%n' {quoted_paths}"),
+            section("sha256", f"sha256sum {quoted_paths}"),
+            section("markers", plain_files(" ".join(shlex.quote(m) for m in markers)) if markers else "true"),
+            section(
                 "units",
                 f"systemctl show --timestamp=unix -p {SYSTEMCTL_SHOW_PROPERTIES} "
                 + " ".join(shlex.quote(u) for u in units),
             ),
-            _section("rendered_units", f"grep -l '^# Rendered by sparkform' {unit_glob}"),
-            _section(
+            section("rendered_units", f"grep -l '^# Rendered by sparkform' {unit_glob}"),
+            section(
                 "unit_files",
                 f"systemctl list-unit-files --no-legend --no-pager {shlex.quote(unit_glob.rsplit('/', 1)[-1])}",
             ),
-            _section("checkpoints", f"python3 -c {shlex.quote(CHECKPOINT_SCAN)} {shlex.quote(models_dir)}"),
-            _section("pins", pins_command(pins_dir)),
-            _section("versions", LIVE_VERSIONS_COMMAND),
-            _section(
-                "record",
-                f"if [ -L {shlex.quote(record_path)} ]; then echo {LINK}{shlex.quote(record_path)}; "
-                f"else cat {shlex.quote(record_path)}; fi",
-            ),
-            _section("boot", "systemctl show --timestamp=unix -p UserspaceTimestamp --value"),
-            _section("cache_keys", plain_files(f"{shlex.quote(cache_keys_dir)}/*")),
-            _section("caches_aside", f"ls -d {shlex.quote(cache_root)}/*{STALE_MARK}*"),
+            section("checkpoints", f"python3 -c {shlex.quote(CHECKPOINT_SCAN)} {shlex.quote(models_dir)}"),
+            section("pins", pins_command(pins_dir)),
+            section("versions", LIVE_VERSIONS_COMMAND),
+            section("record", plain_file(record_path)),
+            section("boot", "systemctl show --timestamp=unix -p UserspaceTimestamp --value"),
+            section("cache_keys", plain_files(f"{shlex.quote(cache_keys_dir)}/*")),
+            section("caches_aside", f"ls -d {shlex.quote(cache_root)}/*{STALE_MARK}*"),
         ]
         return " ; ".join(sections)
 
     def process(self, output: list[str]) -> Snapshot:
-        sections: dict[str, list[str]] = {}
-        current: list[str] = []
+        sections, links = split_sections(output)
         snapshot = Snapshot()
-        for line in output:
-            if line.startswith(SECTION):
-                current = sections.setdefault(line[len(SECTION) :], [])
-            elif link := link_line(line):
-                snapshot.untrusted.append(link)
-            else:
-                current.append(line)
+        snapshot.untrusted.extend(
+            f"{path} is a symbolic link: sparkform writes a plain file there, and root follows no link"
+            for path in links
+        )
         for line in sections.get("packages", []):
             name, _, status = line.partition(" ")
             if status == "installed":

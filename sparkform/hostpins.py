@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparkform import readback, ssh
+from sparkform import readback, remote, ssh
 from sparkform.engine import Engine
 from sparkform.schema import HostConfig
 
@@ -35,15 +35,17 @@ def ask(host_name: str, data: dict[str, Any], config: HostConfig, folder: Path) 
     """The host's recorded pins, over SSH with its pyinfra connection data."""
     ssh_config = ssh.write_config(host_name, data, folder)
     try:
-        # `; true`: the loop's status is its last grep's; only ssh's own 255 means no answer.
-        result = ssh.run(ssh_config, host_name, f"{readback.pins_command(config.pins_dir)}; true", ASK_TIMEOUT_S)
+        # A section's status is always 0: only ssh's own 255 means no answer.
+        result = ssh.run(
+            ssh_config, host_name, remote.section("pins", readback.pins_command(config.pins_dir)), ASK_TIMEOUT_S
+        )
     except subprocess.TimeoutExpired:
         return Answer(why_not=f"no answer over SSH within {ASK_TIMEOUT_S} s")
     if result.returncode != 0:
         return Answer(why_not=f"does not answer over SSH ({ssh.failure(result)})")
-    lines, untrusted = result.stdout.splitlines(), []
-    untrusted += [link for line in lines if (link := readback.link_line(line))]
-    pins = readback.pins([line for line in lines if not readback.link_line(line)], untrusted)
+    sections, links = remote.split_sections(result.stdout.splitlines())
+    untrusted = [f"{path} is a symbolic link, where sparkform writes a plain file" for path in links]
+    pins = readback.pins(sections.get("pins", []), untrusted)
     if untrusted:
         return Answer(why_not=f"its pins are not what sparkform writes: {untrusted[0]}")
     return Answer(pins)

@@ -1,10 +1,10 @@
 """Reading back the one-line files sparkform writes on a host (pins, cache keys, stamps), trusting
 only what has the shape sparkform writes it in.
 
-The shell prints `path:line` for each plain file and names a symbolic link without following it
-(it could point at a secret); `named_lines` keeps a file's line only when its name and its line
-have their shapes, and lists everything else as untrusted. The deploy's snapshot fact
-(facts/snapshot.py) reads them in its round trip; `sparkform render` asks a host for its pins.
+remote.plain_files prints `path:line` for each plain file (a symbolic link is named, never
+followed); `named_lines` keeps a file's line only when its name and its line have their shapes,
+and lists everything else as untrusted. The deploy's snapshot fact (facts/snapshot.py) reads them
+in its round trip; `sparkform render` asks a host for its pins (hostpins.py).
 """
 
 from __future__ import annotations
@@ -12,21 +12,13 @@ from __future__ import annotations
 import re
 import shlex
 
+from sparkform.remote import plain_files
 from sparkform.shapes import COMMIT_ID
 
-LINK = "@@link:"  # a symbolic link where sparkform reads back a file
 # A pin (owner--name@revision) and a checkpoint folder (owner--name@commit) share one shape.
 REPO_AT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")
 
 Shape = tuple[re.Pattern, str]  # the pattern, and what a value of that shape is
-
-
-def plain_files(words: str) -> str:
-    """Print `path:line` for each line of each plain file among `words` (quoted paths or a glob);
-    a symbolic link is named after LINK, never followed."""
-    return (
-        f'for f in {words}; do if [ -L "$f" ]; then echo "{LINK}$f"; elif [ -f "$f" ]; then grep -H . -- "$f"; fi; done'
-    )
 
 
 def shaped(shape: Shape, value: str, where: str, untrusted: list[str]) -> bool:
@@ -35,13 +27,6 @@ def shaped(shape: Shape, value: str, where: str, untrusted: list[str]) -> bool:
         return True
     untrusted.append(f"{where} holds {value!r}, which is not {shape[1]}")
     return False
-
-
-def link_line(line: str) -> str | None:
-    """Why a line the shell printed for a symbolic link is untrusted; None for any other line."""
-    if not line.startswith(LINK):
-        return None
-    return f"{line[len(LINK) :]} is a symbolic link: sparkform writes a plain file there, and root follows no link"
 
 
 def named_lines(lines: list[str], name_shape: Shape, value_shape: Shape, untrusted: list[str]) -> dict[str, str]:
