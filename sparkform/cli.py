@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparkform import locks, logs, planner, ssh
+from sparkform import locks, logs, monitoring, planner, ssh
 from sparkform.engine import Checkpoint, Engine, Measured
 from sparkform.hostrecord import HostRecord, UntrustedValue
 from sparkform.hub import resolve_pins
@@ -29,7 +29,7 @@ from sparkform.layout import record_path
 from sparkform.model import Host, InventoryError, Problem
 from sparkform.render import render_host
 from sparkform.sandbox import command as sandbox_command
-from sparkform.schema import CompileCaps, HostConfig
+from sparkform.schema import CompileCaps, HostConfig, Monitoring
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -231,6 +231,7 @@ def field_table() -> str:
     sections = [
         ("host", HostConfig),
         ("compile_caps.", CompileCaps),
+        ("monitoring.", Monitoring),
         ("engines[].", Engine),
         ("engines[].checkpoint.", Checkpoint),
         ("engines[].measured.", Measured),
@@ -242,7 +243,7 @@ def field_table() -> str:
                 default = "required"
             else:
                 value = info.get_default(call_default_factory=True)
-                default = "—" if isinstance(value, (CompileCaps, Measured)) else f"`{json.dumps(value)}`"
+                default = "—" if isinstance(value, (CompileCaps, Measured, Monitoring)) else f"`{json.dumps(value)}`"
             label = name if prefix == "host" else f"{prefix}{name}"
             meaning = " ".join(info.description.split())  # the field's docstring, on one line
             lines.append(f"| `{label}` | {default} | {meaning} |")
@@ -267,6 +268,13 @@ def _cmd_lock(args: argparse.Namespace) -> int:
         return 1
     pins, _ = locks.read_lock(path.read_text())
     print(f"{path}: {len(pins)} packages, each pinned with its sha256 hashes")
+    return 0
+
+
+def _cmd_monitoring(args: argparse.Namespace) -> int:
+    addresses = {name: data.get("ssh_hostname") for name, data in raw_inventory(args.inventory).items()}
+    for path in monitoring.write(load_inventory(args.inventory), addresses, str(args.inventory), args.out):
+        print(path)
     return 0
 
 
@@ -304,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     rebuild.add_argument("inventory", type=Path)
     rebuild.add_argument("--wait", type=float, default=900.0, help="seconds to wait for each host's SSH (default 900)")
     rebuild.set_defaults(run=_cmd_rebuild)
+    watch = sub.add_parser(
+        "monitoring", help="write a Prometheus scrape config, alert rules and a Grafana dashboard for the hosts"
+    )
+    watch.add_argument("inventory", type=Path)
+    watch.add_argument("--out", type=Path, required=True)
+    watch.set_defaults(run=_cmd_monitoring)
     fields = sub.add_parser("fields", help="print the inventory field table (Markdown)")
     fields.set_defaults(run=_cmd_fields)
     lock = sub.add_parser("lock", help="make the hashed lock of a vLLM version for a device (uv pip compile)")
