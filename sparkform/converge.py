@@ -76,12 +76,11 @@ def unwanted(config: HostConfig) -> list[str]:
     inventory names none, and sparkform's metrics once monitoring is off (node_exporter itself,
     and its settings, stay: the package is the owner's to remove)."""
     paths = [config.paths.retired_engine_env, layout.NGINX_DEFAULT_SITE]
-    monitoring = config.monitoring
     return (
         paths
         + ([] if config.api_key_file else [config.paths.front_key])
         + ([] if config.alert_webhook_file else [config.paths.alert_webhook])
-        + ([] if monitoring.enabled else [monitoring.record_textfile, monitoring.guard_textfile])
+        + ([] if config.monitoring.enabled else config.monitoring.textfiles)
     )
 
 

@@ -33,6 +33,7 @@ NODE_EXPORTER_DEFAULTS = "/etc/default/prometheus-node-exporter"  # ARGS=, read 
 NODE_EXPORTER_DROP_IN = f"{UNIT_DIR}/prometheus-node-exporter.service.d/sparkform-access.conf"
 RECORD_TEXTFILE = "sparkform.prom"  # the host record's metrics, written with the record
 GUARD_TEXTFILE = "sparkform-guard.prom"  # the guard's alerts, written by the guard
+GPU_TEXTFILE = "sparkform-gpu.prom"  # the GPU's temperature, clock and clock-event reasons, sampled by the guard
 # Written last into a venv or a checkpoint folder: without it the folder is unfinished, and the
 # launch script refuses the checkpoint.
 COMPLETE_MARKER = ".sparkform-complete"

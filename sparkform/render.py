@@ -215,6 +215,7 @@ def guard_settings(config: HostConfig) -> dict:
         "webhook_file": config.paths.alert_webhook if config.alert_webhook_file else None,
         "alert_command": config.alert_command,
         "textfile": config.monitoring.guard_textfile if config.monitoring.enabled else None,
+        "gpu_textfile": config.monitoring.gpu_textfile if config.monitoring.enabled else None,
         **{
             key: getattr(config, key)
             for key in (
@@ -230,6 +231,7 @@ def guard_settings(config: HostConfig) -> dict:
         },
         "memory_poll_s": 2,
         "memory_settle_s": 10,
+        "gpu_poll_s": 15,
     }
 
 

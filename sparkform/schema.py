@@ -15,7 +15,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from sparkform import locks
 from sparkform.engine import Engine
-from sparkform.layout import GUARD_TEXTFILE, RECORD_TEXTFILE, HostPaths
+from sparkform.layout import GPU_TEXTFILE, GUARD_TEXTFILE, RECORD_TEXTFILE, HostPaths
 from sparkform.shapes import (
     COMMIT_ID,
     PYINFRA_KEY_PREFIXES,
@@ -54,16 +54,17 @@ class Monitoring(StrictModel):
     """Debian's prometheus-node-exporter on the host (README, Monitoring); who may scrape it is `metrics_allow`."""
 
     enabled: bool = Field(False)
-    """Install prometheus-node-exporter with its systemd collector limited to sparkform's units and a textfile of
-    sparkform's (host record, cache keys, cold starts, last converge, the guard's alerts)."""
+    """Install prometheus-node-exporter with its systemd collector limited to sparkform's units and textfiles of
+    sparkform's (host record, cache keys, cold starts, last converge, the guard's alerts, the GPU's clock-event
+    reasons)."""
     listen_address: str = Field("127.0.0.1")
     """Address node_exporter listens on (its --web.listen-address); a LAN address or 0.0.0.0 lets `metrics_allow`
     scrape it from the LAN (its unit allows loopback and `metrics_allow` only)."""
     port: int = Field(9100, ge=1, le=65535)
     """node_exporter's port (Debian's default 9100)."""
     textfile_dir: str = Field("/var/lib/prometheus/node-exporter")
-    """node_exporter's textfile collector folder (Debian's default); root's, 0755; sparkform writes sparkform.prom and
-    sparkform-guard.prom into it."""
+    """node_exporter's textfile collector folder (Debian's default); root's, 0755; sparkform writes sparkform.prom,
+    sparkform-guard.prom and sparkform-gpu.prom into it."""
 
     @field_validator("listen_address")
     @classmethod
@@ -84,6 +85,16 @@ class Monitoring(StrictModel):
     def guard_textfile(self) -> str:
         """The guard's alert counts, written by the guard."""
         return f"{self.textfile_dir}/{GUARD_TEXTFILE}"
+
+    @property
+    def gpu_textfile(self) -> str:
+        """The GPU as nvidia-smi reports it, sampled by the guard."""
+        return f"{self.textfile_dir}/{GPU_TEXTFILE}"
+
+    @property
+    def textfiles(self) -> list[str]:
+        """Every textfile sparkform writes."""
+        return [self.record_textfile, self.guard_textfile, self.gpu_textfile]
 
 
 def checked_address(value: str) -> str:

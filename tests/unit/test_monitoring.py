@@ -37,8 +37,10 @@ ALERTS = (
     "SparkformKvCacheHigh",
     "SparkformRequestsWaiting",
     "SparkformMemAvailableLow",
+    "SparkformGpuThrottled",
     "SparkformGuardActed",
 )
+STAND_IN = ROOT / "sparkform" / "sandbox" / "nvidia-smi"
 
 
 def promtool(*args: str, cwd: Path | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -279,6 +281,36 @@ def test_the_guard_counts_its_alerts_in_its_textfile(tmp_path):
             r'^sparkform_guard_last_alert_timestamp_seconds\{engine="hands",event="hung"\} \d+', text, re.M
         )
         assert oct(textfile.stat().st_mode & 0o777) == "0o644"
+    finally:
+        guard.close()
+        for stub in stubs:
+            stub.close()
+
+
+def test_the_guard_samples_the_gpu_into_its_textfile(tmp_path):
+    """The daemon asks nvidia-smi (the sandbox's stand-in, answering as a GB10 slowed down by heat)."""
+    stubs = [StubEngine(), StubEngine()]
+    folder = tmp_path / "textfiles"
+    folder.mkdir(mode=0o755)
+    guard = Guard(tmp_path, stubs, monitoring={"enabled": True, "textfile_dir": str(folder)})
+    shutil.copy(STAND_IN, tmp_path / "bin" / "nvidia-smi")
+    env_file = tmp_path / "nvidia.env"
+    env_file.write_text(
+        'DRIVER_VERSION=580.95.05\nCUDA_VERSION=13.0\nGPU_NAME="NVIDIA GB10"\nCOMPUTE_CAP=12.1\n'
+        'GPU_TEMPERATURE=91\nACTIVE_CLOCKS_EVENT_REASONS="hw_thermal_slowdown sw_power_cap"\n'
+    )
+    guard.env["SPARKFORM_NVIDIA_ENV"] = str(env_file)
+    try:
+        guard.watch()
+        textfile = folder / layout.GPU_TEXTFILE
+        guard.wait(textfile.exists, 10, "the GPU's textfile")
+        text = textfile.read_text()
+        checked = promtool("check", "metrics", stdin=text)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        assert 'sparkform_gpu_temperature_celsius{gpu="0"} 91.0' in text
+        assert 'sparkform_gpu_sm_clock_hertz{gpu="0"} 2418000000.0' in text
+        assert 'sparkform_gpu_clocks_event_active{gpu="0",reason="hw_thermal_slowdown"} 1.0' in text
+        assert 'sparkform_gpu_clocks_event_active{gpu="0",reason="hw_slowdown"} 0.0' in text
     finally:
         guard.close()
         for stub in stubs:

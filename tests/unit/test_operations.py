@@ -362,9 +362,7 @@ TABLE = {
     "record: monitoring turned on writes the record's metrics once": (
         host_record.host_recorded,
         dict(config=WATCHED, planned=RECORD, current=RECORD, started={}, textfile=None),
-        [
-            f"sparkform-record --textfile /var/lib/prometheus/node-exporter/sparkform.prom {record_path(CONFIG.state_dir)}"
-        ],
+        [f"sparkform-record --textfile {WATCHED.monitoring.record_textfile} {record_path(CONFIG.state_dir)}"],
         dict(config=WATCHED, planned=RECORD, current=RECORD, started={}, textfile=FILE_AS_WANTED),
     ),
     "record: write what this run found, with the start it measures": (
