@@ -56,6 +56,9 @@ def test_node_exporter_lists_both_engine_units_and_sparkforms_metrics_and_stays_
         assert re.search(rf'^sparkform_engine_cold_start_seconds\{{engine="{engine}"\}} \d', text, re.M)
         assert f'sparkform_guard_alerts_total{{engine="{engine}",event="hung"}} 0' in text
     assert re.search(r"^sparkform_converge_timestamp_seconds \d", text, re.M)
+    # The guard's GPU sample, from the sandbox's nvidia-smi stand-in (a GB10 at 44 C, no slowdown).
+    assert 'sparkform_gpu_temperature_celsius{gpu="0"} 44' in text
+    assert 'sparkform_gpu_clocks_event_active{gpu="0",reason="hw_thermal_slowdown"} 0' in text
     assert re.search(r"^node_textfile_scrape_error 0$", text, re.M)
     assert re.search(r"^node_memory_MemAvailable_bytes \d", text, re.M)
 
