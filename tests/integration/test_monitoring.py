@@ -12,7 +12,16 @@ import urllib.error
 import urllib.request
 
 import pytest
-from deploy_helpers import SANDBOX_INVENTORY, UNITS, changed_operations, edited_inventory, main_pids, pyinfra, ssh
+from deploy_helpers import (
+    SANDBOX_INVENTORY,
+    UNITS,
+    changed_operations,
+    edited_inventory,
+    main_pids,
+    pyinfra,
+    ssh,
+    verify,
+)
 
 from sparkform import layout
 from sparkform.schema import Monitoring
@@ -69,6 +78,11 @@ def test_node_exporter_lists_both_engine_units_and_sparkforms_metrics_and_stays_
         for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"):
             assert re.search(rf"^{name}\{{", text, re.M), name
         assert re.search(r"^vllm:generation_tokens_total\{", text, re.M)
+    checked = verify("--", "-rA", inventory=watched)  # `sparkform verify`, with tests/verify/test_monitoring.py
+    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
+    assert re.search(
+        r"^PASSED .*test_node_exporter_serves_the_engine_units_and_sparkforms_metrics", checked.stdout, re.M
+    )
     assert main_pids(box) == before  # monitoring restarts no engine
     assert changed_operations(watched) == []  # a converged host with monitoring: a no-op
 

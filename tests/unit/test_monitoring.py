@@ -19,11 +19,13 @@ import pytest
 from test_guard import Guard, StubEngine
 from test_rebuild_parts import KEY, SHOW_ACTIVE, VERSIONS
 
-from sparkform import layout, monitoring
+from sparkform import converge, layout, monitoring
 from sparkform.cli import main
 from sparkform.hostrecord import EngineRecord, HostRecord
 from sparkform.inventory import load_host, load_inventory
 from sparkform.render import render_host
+from sparkform.schema import Monitoring
+from sparkform.snapshot import Snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 MONITORED = ROOT / "tests" / "fixtures" / "inventories" / "monitored.py"
@@ -347,3 +349,21 @@ def test_monitoring_settings_are_validated():
         with pytest.raises(InventoryError) as err:
             load_host("box", {**base, "monitoring": monitoring_data})
         assert field in str(err.value), err.value
+
+
+def test_the_converge_reads_and_manages_node_exporter_only_with_monitoring_on():
+    watched = load_inventory(MONITORED)[0].config
+    plain = watched.model_copy(update={"monitoring": Monitoring()})
+    request = converge.snapshot_request(watched)
+    assert layout.NODE_EXPORTER_PACKAGE in request["packages"] and layout.NODE_EXPORTER_UNIT in request["units"]
+    assert watched.monitoring.record_textfile in request["paths"]
+    assert converge.Folder(watched.monitoring.textfile_dir, "755") in converge.folders(watched)
+    assert not set(watched.monitoring.textfiles) & set(converge.unwanted(watched))
+    off = converge.snapshot_request(plain)
+    assert layout.NODE_EXPORTER_PACKAGE not in off["packages"] and layout.NODE_EXPORTER_UNIT not in off["units"]
+    assert set(plain.monitoring.textfiles) <= set(converge.unwanted(plain))  # turned off: sparkform's metrics go
+    # A new scrape address changes what node_exporter must run with (its drop-in): a restart.
+    moved = watched.model_copy(update={"metrics_allow": ["192.168.1.6"]})
+    assert (
+        converge.plan(moved, Snapshot()).node_exporter_wanted != converge.plan(watched, Snapshot()).node_exporter_wanted
+    )
