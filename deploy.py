@@ -25,6 +25,7 @@ from sparkform import converge, layout
 from sparkform.hub import resolve_pins
 from sparkform.inventory import exit_invalid, exit_untrusted, host_from_data
 from sparkform.model import InventoryError
+from sparkform.render import prerequisite_packages
 from tasks import checkpoints, engines, files, front, guard, host_record, jit, monitoring, system, venv
 
 try:
@@ -54,7 +55,8 @@ for hole in plan.holes:
         + ("this run repairs it" if hole.repaired else "fix that unit by hand")
     )
 
-system.packages_present(name="Install prerequisites", packages=request["packages"], snapshot=snapshot)
+# node_exporter is not among them: it is installed after its settings are written (below).
+system.packages_present(name="Install prerequisites", packages=prerequisite_packages(config.device), snapshot=snapshot)
 system.system_user(
     name=f"Engine user {config.engine_user}", user=config.engine_user, home=config.paths.engine_home, snapshot=snapshot
 )
