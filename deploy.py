@@ -131,7 +131,13 @@ for step in plan.steps:
 # One at a time, in `after` order: each `systemctl start` returns when its engine serves.
 for step in plan.steps:
     engines.engine_running(
-        name=f"Engine {step.engine.name} serving", engine=step.engine, current=step.current, restart=step.restart
+        name=f"Engine {step.engine.name} serving",
+        engine=step.engine,
+        current=step.current,
+        restart=step.restart,
+        cold=step.cold,
+        cold_start_s=step.cold_start_s,
+        budget_s=config.readiness_budget_s,
     )
     jit.cache_keyed(
         name=f"JIT caches of {step.engine.name} keyed",

@@ -21,11 +21,10 @@ from sparkform.hostrecord import (
 )
 from sparkform.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
 from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES, engine_states
+from sparkform.remote import plain_file, plain_files, section, split_sections
 from sparkform.shapes import COMMIT_ID
 from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
 
-SECTION = "@@sparkform:"
-LINK = "@@link:"  # a symbolic link where sparkform reads back a file
 # What sparkform writes into the files it reads back; anything else was written by someone else.
 # A pin (owner--name@revision) and a checkpoint folder (owner--name@commit) share one shape.
 REPO_AT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -55,18 +54,6 @@ for folder in glob.glob(os.path.join(sys.argv[1], "*@*")):
         verdict = "-"
     print("|".join((folder, str(os.stat(folder).st_mtime), marker, verdict)))
 """
-
-
-def _plain_files(words: str) -> str:
-    """Print `path:line` for each line of each plain file among `words` (paths or a glob); a
-    symbolic link is named after LINK, never followed (it could point at a secret)."""
-    return (
-        f'for f in {words}; do if [ -L "$f" ]; then echo "{LINK}$f"; elif [ -f "$f" ]; then grep -H . -- "$f"; fi; done'
-    )
-
-
-def _section(name: str, command: str) -> str:
-    return f"echo {SECTION}{name}; {{ {command} ; }} 2>/dev/null || true"
 
 
 class HostSnapshot(FactBase):
@@ -110,52 +97,41 @@ class HostSnapshot(FactBase):
     ) -> str:
         quoted_paths = " ".join(shlex.quote(p) for p in paths)
         sections = [
-            _section(
+            section(
                 "packages",
                 "dpkg-query -W -f='${Package} ${db:Status-Status}\\n' " + " ".join(shlex.quote(p) for p in packages),
             ),
-            _section("users", " ; ".join(f"getent passwd {shlex.quote(u)}" for u in users)),
-            _section("stat", f"stat -c '%F|%a|%U|%G|%n' {quoted_paths}"),
-            _section("sha256", f"sha256sum {quoted_paths}"),
-            _section("markers", _plain_files(" ".join(shlex.quote(m) for m in markers)) if markers else "true"),
-            _section(
+            section("users", " ; ".join(f"getent passwd {shlex.quote(u)}" for u in users)),
+            section("stat", f"stat -c '%F|%a|%U|%G|%n' {quoted_paths}"),
+            section("sha256", f"sha256sum {quoted_paths}"),
+            section("markers", plain_files(" ".join(shlex.quote(m) for m in markers)) if markers else "true"),
+            section(
                 "units",
                 f"systemctl show --timestamp=unix -p {SYSTEMCTL_SHOW_PROPERTIES} "
                 + " ".join(shlex.quote(u) for u in units),
             ),
-            _section("rendered_units", f"grep -l '^# Rendered by sparkform' {unit_glob}"),
-            _section(
+            section("rendered_units", f"grep -l '^# Rendered by sparkform' {unit_glob}"),
+            section(
                 "unit_files",
                 f"systemctl list-unit-files --no-legend --no-pager {shlex.quote(unit_glob.rsplit('/', 1)[-1])}",
             ),
-            _section("checkpoints", f"python3 -c {shlex.quote(CHECKPOINT_SCAN)} {shlex.quote(models_dir)}"),
-            _section("pins", _plain_files(f"{shlex.quote(pins_dir)}/*")),
-            _section("versions", LIVE_VERSIONS_COMMAND),
-            _section(
-                "record",
-                f"if [ -L {shlex.quote(record_path)} ]; then echo {LINK}{shlex.quote(record_path)}; "
-                f"else cat {shlex.quote(record_path)}; fi",
-            ),
-            _section("boot", "systemctl show --timestamp=unix -p UserspaceTimestamp --value"),
-            _section("cache_keys", _plain_files(f"{shlex.quote(cache_keys_dir)}/*")),
-            _section("caches_aside", f"ls -d {shlex.quote(cache_root)}/*{STALE_MARK}*"),
+            section("checkpoints", f"python3 -c {shlex.quote(CHECKPOINT_SCAN)} {shlex.quote(models_dir)}"),
+            section("pins", plain_files(f"{shlex.quote(pins_dir)}/*")),
+            section("versions", LIVE_VERSIONS_COMMAND),
+            section("record", plain_file(record_path)),
+            section("boot", "systemctl show --timestamp=unix -p UserspaceTimestamp --value"),
+            section("cache_keys", plain_files(f"{shlex.quote(cache_keys_dir)}/*")),
+            section("caches_aside", f"ls -d {shlex.quote(cache_root)}/*{STALE_MARK}*"),
         ]
         return " ; ".join(sections)
 
     def process(self, output: list[str]) -> Snapshot:
-        sections: dict[str, list[str]] = {}
-        current: list[str] = []
+        sections, links = split_sections(output)
         snapshot = Snapshot()
-        for line in output:
-            if line.startswith(SECTION):
-                current = sections.setdefault(line[len(SECTION) :], [])
-            elif line.startswith(LINK):
-                snapshot.untrusted.append(
-                    f"{line[len(LINK) :]} is a symbolic link: sparkform writes a plain file "
-                    "there, and root follows no link"
-                )
-            else:
-                current.append(line)
+        snapshot.untrusted.extend(
+            f"{path} is a symbolic link: sparkform writes a plain file there, and root follows no link"
+            for path in links
+        )
         for line in sections.get("packages", []):
             name, _, status = line.partition(" ")
             if status == "installed":

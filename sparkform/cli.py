@@ -1,6 +1,6 @@
-"""`sparkform`: plan, render, verify and read the logs of an inventory's hosts; lock vLLM; run the local sandbox.
+"""`sparkform`: plan, render, verify, show the status and the logs of hosts; lock vLLM; run the local sandbox.
 
-`plan` (unless --resolve), `render` and `fields` never connect; `verify`, `rebuild` and `logs`
+`plan` (unless --resolve), `render` and `fields` never connect; `verify`, `rebuild`, `status` and `logs`
 validate the inventory before they do; `lock` asks the package indexes.
 Exit codes: 0 success; 2 the inventory is invalid (each problem printed with host, engine,
 field, value and fix); 1 any other error (e.g. the inventory file is missing).
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparkform import locks, logs, monitoring, planner, ssh
+from sparkform import locks, logs, monitoring, planner, ssh, status_command
 from sparkform.engine import Checkpoint, Engine, Measured
 from sparkform.hostrecord import HostRecord, UntrustedValue
 from sparkform.hub import resolve_pins
@@ -308,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     verify.set_defaults(run=_cmd_verify)
     sandbox_command.add_parser(sub)
     logs.add_parser(sub)
+    status_command.add_parser(sub)
     rebuild = sub.add_parser("rebuild", help="after a reboot: wait for the hosts, converge, print engine start times")
     rebuild.add_argument("inventory", type=Path)
     rebuild.add_argument("--wait", type=float, default=900.0, help="seconds to wait for each host's SSH (default 900)")

@@ -222,6 +222,7 @@ class EngineStep:
     restart: bool  # its settings or caches changed: it restarts even if it runs
     starts: bool  # it (re)starts in this run
     cold: bool  # that start rebuilds its JIT caches (stale, or never keyed on this host)
+    cold_start_s: float | None  # its last cold start: the host record's, else the inventory's (None: never measured)
 
 
 @dataclass(frozen=True)
@@ -301,6 +302,7 @@ def plan(config: HostConfig, snapshot: Snapshot) -> ConvergePlan:
                 restart,
                 starts(current, restart),
                 cold=stale or engine.name not in snapshot.cache_keys,
+                cold_start_s=last_cold[engine.name],
             )
         )
 

@@ -93,6 +93,11 @@ def venv_lock(venv: str) -> str:
     return f"{venv}/{VENV_LOCK}"
 
 
+def venv_install_log(venv: str) -> str:
+    """pip's whole output of the venv's build (root's, 0600), inside that venv."""
+    return f"{venv}/pip-install.log"
+
+
 def record_dir(state_dir: str) -> str:
     """Root's folder for the record, the cache keys, the guard's state and the stamps."""
     return posixpath.join(state_dir, "record")

@@ -324,3 +324,52 @@ def engine_states(lines: list[str]) -> dict[str, EngineState]:
         )
         for unit, properties in parse_systemctl_show(lines).items()
     }
+
+
+# --- Prometheus text exposition (vLLM's /metrics) -----------------------------------------------
+
+# `name{label="value",...} value [timestamp]`; label values may hold \\, \" and \n escapes.
+_SAMPLE_RE = re.compile(
+    r"(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>(?:[^\"}]|\"(?:[^\"\\]|\\.)*\")*)\})?"
+    r"\s+(?P<value>\S+)(?:\s+-?\d+)?"
+)
+_LABEL_RE = re.compile(r'\s*(?P<key>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<value>(?:[^"\\]|\\.)*)"\s*,?')
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sample of a Prometheus text exposition: metric name, labels, value."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+def _labels(text: str) -> dict[str, str] | None:
+    labels, position = {}, 0
+    while position < len(text):
+        match = _LABEL_RE.match(text, position)
+        if not match:
+            return None
+        labels[match["key"]] = re.sub(r"\\.", lambda m: _UNESCAPE.get(m[0], m[0]), match["value"])
+        position = match.end()
+    return labels
+
+
+def parse_prometheus(lines: list[str]) -> list[Sample]:
+    """The samples of a Prometheus text exposition; comments and lines that are not a sample
+    (or whose value is not a number) are skipped. NaN and infinities are kept as floats."""
+    samples = []
+    for line in lines:
+        match = _SAMPLE_RE.fullmatch(line.strip())
+        if not match:
+            continue
+        labels = _labels(match["labels"] or "")
+        try:
+            value = float(match["value"])
+        except ValueError:
+            continue
+        if labels is not None:
+            samples.append(Sample(match["name"], labels, value))
+    return samples

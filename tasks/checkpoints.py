@@ -13,6 +13,7 @@ from sparkform.layout import COMPLETE_MARKER
 from sparkform.schema import HostConfig
 from sparkform.snapshot import Snapshot
 from tasks.files import replaced_file
+from tasks.progress import PROGRESS_EVERY_S, ProgressCommand
 from tasks.venv import own_pattern
 
 
@@ -57,10 +58,12 @@ def _fetch(config: HostConfig, engine: Engine, folder: str, drifted: bool):
         yield f"rm -f {shlex.quote(f'{folder}/{COMPLETE_MARKER}')}"
     # A deploy cut off mid-download can leave its fetch running: stop it first.
     yield f"pkill -f -- {shlex.quote(own_pattern(f'{script} {engine.checkpoint.repo} '))} || true"
-    # Shell assignments, not `env NAME=value`: env's own argv would show the token in `ps`.
-    yield (
+    # Shell assignments, not `env NAME=value`: env's own argv would show the token in `ps`. Its
+    # lines (one per file, and every PROGRESS_EVERY_S seconds while a file downloads) show live.
+    yield ProgressCommand(
         f"{' '.join(env)} {shlex.quote(config.venv)}/bin/python {shlex.quote(script)} "
         f"{shlex.quote(engine.checkpoint.repo)} {shlex.quote(config.commit(engine))} {shlex.quote(folder)}{includes}"
+        f" --progress-every {PROGRESS_EVERY_S}"
     )
 
 

@@ -10,6 +10,7 @@ from pyinfra.api import operation
 from sparkform.converge import starts
 from sparkform.engine import Engine
 from sparkform.parsers import EngineState
+from tasks.progress import ProgressCommand, printf_line, start_format, ticking
 
 JOURNAL_LINES = 30
 # Journal lines that say why a start failed: exceptions, refusals, the helper's verdict.
@@ -39,14 +40,21 @@ def daemon_reload(needed: bool):
 
 
 @operation()
-def engine_running(engine: Engine, current: EngineState | None, restart: bool):
+def engine_running(
+    engine: Engine, current: EngineState | None, restart: bool, cold: bool, cold_start_s: float | None, budget_s: int
+):
     """
     Enable an engine at boot and have it serving; `systemctl` returns only once the readiness
     helper (ExecStartPost) reports it serving, so the next engine never starts beside a cold one.
+    Meanwhile a line every PROGRESS_EVERY_S seconds says how long it has been starting, against
+    its recorded cold start.
 
     + engine: the engine
     + current: its unit's state from the HostSnapshot fact (None before the first deploy)
     + restart: its unit, settings or arguments changed, so it must restart to pick them up
+    + cold: that start rebuilds its JIT caches
+    + cold_start_s: its last cold start in seconds, from the host record or the inventory (None: never measured)
+    + budget_s: the readiness helper's budget (readiness_budget_s)
     """
     changed = False
     if current is None or current.unit_file_state != "enabled":
@@ -57,7 +65,10 @@ def engine_running(engine: Engine, current: EngineState | None, restart: bool):
         # joins a start already under way (a boot) and cuts short an auto-restart wait.
         yield f"systemctl reset-failed {shlex.quote(engine.unit)} 2>/dev/null || true"
         verb = "restart" if restart else "start"
-        yield _explained(f"systemctl {verb} {shlex.quote(engine.unit)}", engine.unit)
+        progress = printf_line(start_format(engine.name, cold, cold_start_s, budget_s), "$elapsed")
+        start = ticking(f"systemctl {verb} {shlex.quote(engine.unit)}", progress)
+        serving = printf_line(f"{engine.name}: serving after %d s", '"$(($(date +%s) - since))"')
+        yield ProgressCommand(f"{_explained(start, engine.unit)}; {serving}")
         changed = True
     if not changed:
         host.noop(f"{engine.unit} is enabled and {current.active_state}")

@@ -9,10 +9,12 @@ from pyinfra import host
 from pyinfra.api import FileUploadCommand, operation
 from pyinfra.facts.files import FindFiles
 
-from sparkform.layout import venv_lock, venv_marker
+from sparkform.layout import venv_install_log, venv_lock, venv_marker
+from sparkform.locks import read_lock
 from sparkform.schema import HostConfig
 from sparkform.snapshot import Snapshot
 from tasks.files import replaced_file
+from tasks.progress import ProgressCommand, printf_line, ticking
 
 
 def own_pattern(text: str) -> str:
@@ -64,11 +66,36 @@ def wheelhouse_synced(config: HostConfig, snapshot: Snapshot):
         yield FileUploadCommand(str(wheel), f"{config.wheelhouse}/{wheel.name}")
 
 
+def install_command(config: HostConfig, packages: int) -> str:
+    """pip installing the lock into the venv, its output in the venv's install log; meanwhile a
+    line every PROGRESS_EVERY_S seconds counts the wheels pip collected (its `Collecting`/`Processing`
+    lines) and the packages in site-packages, out of the lock's `packages`; on a failure the
+    log's end goes to stderr."""
+    venv = shlex.quote(config.venv)
+    log = shlex.quote(venv_install_log(config.venv))
+    pip_args = " ".join(shlex.quote(arg) for arg in pip_install_args(config))
+    count_dist_infos = f"ls -d {venv}/lib/python3*/site-packages/*.dist-info 2>/dev/null | wc -l"
+    pip = f"{venv}/bin/pip install --disable-pip-version-check --progress-bar off {pip_args} >>{log} 2>&1"
+    tick = printf_line(
+        f"venv: %s of {packages} wheels collected, %d installed (%d s)",
+        f"\"$(grep -c -e '^Collecting ' -e '^Processing ' {log})\"",
+        f'"$(($({count_dist_infos}) - before))"',
+        "$elapsed",
+    )
+    failed = printf_line("sparkform: pip failed (exit %d); the end of %s:", "$rc", log)
+    done = printf_line(
+        f"venv: {packages} packages installed in %d s (pip's log: %s)", '"$(($(date +%s) - started))"', log
+    )
+    return (
+        f"(umask 077 && : >{log}); before=$({count_dist_infos}); {ticking(pip, tick)} "
+        f"|| {{ rc=$?; {failed} >&2; tail -n 30 {log} >&2; exit $rc; }}; {done}"
+    )
+
+
 def build_commands(config: HostConfig):
     """The commands that build the venv from its lock, in order (an upload is a FileUploadCommand)."""
     venv = shlex.quote(config.venv)
     lock = shlex.quote(venv_lock(config.venv))
-    pip_args = " ".join(shlex.quote(arg) for arg in pip_install_args(config))
     # A deploy cut off mid-install can leave its pip running on the host: stop it first.
     yield f"pkill -f -- {shlex.quote(own_pattern(config.venv + '/bin/pip'))} || true"
     yield f"rm -rf {venv}"
@@ -76,7 +103,7 @@ def build_commands(config: HostConfig):
     yield FileUploadCommand(config.lock, venv_lock(config.venv))
     yield f"chown root:root {lock}"
     yield f"chmod 644 {lock}"
-    yield f"{venv}/bin/pip install --quiet --disable-pip-version-check {pip_args}"
+    yield ProgressCommand(install_command(config, len(read_lock(Path(config.lock).read_text())[0])))
     yield replaced_file(venv_marker(config.venv), pin(config))
 
 

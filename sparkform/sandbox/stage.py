@@ -3,8 +3,9 @@
 `up` boots the machine with the offline wheelhouse bound read-only at WHEELHOUSE_IN_GUEST, starts
 the fake hub and an alert receiver (the webhook the inventory names) on this machine's side of its
 link, writes throwaway secrets (an HF token and an API key) so the deploy exercises the secret
-paths for real, and installs a stand-in nvidia-smi (GB10's formats; `set_driver` changes the
-driver it reports, to rehearse a driver update). `down` undoes all of it; `build` makes the
+paths for real, and installs the GPU's stand-ins: nvidia-smi (GB10's formats) and NVML (a
+libnvidia-ml.so.1 built in the guest, for pynvml), both reading one env file; `set_driver` changes
+the driver they report, to rehearse a driver update. `down` undoes all of it; `build` makes the
 cached rootfs and wheelhouse ahead of the first `up`.
 """
 
@@ -39,12 +40,32 @@ SERVICE_START_TIMEOUT_S = 60.0
 NVIDIA_SMI_SOURCE = Path(__file__).with_name("nvidia-smi")
 NVIDIA_SMI_IN_GUEST = "/usr/local/bin/nvidia-smi"
 NVIDIA_ENV_IN_GUEST = "/etc/sparkform-sandbox/nvidia.env"
-# What a DGX Spark (GB10) reported, as captured in tests/fixtures/captured/nvidia-smi-gb10.txt.
+# The NVML stand-in: C source beside this module, compiled in the guest (g++, a deploy
+# prerequisite baked into the rootfs, brings cc) into the linker's path, where pynvml's
+# CDLL("libnvidia-ml.so.1") finds it; REFRESH_LINKER_CACHE makes the linker see it.
+NVML_SOURCE = Path(__file__).with_name("nvml_stand_in.c")
+NVML_IN_GUEST = "/usr/local/lib/libnvidia-ml.so.1"
+NVML_BUILD_FLAGS = (
+    *("-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"),
+    "-Wl,-soname,libnvidia-ml.so.1",
+)
+REFRESH_LINKER_CACHE = "ldconfig"
+# What a DGX Spark (GB10) reported, as captured in tests/fixtures/captured/nvidia-smi-gb10.txt
+# (tests/unit/test_nvidia_stand_in.py reads them back from that capture), but the clocks.
 DEFAULT_NVIDIA_ENV = {
     "DRIVER_VERSION": "580.95.05",
     "CUDA_VERSION": "13.0",
     "GPU_NAME": "NVIDIA GB10",
     "COMPUTE_CAP": "12.1",
+    "GPU_UTILIZATION_PERCENT": "3",
+    "GPU_TEMPERATURE_C": "44",
+    "GPU_POWER_MW": "12000",  # the capture's 12 W (nvidia-smi prints whole watts)
+    # Not in the capture: the ~2400 MHz a healthy GB10 clocks at P0 (a GB10 with a bad power
+    # negotiation stays at 500-850 MHz). Replace with `nvidia-smi --query-gpu=clocks.sm,clocks.gr
+    # --format=csv` from a Spark once captured.
+    "SM_CLOCK_MHZ": "2400",
+    "GRAPHICS_CLOCK_MHZ": "2400",
+    "CLOCKS_EVENT_REASONS": "0",  # the bitmask of NVML's nvmlClocksEventReason*: none
 }
 GUEST_COMMAND_TIMEOUT_S = 60.0
 
@@ -186,16 +207,25 @@ def parse_nvidia_env(text: str) -> dict[str, str]:
     return values
 
 
+def nvml_build_command(out: str) -> str:
+    """The shell command that compiles the NVML stand-in's source (on stdin) into `out`: by a
+    temp file and a rename, so a failed build leaves no half library where pynvml looks."""
+    flags = " ".join(NVML_BUILD_FLAGS)
+    temp = shlex.quote(f"{out}.new")
+    return f"cc {flags} -x c -o {temp} - && mv -f {temp} {shlex.quote(out)} && {REFRESH_LINKER_CACHE}"
+
+
 def install_nvidia_stand_in(box: machine.Sandbox) -> None:
-    """Install the stand-in nvidia-smi in a running sandbox, reporting DEFAULT_NVIDIA_ENV."""
+    """Install the stand-in nvidia-smi and NVML in a running sandbox, reporting DEFAULT_NVIDIA_ENV."""
     _install_in_guest(box, NVIDIA_SMI_IN_GUEST, NVIDIA_SMI_SOURCE.read_text(), "0755")
     _install_in_guest(box, NVIDIA_ENV_IN_GUEST, nvidia_env_text(DEFAULT_NVIDIA_ENV), "0644")
+    _guest(box, "build the NVML stand-in", nvml_build_command(NVML_IN_GUEST), NVML_SOURCE.read_text())
 
 
 def set_driver(box: machine.Sandbox, driver_version: str, cuda_version: str | None = None) -> None:
-    """Make the stand-in report another driver (and CUDA version; None keeps the current one).
+    """Make the stand-ins report another driver (and CUDA version; None keeps the current one).
 
-    Takes effect at the next nvidia-smi call; reboot the sandbox afterwards to rehearse a driver
+    Takes effect at the next nvidia-smi call and the next nvmlInit; reboot the sandbox afterwards to rehearse a driver
     update the way it happens on a Spark.
     """
     values = parse_nvidia_env(_guest(box, "read the stand-in's env file", f"cat {NVIDIA_ENV_IN_GUEST}"))
@@ -221,7 +251,7 @@ def build() -> tuple[Path, Path]:
 
 def up(name: str = "sandbox", binds: Sequence[tuple[str, str]] = ()) -> machine.Sandbox:
     """Wheelhouse and rootfs (both cached), the machine, its fake hub and alert receiver, its
-    secrets, nvidia-smi, and a memory controller that enforces the units' ceilings. `binds` are
+    secrets, nvidia-smi and NVML, and a memory controller that enforces the units' ceilings. `binds` are
     further (host path, guest path) pairs bound read-only, beside the wheelhouse."""
     _, wheelhouse = build()
     # The same package list as `build`'s, so this finds the rootfs just built in the cache.

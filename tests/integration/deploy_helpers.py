@@ -51,6 +51,12 @@ def verify(*options: str, inventory: Path = SANDBOX_INVENTORY) -> subprocess.Com
     )
 
 
+def status(*options: str, inventory: Path = SANDBOX_INVENTORY) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "sparkform"), "status", str(inventory), *options], capture_output=True, text=True, timeout=300
+    )
+
+
 def ssh(box: machine.Sandbox, command: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run([*box.ssh_args(), command], capture_output=True, text=True, check=check, timeout=300)
 

@@ -37,7 +37,8 @@ from deploy_helpers import (
     verify,
 )
 
-from sparkform import layout
+from sparkform import gpu, layout
+from sparkform.inventory import load_inventory
 from sparkform.render import VLLM_UNGUARDED_ROUTES
 from sparkform.sandbox import machine, stage
 from sparkform.sandbox.fakehub import FakeHub
@@ -55,6 +56,21 @@ def test_converge_from_scratch_then_verify(box):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     mark_converged(box)
     print(f"\nconverge from scratch: {time.monotonic() - started:.0f} s")
+    # Without -v the long steps show their progress, each line prefixed with the host's name.
+    shown = result.stdout + result.stderr
+    host = re.escape(f"[{box.name}] ")
+    assert re.search(rf"^{host}venv: \d+ of \d+ wheels collected, \d+ installed \(\d+ s\)$", shown, re.M), shown
+    assert re.search(rf"^{host}venv: \d+ packages installed in \d+ s \(pip's log: \S+\)$", shown, re.M), shown
+    for repo in ("sparkform-test/tiny-qwen3", "sparkform-test/tiny-llama"):
+        fetched = re.search(rf"^{host}sparkform-checkpoint: {repo}@\w+: (\d+) files, .+ to fetch$", shown, re.M)
+        assert fetched, shown
+        files = int(fetched[1])
+        for number in range(1, files + 1):
+            assert re.search(
+                rf"^{host}sparkform-checkpoint: \[{number}/{files}\] \S+: .+ in \d+ s \(.+/s\)$", shown, re.M
+            )
+    for engine in ("q38", "nemotron"):
+        assert re.search(rf"^{host}{engine}: serving after \d+ s$", shown, re.M), shown
     result = verify()
     assert result.returncode == 0, result.stdout[-4000:]
 
@@ -65,6 +81,8 @@ def test_second_run_changes_nothing(box):
     result = pyinfra(SANDBOX_INVENTORY, "-y")
     assert result.returncode == 0, result.stderr[-4000:]
     assert main_pids(box) == before
+    # Nothing ran, so no progress line.
+    assert not re.search(r"venv: |sparkform-checkpoint: | serving after ", result.stdout + result.stderr)
 
 
 def test_dry_diff_shows_only_the_edited_file_and_changes_nothing(box, tmp_path):
@@ -255,6 +273,33 @@ def test_metrics_answer_only_the_allowed_addresses(box, tmp_path):
 STATE = PATHS.state_dir
 ENGINE_USER = "vllm"
 TOKEN_FILE = PATHS.hf_token
+
+
+def test_the_gpu_report_reads_a_gb10_with_pynvml_in_the_engine_venv_and_follows_a_driver_update(box):
+    """What `sparkform status` runs on the host: the engine venv's python (its lock pins
+    nvidia-ml-py), pynvml, and the sandbox's NVML stand-in in place of libnvidia-ml.so.1."""
+    (host,) = load_inventory(SANDBOX_INVENTORY)
+    command = gpu.report_command(f"{host.config.venv}/bin/python")
+    values = stage.DEFAULT_NVIDIA_ENV
+    gb10 = gpu.NvmlGpu(
+        index=0,
+        name=values["GPU_NAME"],
+        utilization_percent=int(values["GPU_UTILIZATION_PERCENT"]),
+        sm_clock_mhz=int(values["SM_CLOCK_MHZ"]),
+        temperature_c=int(values["GPU_TEMPERATURE_C"]),
+        power_w=int(values["GPU_POWER_MW"]) / 1000,
+        throttle_reasons=(),
+        memory_used_bytes=None,  # NOT_SUPPORTED, as on GB10's unified memory
+    )
+    assert gpu.parse_nvml_report(ssh(box, command).stdout) == gpu.NvmlReport(
+        driver=values["DRIVER_VERSION"], gpus=(gb10,), error=None
+    )
+    stage.set_driver(box, "580.126.09")
+    try:
+        assert gpu.parse_nvml_report(ssh(box, command).stdout).driver == "580.126.09"
+    finally:
+        stage.set_driver(box, values["DRIVER_VERSION"])
+    assert gpu.parse_nvml_report(ssh(box, command).stdout).driver == values["DRIVER_VERSION"]
 
 
 def test_both_live_engine_units_score_2_or_less(box):

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
+import jsonschema
 import pytest
 from deploy_helpers import (
     SANDBOX_INVENTORY,
@@ -25,6 +27,7 @@ from deploy_helpers import (
     pyinfra,
     serving,
     ssh,
+    status,
     unit_properties,
     wait_for,
 )
@@ -106,6 +109,51 @@ def test_converge(box):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     mark_converged(box)
     assert ssh(box, "systemctl is-active sparkform-guard.service").stdout.strip() == "active"
+
+
+STATUS_SCHEMA = json.loads(
+    (Path(__file__).resolve().parents[2] / "docs" / "status.md").read_text().split("```json\n", 1)[1].split("```")[0]
+)
+
+
+def status_of(box) -> tuple[int, dict]:
+    """`sparkform status --json`'s exit code and its one object, checked against its schema."""
+    result = status("--json", "--sample", "1")
+    (line,) = result.stdout.splitlines()
+    document = json.loads(line)
+    jsonschema.validate(document, STATUS_SCHEMA)
+    return result.returncode, document
+
+
+def test_status_shows_the_pair_serving_and_counts_a_crash_and_the_time_it_was_down(box):
+    code, host = status_of(box)
+    assert code == 0 and host["serving"] and host["untrusted"] == [], host
+    engines = {e["name"]: e for e in host["engines"]}
+    for name, e in engines.items():
+        assert e["serving"] and e["main_pid"] > 0 and e["health_http"] == 200, e
+        assert e["kv_pool_tokens"] > 0 and 0 <= e["kv_use"] <= 1 and e["requests_running"] == 0, e
+        assert 0 < e["memory_bytes"] < e["memory_max_bytes"] and e["served_names"][0] == name, e
+    assert 0 < host["mem_available_bytes"] < host["mem_total_bytes"] and host["vllm_version"].startswith("0.32")
+    # pynvml in the engine venv, against the sandbox's NVML stand-in: a GB10
+    assert host["gpu"]["error"] is None and host["gpu"]["gpus"][0]["name"] == "NVIDIA GB10", host["gpu"]
+    table = status().stdout
+    assert table.startswith(f"{host['host']}: serving") and "KV POOL" in table, table
+    before = {name: e["restarts"] for name, e in engines.items()}
+
+    since = now(box)
+    ssh(box, f"kill -9 {engine_core(box, 'vllm-q38.service')}")
+
+    def down() -> dict | None:
+        code, host = status_of(box)
+        return host if code == 1 else None
+
+    host = wait_for(down, 60, "status exiting 1 while q38 is down")
+    assert [e["name"] for e in host["engines"] if not e["serving"]] == ["q38"], host
+    both_serve_again(box, RESTART_S + sum(start_seconds(box).values()) + 60, since)
+    code, host = status_of(box)
+    assert code == 0, host
+    after = {e["name"]: e["restarts"] for e in host["engines"]}
+    assert after == {"nemotron": before["nemotron"], "q38": before["q38"] + 1}, (before, after)
 
 
 def test_both_engine_cores_killed_at_once_again_and_again_both_serve_again_every_time(box):

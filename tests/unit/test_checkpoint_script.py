@@ -4,14 +4,20 @@ full disk with the numbers, and writes the manifest and the marker only when all
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+from pyinfra.api import StringCommand
 
 from sparkform.inventory import load_host
 from sparkform.layout import COMPLETE_MARKER
@@ -42,11 +48,19 @@ def hub(tmp_path: Path, tmp_path_factory):
         yield running
 
 
-def fetch(script: Path, hub: FakeHub, folder: Path, repo: str = QWEN) -> subprocess.CompletedProcess:
+def fetch_env(hub: FakeHub, folder: Path) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("HF_")}
     env.update(HF_ENDPOINT=hub.url, HF_HOME=str(folder.parent / "hf-home"), HF_TOKEN="hf_test_token")
+    return env
+
+
+def fetch_command(script: Path, repo: str, folder: Path, *options: str) -> list[str]:
+    return [sys.executable, str(script), repo, "main", str(folder), *options]
+
+
+def fetch(script: Path, hub: FakeHub, folder: Path, repo: str = QWEN) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(script), repo, "main", str(folder)], env=env, capture_output=True, text=True, timeout=120
+        fetch_command(script, repo, folder), env=fetch_env(hub, folder), capture_output=True, text=True, timeout=120
     )
 
 
@@ -133,8 +147,9 @@ def test_the_deploy_s_fetch_command_keeps_the_token_out_of_every_argv(script, hu
     env["HF_HOME"] = str(tmp_path / "hf-home")
     trace = tmp_path / "execve.log"
     for command in _fetch(config, engine, folder, drifted=False):
+        shell = command.get_raw_value() if isinstance(command, StringCommand) else command
         result = subprocess.run(
-            ["strace", "-f", "-qq", "-e", "trace=execve", "-s", "65535", "-o", str(trace), "sh", "-c", command],
+            ["strace", "-f", "-qq", "-e", "trace=execve", "-s", "65535", "-o", str(trace), "sh", "-c", shell],
             env=env,
             capture_output=True,
             text=True,
@@ -147,3 +162,84 @@ def test_the_deploy_s_fetch_command_keeps_the_token_out_of_every_argv(script, hu
     assert Path(folder, COMPLETE_MARKER).is_file()
     fetched = [entry for entry in hub.requests if entry["method"] == "GET" and "/resolve/" in entry["path"]]
     assert fetched and all(entry["authorization"] for entry in fetched)
+
+
+# --- progress: per file, as the deploy shows it ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint_module(script):
+    """The rendered script imported, for its pure formatting functions."""
+    loader = importlib.machinery.SourceFileLoader("sparkform_checkpoint", str(script))  # no .py suffix
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_progress_lines_give_bytes_rate_and_time_left(checkpoint_module):
+    m = checkpoint_module
+    gib = 1024**3
+    assert m.file_progress(SHARD, 1.2 * gib, 4.8 * gib, 12) == (
+        f"{SHARD}: 1.20 GiB of 4.80 GiB (25%), 102.4 MiB/s, 36 s left"
+    )
+    assert m.file_progress(SHARD, 0, 5 * 1024**2, 10) == f"{SHARD}: 0 B of 5.0 MiB (0%), 0 B/s, time left unknown"
+    assert m.file_done("config.json", 2048, 0.5) == "config.json: 2.0 KiB in 0 s (4.0 KiB/s)"
+    assert [m.duration(s) for s in (44.4, 725, 6000)] == ["44 s", "12 min 5 s", "1 h 40 min"]
+    # A path the hub names is printed escaped when it holds anything but plain characters.
+    assert m.shown("sub/model-1.safetensors") == "sub/model-1.safetensors"
+    assert m.shown("evil\x1b[2Jname") == "'evil\\x1b[2Jname'"
+
+
+def test_each_fetched_file_gets_a_line_and_nothing_else_is_printed(script, hub, tmp_path):
+    folder = tmp_path / "ckpt"
+    result = fetch(script, hub, folder)
+    assert result.returncode == 0, result.stderr
+    commit = hub.resolve(QWEN, "main")
+    files = sorted(p.name for p in (hub.repo_dir(QWEN) / commit).iterdir())
+    lines = result.stdout.splitlines()
+    assert re.fullmatch(
+        rf"sparkform-checkpoint: {QWEN}@{commit[:12]}: {len(files)} files, [\d.]+ MiB to fetch", lines[0]
+    )
+    done = [
+        re.fullmatch(r"sparkform-checkpoint: \[(\d+)/(\d+)\] (\S+): [\d.]+ [KMG]?i?B in \d+ s \(.+/s\)", line)
+        for line in lines[1:-1]
+    ]
+    assert all(done), lines
+    assert [(int(m[1]), int(m[2]), m[3]) for m in done] == [(n, len(files), name) for n, name in enumerate(files, 1)]
+    assert lines[-1] == f"sparkform-checkpoint: {QWEN}@{commit} complete: {len(files)} files verified"
+    # A second run fetches nothing, and says so in one line.
+    (folder / COMPLETE_MARKER).unlink()
+    again = fetch(script, hub, folder)
+    assert again.stdout.splitlines()[0].endswith(f"{len(files)} files, 0 B to fetch")
+    assert len(again.stdout.splitlines()) == 2
+
+
+def test_a_slow_file_gets_a_progress_line_every_few_seconds_while_it_downloads(script, hub, tmp_path):
+    hub.stall()  # bodies pause after their first chunk: the shards stall, the small files do not
+    process = subprocess.Popen(
+        fetch_command(script, QWEN, tmp_path / "ckpt", "--progress-every", "0.5"),
+        env=fetch_env(hub, tmp_path / "ckpt"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
+    reader.start()
+    progress = rf"sparkform-checkpoint: \[\d+/\d+\] {SHARD}: .+ of .+ \(\d+%\), .+/s, .+\n"
+    try:
+        deadline = time.monotonic() + 60
+        while sum(bool(re.fullmatch(progress, line)) for line in list(lines)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        hub.stall(False)
+    process.wait(timeout=120)
+    reader.join(timeout=10)  # the reader alone reads stdout, to its end
+    assert process.returncode == 0, process.stderr.read()
+    assert sum(bool(re.fullmatch(progress, line)) for line in lines) >= 3, lines
+    # Then the line that says it is done, after its progress lines.
+    done = [
+        n for n, line in enumerate(lines) if re.match(rf"sparkform-checkpoint: \[\d+/\d+\] {SHARD}: \S+ \w+ in ", line)
+    ]
+    assert done and all(n < done[0] for n, line in enumerate(lines) if re.fullmatch(progress, line))

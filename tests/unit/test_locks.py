@@ -19,7 +19,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from pyinfra.api import FileUploadCommand
+from pyinfra.api import FileUploadCommand, StringCommand
 
 from sparkform import cli, layout
 from sparkform.inventory import load_host, load_inventory
@@ -107,16 +107,26 @@ def tiny_config(tmp_path: Path, wheels: Path, lock: Path) -> HostConfig:
     ).config
 
 
-def build_venv(config: HostConfig) -> subprocess.CompletedProcess | None:
-    """Run the venv operation's build commands in order; the first that fails, or None."""
+def build_venv(config: HostConfig) -> subprocess.CompletedProcess:
+    """Run the venv operation's build commands in order; the first that fails, else pip's."""
     for command in venv.build_commands(config):
         if isinstance(command, FileUploadCommand):
             shutil.copyfile(command.src, command.dest)
             continue
-        result = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=300)
+        shell = command.get_raw_value() if isinstance(command, StringCommand) else command
+        result = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, timeout=300)
         if result.returncode:
             return result
-    return None
+        if "pip install" in shell:
+            pip = result
+    return pip
+
+
+def pip_argv(command: StringCommand) -> list[str]:
+    """The pip command line inside the venv build's command (which sends its output to the log)."""
+    shell = command.get_raw_value()
+    start = shell.rindex("; ", 0, shell.index("/bin/pip install")) + 2
+    return shlex.split(shell[start : shell.index(" >>", start)])
 
 
 def installed(config: HostConfig) -> list[str]:
@@ -129,8 +139,14 @@ def installed(config: HostConfig) -> list[str]:
 
 def test_the_untampered_lock_installs_exactly_its_packages(tmp_path, tiny):
     config = tiny_config(tmp_path, *tiny)
-    assert build_venv(config) is None
+    pip = build_venv(config)
+    assert pip.returncode == 0, pip.stderr
     assert installed(config) == ["demo_dep-2.0.dist-info", "demo_dep.py", "demo_vllm-1.0.dist-info", "demo_vllm.py"]
+    # The deploy shows one line of pip's, its last; the whole log stays in the venv, root's only.
+    log = Path(layout.venv_install_log(config.venv))
+    assert pip.stdout == f"venv: 2 packages installed in {pip.stdout.split()[5]} s (pip's log: {log})\n"
+    assert "Successfully installed demo-dep-2.0 demo-vllm-1.0" in log.read_text()
+    assert oct(log.stat().st_mode & 0o777) == "0o600"
     assert Path(layout.venv_marker(config.venv)).read_text().strip() == f"{PACKAGE}=={VERSION}"
     # The lock pip read lies in the venv, root's and 0644, byte for byte the control machine's.
     uploaded = Path(layout.venv_lock(config.venv))
@@ -151,8 +167,10 @@ def test_a_wrong_hash_fails_the_venv_build_before_anything_is_installed(tmp_path
         shutil.copyfile(tmp_path / "swapped" / target.name, target)
     config = tiny_config(tmp_path, wheels, lock)
     result = build_venv(config)
-    assert result is not None and result.returncode != 0
+    assert result.returncode != 0
     assert "pip install" in result.args[-1] and "--require-hashes" in result.args[-1]
+    # pip's output is in its log; the end of it is on stderr, after a line saying so.
+    assert f"sparkform: pip failed (exit 1); the end of {layout.venv_install_log(config.venv)}:" in result.stderr
     assert HASH_MISMATCH in result.stderr, result.stderr
     assert "demo-vllm==1.0" in result.stderr
     assert installed(config) == [], "pip installed a package before it checked every hash"
@@ -164,7 +182,7 @@ def test_pip_installs_only_what_the_lock_names(tmp_path, tiny):
     wheels, _ = tiny
     lock = write_lock(tmp_path / "partial.txt", [wheels / f"demo_vllm-{VERSION}-py3-none-any.whl"])
     config = tiny_config(tmp_path, wheels, lock)
-    assert build_venv(config) is None
+    assert build_venv(config).returncode == 0
     assert installed(config) == ["demo_vllm-1.0.dist-info", "demo_vllm.py"]
 
 
@@ -179,12 +197,13 @@ def test_the_sandbox_venv_installs_its_lock_offline_with_hashes(monkeypatch):
     commands = list(venv.vllm_venv._inner(config, Snapshot()))
     uploads = [c for c in commands if isinstance(c, FileUploadCommand)]
     assert [(u.src, u.dest) for u in uploads] == [(str(wheelhouse.LOCK), lock)]
-    (install,) = [c for c in commands if isinstance(c, str) and "/bin/pip install" in c]
-    assert shlex.split(install) == [
+    (install,) = [c for c in commands if isinstance(c, StringCommand) and "/bin/pip install" in str(c)]
+    assert pip_argv(install) == [
         f"{config.venv}/bin/pip",
         "install",
-        "--quiet",
         "--disable-pip-version-check",
+        "--progress-bar",
+        "off",
         "--require-hashes",
         "--no-deps",
         "--only-binary=:all:",
@@ -204,9 +223,11 @@ def test_the_spark_venv_installs_its_lock_from_the_index_with_hashes(monkeypatch
     (spark,) = load_inventory(INVENTORY / "spark.py")
     config = spark.config
     (install,) = [
-        c for c in venv.vllm_venv._inner(config, Snapshot()) if isinstance(c, str) and "/bin/pip install" in c
+        c
+        for c in venv.vllm_venv._inner(config, Snapshot())
+        if isinstance(c, StringCommand) and "/bin/pip install" in str(c)
     ]
-    assert shlex.split(install)[4:] == [
+    assert pip_argv(install)[5:] == [
         "--require-hashes",
         "--no-deps",
         "--only-binary=:all:",
@@ -243,6 +264,13 @@ def test_every_shipped_lock_is_complete_and_hashed(lock):
     assert requirement_lines and all(line.count("==") == 1 and line.endswith(" \\") for line in requirement_lines)
     pins, _ = read_lock(text)
     assert len(pins) == len(requirement_lines) and all(pin.hashes for pin in pins)
+
+
+@pytest.mark.parametrize("lock", SHIPPED, ids=[path.name for path in SHIPPED])
+def test_every_shipped_lock_pins_nvidia_ml_py_for_the_gpu_report(lock):
+    # The GPU report (sparkform.gpu) runs with the engine venv's python, so every venv needs pynvml.
+    pins = {pin.name: pin.version for pin in read_lock(lock.read_text())[0]}
+    assert "nvidia-ml-py" in pins, f"{lock.name}: add nvidia-ml-py==VERSION to its pins and lock it again (--pins)"
 
 
 def test_the_spark_lock_holds_vllm_0_27_1_and_pypi_s_cuda_torch():
@@ -373,7 +401,7 @@ def test_sparkform_lock_resolves_hashes_every_wheel_and_the_venv_installs_the_lo
     assert pins["demo-dep"].hashes == (sha256(wheels / "demo_dep-2.0-py3-none-any.whl"),)
     assert oct(out.stat().st_mode & 0o777) == "0o644"
     config = tiny_config(tmp_path, wheels, out)
-    assert build_venv(config) is None
+    assert build_venv(config).returncode == 0
     assert "demo_dep-2.0.dist-info" in installed(config)
 
 

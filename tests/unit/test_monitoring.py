@@ -24,6 +24,7 @@ from sparkform.cli import main
 from sparkform.hostrecord import EngineRecord, HostRecord
 from sparkform.inventory import load_host, load_inventory
 from sparkform.render import render_host
+from sparkform.sandbox import stage
 from sparkform.schema import Monitoring
 from sparkform.snapshot import Snapshot
 
@@ -297,9 +298,9 @@ def test_the_guard_samples_the_gpu_into_its_textfile(tmp_path):
     guard = Guard(tmp_path, stubs, monitoring={"enabled": True, "textfile_dir": str(folder)})
     shutil.copy(STAND_IN, tmp_path / "bin" / "nvidia-smi")
     env_file = tmp_path / "nvidia.env"
+    # 0x44: NVML's hw_thermal_slowdown (0x40) and sw_power_cap (0x4) bits.
     env_file.write_text(
-        'DRIVER_VERSION=580.95.05\nCUDA_VERSION=13.0\nGPU_NAME="NVIDIA GB10"\nCOMPUTE_CAP=12.1\n'
-        'GPU_TEMPERATURE=91\nACTIVE_CLOCKS_EVENT_REASONS="hw_thermal_slowdown sw_power_cap"\n'
+        stage.nvidia_env_text({**stage.DEFAULT_NVIDIA_ENV, "GPU_TEMPERATURE_C": "91", "CLOCKS_EVENT_REASONS": "0x44"})
     )
     guard.env["SPARKFORM_NVIDIA_ENV"] = str(env_file)
     try:
@@ -310,8 +311,9 @@ def test_the_guard_samples_the_gpu_into_its_textfile(tmp_path):
         checked = promtool("check", "metrics", stdin=text)
         assert checked.returncode == 0, checked.stdout + checked.stderr
         assert 'sparkform_gpu_temperature_celsius{gpu="0"} 91.0' in text
-        assert 'sparkform_gpu_sm_clock_hertz{gpu="0"} 2418000000.0' in text
+        assert 'sparkform_gpu_sm_clock_hertz{gpu="0"} 2400000000.0' in text
         assert 'sparkform_gpu_clocks_event_active{gpu="0",reason="hw_thermal_slowdown"} 1.0' in text
+        assert 'sparkform_gpu_clocks_event_active{gpu="0",reason="sw_power_cap"} 1.0' in text
         assert 'sparkform_gpu_clocks_event_active{gpu="0",reason="hw_slowdown"} 0.0' in text
     finally:
         guard.close()

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from pyinfra.api import FileUploadCommand
+from pyinfra.api import FileUploadCommand, StringCommand
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra.facts.files import FindFiles
 from samples import engine_state
@@ -82,7 +82,8 @@ def run(operation, found_files: dict[str, list[str]] | None = None, **arguments)
     host = RecordingHost(found_files)
     with ctx_host.use(host), ctx_state.use(SimpleNamespace(config=SimpleNamespace(DIFF=False))):
         commands = [
-            f"upload {c.dest}" if isinstance(c, FileUploadCommand) else c for c in operation._inner(**arguments)
+            f"upload {c.dest}" if isinstance(c, FileUploadCommand) else str(c) if isinstance(c, StringCommand) else c
+            for c in operation._inner(**arguments)
         ]
     return commands, host.noops
 
@@ -152,6 +153,9 @@ FRONT = dict(
 GUARD = dict(
     unit="sparkform-guard.service", current=unit(), wanted="new", stamp="/var/lib/sparkform/record/applied-guard"
 )
+
+# What engine_running hears of the start it may make: warm, its cold start never measured.
+START = dict(cold=False, cold_start_s=None, budget_s=CONFIG.readiness_budget_s)
 
 # id: (operation, arguments before, the commands (substrings, in order), arguments after). No
 # command expected: the operation yields none and says why. Arguments may name found_files.
@@ -285,19 +289,19 @@ TABLE = {
     ),
     "engine: enable and start it to readiness": (
         engines.engine_running,
-        dict(engine=FAST, current=None, restart=False),
+        dict(engine=FAST, current=None, restart=False, **START),
         [
             "systemctl enable vllm-fast.service",
             "systemctl reset-failed vllm-fast.service",
             "systemctl start vllm-fast.service",
         ],
-        dict(engine=FAST, current=unit(), restart=False),
+        dict(engine=FAST, current=unit(), restart=False, **START),
     ),
     "engine: restart it when its files changed": (
         engines.engine_running,
-        dict(engine=FAST, current=unit(), restart=True),
+        dict(engine=FAST, current=unit(), restart=True, **START),
         ["systemctl restart vllm-fast.service"],
-        dict(engine=FAST, current=unit(), restart=False),
+        dict(engine=FAST, current=unit(), restart=False, **START),
     ),
     "engine: remove one that left the inventory": (
         engines.engine_removed,

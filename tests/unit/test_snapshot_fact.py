@@ -10,8 +10,9 @@ import sys
 import pytest
 from samples import SPARK_VERSIONS
 
-from facts.snapshot import CHECKPOINT_SCAN, SECTION, HostSnapshot
+from facts.snapshot import CHECKPOINT_SCAN, HostSnapshot
 from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES
+from sparkform.remote import SECTION
 from sparkform.snapshot import CheckpointFolder, RemoteFile
 
 # Every section the command gathers, in its order.

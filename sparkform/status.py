@@ -1,0 +1,463 @@
+"""What `sparkform status` reports: each host's engines and GPU as read in one SSH round trip.
+
+Pure: `status_command` is what runs on the host, `read_status` turns its output into a
+`HostStatus` (the documented `--json` object), `format_status` into the table a person reads.
+Every value read back is checked against the shape it must have; one that is not is left out
+(None) and named in `untrusted`, never shown raw.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sparkform.engine import Engine
+from sparkform.gpu import NvmlReport, NvmlReportError, parse_nvml_report, report_command
+from sparkform.hostrecord import (
+    CACHE_KEY_PATTERN,
+    ENGINE_NAME_PATTERN,
+    LIVE_VERSIONS_COMMAND,
+    VERSION_TEXT_PATTERN,
+    HostRecord,
+    UntrustedValue,
+    drift,
+    drift_report,
+    last_cold_starts,
+    parse_live_versions,
+)
+from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES, Sample, engine_states, parse_prometheus, parse_systemctl_show
+from sparkform.remote import plain_file, plain_files, section, split_sections
+from sparkform.render import ALERT_MESSAGE_ID
+from sparkform.schema import HostConfig
+
+SCHEMA_VERSION = 1
+# What status adds to the deploy's unit properties: the cgroup's memory and when the state changed.
+STATUS_PROPERTIES = f"{SYSTEMCTL_SHOW_PROPERTIES},MemoryCurrent,MemoryHigh,MemoryMax,StateChangeTimestamp"
+# The vLLM metrics status reads (the rest of /metrics never leaves the host).
+VLLM_METRICS = (
+    "vllm:cache_config_info",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",  # the name of the KV use before vLLM 0.10
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:generation_tokens_total",
+)
+# systemd's "Scheduled restart job" entry (SD_MESSAGE_UNIT_RESTART_SCHEDULED): one per automatic
+# restart. Counted in the journal because NRestarts starts again from 0 whenever the guard resets
+# an engine's start count after it serves (so the start limit is never spent by old failures).
+RESTART_SCHEDULED_MESSAGE_ID = "5eb03494b6584870a536b337290809b3"
+COUNT_PATTERN = re.compile(r"\d{1,9}")
+WATCHDOG_EVENTS_SHOWN = 10
+WATCHDOG_EVENT_PATTERN = re.compile(r"[a-z][a-z-]{0,39}")
+MESSAGE_PATTERN = re.compile(r"[\x20-\x7e\u00a0-\uffff]{1,500}")  # printable, one line
+CLOCK_PATTERN = re.compile(r"\d{9,11}(\.\d{1,9})?")
+HTTP_CODE_PATTERN = re.compile(r"\d{3}")
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class WatchdogEvent(Model):
+    at: float
+    """unix time the guard journaled it"""
+    event: str
+    """failed, retry-scheduled, retry, hung, recovered, memory-low, memory-critical, memory-recovered, ..."""
+    engine: str
+    """the engine it concerns, "-" for the host"""
+    message: str
+
+
+class EngineStatus(Model):
+    name: str
+    unit: str
+    enabled: bool
+    """enabled in the inventory (a disabled engine never counts against the exit code)"""
+    serving: bool
+    """the unit is active and /health answers 200"""
+    active_state: str
+    sub_state: str
+    since: float | None
+    """unix time the unit entered its current state"""
+    restarts: int
+    """systemd's automatic restarts of the unit this boot (its "Scheduled restart job" journal entries)"""
+    main_pid: int
+    """0 when no process runs"""
+    memory_bytes: int | None
+    """the unit's cgroup memory now"""
+    memory_high_bytes: int | None
+    """MemoryHigh (None: no limit)"""
+    memory_max_bytes: int | None
+    """MemoryMax (None: no limit)"""
+    port: int
+    """the port clients use (the front's when there is one)"""
+    health_http: int | None
+    """the HTTP status of the engine's own /health (None: no answer)"""
+    served_names: list[str]
+    """the model names the engine answers to (the inventory's; vLLM's /metrics names only the first)"""
+    kv_pool_tokens: int | None
+    """the KV cache pool in tokens (vllm:cache_config_info)"""
+    kv_use: float | None
+    """the share of the KV pool in use, 0..1"""
+    requests_running: int | None
+    requests_waiting: int | None
+    generation_tokens_per_s: float | None
+    """generated tokens per second over the sampling interval (None: no sample, or the engine restarted meanwhile)"""
+    last_start_at: float | None
+    """unix time its main process last started"""
+    last_start_s: float | None
+    """seconds that start took to readiness (None while not ready since)"""
+    recorded_cold_start_s: float | None
+    """the last cold start the host record measured, else the inventory's measured.cold_start_s"""
+
+
+class HostStatus(Model):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    host: str
+    reachable: bool
+    error: str | None = None
+    """why the host could not be read (unreachable: ssh's last line)"""
+    checked_at: float
+    """unix time on this machine when the host answered"""
+    serving: bool
+    """every enabled engine serves: `sparkform status` exits 0 only when this holds on every host"""
+    mem_total_bytes: int | None = None
+    mem_available_bytes: int | None = None
+    unified_in_use_bytes: int | None = None
+    """MemTotal - MemAvailable: on GB10's unified memory, what the CPU and the GPU use together"""
+    gpu: NvmlReport | None = None
+    """NVML's report read on the host with pynvml by the engine venv's Python (None: not read)"""
+    vllm_version: str | None = None
+    """the vLLM the host's venv holds"""
+    drift: list[str] = Field(default_factory=list)
+    """how the host changed since its record, one line each (the deploy prints the same lines)"""
+    watchdog: list[WatchdogEvent] = Field(default_factory=list)
+    """the guard's alerts this boot, the latest last"""
+    engines: list[EngineStatus] = Field(default_factory=list)
+    untrusted: list[str] = Field(default_factory=list)
+    """values read back in a shape sparkform never writes: left out"""
+
+
+def _metrics_filter() -> str:
+    names = "|".join(re.escape(name) for name in VLLM_METRICS)
+    return shlex.quote(f"^({names})[{{ ]")
+
+
+def _metrics(engine: Engine, config: HostConfig) -> str:
+    url = f"http://127.0.0.1:{config.internal_port(engine)}/metrics"
+    return f"curl -sS -m 5 {shlex.quote(url)} | grep -E {_metrics_filter()}"
+
+
+def _venv_python(config: HostConfig, code: str) -> str:
+    python = shlex.quote(f"{config.venv}/bin/python")
+    return f"[ -x {python} ] && {python} -I -c {shlex.quote(code)}"
+
+
+def status_command(config: HostConfig, sample_s: float) -> str:
+    """The one command that reads the host; `sample_s` apart, /metrics is read twice (tokens/s)."""
+    units = " ".join(shlex.quote(e.unit) for e in config.engines)
+    clock = "date +%s.%N"
+    sections = [section("clock", clock)]
+    for engine in config.engines:
+        health = f"http://127.0.0.1:{config.internal_port(engine)}/health"
+        sections.append(section(f"metrics:{engine.name}", _metrics(engine, config)))
+        sections.append(
+            section(
+                f"restarts:{engine.name}",
+                f"journalctl -b -q --no-pager -o cat -u {shlex.quote(engine.unit)} "
+                f"MESSAGE_ID={RESTART_SCHEDULED_MESSAGE_ID} | wc -l",
+            )
+        )
+        sections.append(section(f"health:{engine.name}", f"curl -s -o /dev/null -m 5 -w '%{{http_code}}\\n' {health}"))
+    sections.append(f"sleep {sample_s:g}")
+    sections.append(section("clock2", clock))
+    sections += [section(f"metrics2:{e.name}", _metrics(e, config)) for e in config.engines]
+    sections += [
+        section("units", f"systemctl show --timestamp=unix -p {STATUS_PROPERTIES} {units}"),
+        section("meminfo", "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo"),
+        section("gpu", report_command(f"{config.venv}/bin/python")),
+        section(
+            "vllm", _venv_python(config, f"import importlib.metadata as m; print(m.version({config.vllm_package!r}))")
+        ),
+        section("versions", LIVE_VERSIONS_COMMAND),
+        section("record", plain_file(config.paths.host_record)),
+        section("cache_keys", plain_files(f"{shlex.quote(config.paths.cache_keys)}/*")),
+        section(
+            "watchdog", f"journalctl -b -o json --no-pager -n {WATCHDOG_EVENTS_SHOWN} MESSAGE_ID={ALERT_MESSAGE_ID}"
+        ),
+    ]
+    return " ; ".join(sections)
+
+
+def _bytes(value: str) -> int | None:
+    # systemd prints "infinity" or "[not set]" where there is no figure.
+    return int(value) if value.isdigit() else None
+
+
+def _first_value(samples: list[Sample], name: str) -> float | None:
+    values = [s.value for s in samples if s.name == name and math.isfinite(s.value) and s.value >= 0]
+    return values[0] if values else None
+
+
+def _count(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _kv_pool_tokens(samples: list[Sample]) -> int | None:
+    for s in samples:
+        if s.name == "vllm:cache_config_info":
+            labels = s.labels
+            if labels.get("kv_cache_size_tokens", "").isdigit():
+                return int(labels["kv_cache_size_tokens"])
+            if labels.get("num_gpu_blocks", "").isdigit() and labels.get("block_size", "").isdigit():
+                return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+    return None
+
+
+def _clock(lines: list[str]) -> float | None:
+    return float(lines[0]) if lines and CLOCK_PATTERN.fullmatch(lines[0]) else None
+
+
+def _tokens_per_s(first: list[Sample], second: list[Sample], seconds: float | None) -> float | None:
+    before = _first_value(first, "vllm:generation_tokens_total")
+    after = _first_value(second, "vllm:generation_tokens_total")
+    if before is None or after is None or not seconds or after < before:  # a counter going down: a restart
+        return None
+    return round((after - before) / seconds, 1)
+
+
+def _watchdog_events(lines: list[str], untrusted: list[str]) -> list[WatchdogEvent]:
+    events = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            event = WatchdogEvent(
+                at=int(entry["__REALTIME_TIMESTAMP"]) / 1e6,
+                event=entry.get("SPARKFORM_EVENT", ""),
+                engine=entry.get("SPARKFORM_ENGINE", "-"),
+                message=entry["MESSAGE"],
+            )
+        except (ValueError, KeyError, TypeError):
+            continue  # not one of the guard's entries (journald prints binary fields as arrays)
+        if (
+            WATCHDOG_EVENT_PATTERN.fullmatch(event.event)
+            and (event.engine == "-" or ENGINE_NAME_PATTERN.fullmatch(event.engine))
+            and MESSAGE_PATTERN.fullmatch(event.message)
+        ):
+            events.append(event)
+        else:
+            untrusted.append("a watchdog journal entry in a shape the guard never writes")
+    return events
+
+
+def _record(lines: list[str], untrusted: list[str]) -> HostRecord | None:
+    try:
+        return HostRecord.from_json("\n".join(lines))
+    except UntrustedValue as err:
+        untrusted.append(f"the host record: {err}")
+        return None
+
+
+def _cache_keys(lines: list[str], untrusted: list[str]) -> dict[str, str]:
+    keys = {}
+    for line in lines:
+        path, _, key = line.partition(":")
+        name = path.rsplit("/", 1)[-1]
+        if ENGINE_NAME_PATTERN.fullmatch(name) and CACHE_KEY_PATTERN.fullmatch(key):
+            keys[name] = key
+        else:
+            untrusted.append(f"{path} is not a cache key sparkform writes")
+    return keys
+
+
+def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at: float | None = None) -> HostStatus:
+    """The status in `status_command`'s output."""
+    sections, links = split_sections(lines)
+    untrusted = [f"{path} is a symbolic link, not followed" for path in links]
+    units = engine_states(sections.get("units", []))
+    shown = parse_systemctl_show(sections.get("units", []))
+    sample_s = None
+    start, end = _clock(sections.get("clock", [])), _clock(sections.get("clock2", []))
+    if start is not None and end is not None and end > start:
+        sample_s = end - start
+    record = _record(sections.get("record", []), untrusted)
+    cold = last_cold_starts(record, {e.name: e.measured.cold_start_s for e in config.engines})
+
+    engines = []
+    for engine in config.engines:
+        state, properties = units.get(engine.unit), shown.get(engine.unit, {})
+        first = parse_prometheus(sections.get(f"metrics:{engine.name}", []))
+        second = parse_prometheus(sections.get(f"metrics2:{engine.name}", []))
+        health = "".join(sections.get(f"health:{engine.name}", []))
+        health_http = int(health) if HTTP_CODE_PATTERN.fullmatch(health) and health != "000" else None
+        active = state is not None and state.active_state == "active"
+        since = properties.get("StateChangeTimestamp", "")
+        restarts = "".join(sections.get(f"restarts:{engine.name}", [])).strip()
+        kv_use = _first_value(first, "vllm:kv_cache_usage_perc")
+        if kv_use is None:
+            kv_use = _first_value(first, "vllm:gpu_cache_usage_perc")
+        engines.append(
+            EngineStatus(
+                name=engine.name,
+                unit=engine.unit,
+                enabled=engine.enabled,
+                serving=active and health_http == 200,
+                active_state=state.active_state if state else "unknown",
+                sub_state=state.sub_state if state else "unknown",
+                since=float(since[1:]) if since.startswith("@") and since[1:].isdigit() else None,
+                restarts=int(restarts) if COUNT_PATTERN.fullmatch(restarts) else state.n_restarts if state else 0,
+                main_pid=state.main_pid if state else 0,
+                memory_bytes=_bytes(properties.get("MemoryCurrent", "")),
+                memory_high_bytes=_bytes(properties.get("MemoryHigh", "")),
+                memory_max_bytes=_bytes(properties.get("MemoryMax", "")),
+                port=engine.port,
+                health_http=health_http,
+                served_names=engine.names,
+                kv_pool_tokens=_kv_pool_tokens(first),
+                kv_use=kv_use if kv_use is not None and kv_use <= 1 else None,
+                requests_running=_count(_first_value(first, "vllm:num_requests_running")),
+                requests_waiting=_count(_first_value(first, "vllm:num_requests_waiting")),
+                generation_tokens_per_s=_tokens_per_s(first, second, sample_s),
+                last_start_at=state.started_at if state else None,
+                last_start_s=state.start_s if state else None,
+                recorded_cold_start_s=cold.get(engine.name),
+            )
+        )
+
+    meminfo = {}
+    for line in sections.get("meminfo", []):
+        key, _, rest = line.partition(":")
+        words = rest.split()
+        if words and words[0].isdigit():
+            meminfo[key] = int(words[0]) * 1024
+    total, available = meminfo.get("MemTotal"), meminfo.get("MemAvailable")
+
+    report = None
+    if sections.get("gpu"):
+        try:
+            report = parse_nvml_report("\n".join(sections["gpu"]))
+        except NvmlReportError as err:
+            untrusted.append(f"the GPU report: {err}")
+    vllm = "".join(sections.get("vllm", []))
+    live = parse_live_versions(sections.get("versions", []), f"{config.vllm_package}-{config.vllm_version}")
+    keys = _cache_keys(sections.get("cache_keys", []), untrusted)
+    host_drift = drift(record, live, {e.name: keys.get(e.name) for e in config.engines})
+    return HostStatus(
+        host=host_name,
+        reachable=True,
+        checked_at=checked_at if checked_at is not None else time.time(),
+        serving=all(e.serving for e in engines if e.enabled),
+        mem_total_bytes=total,
+        mem_available_bytes=available,
+        unified_in_use_bytes=total - available if total is not None and available is not None else None,
+        gpu=report,
+        vllm_version=vllm if VERSION_TEXT_PATTERN.fullmatch(vllm) else None,
+        drift=drift_report(host_drift, cold) if record else [],
+        watchdog=_watchdog_events(sections.get("watchdog", []), untrusted),
+        engines=engines,
+        untrusted=untrusted,
+    )
+
+
+def unreachable(host_name: str, reason: str) -> HostStatus:
+    """The status of a host that did not answer."""
+    return HostStatus(host=host_name, reachable=False, error=reason, checked_at=time.time(), serving=False)
+
+
+# --- the table -------------------------------------------------------------------------------------
+
+GIB = 1024**3
+COLUMNS = (
+    "ENGINE", "STATE", "SINCE", "RESTARTS", "PID", "MEMORY GiB now/high/max", "PORT", "SERVED AS",
+    "KV POOL tokens", "KV USE", "RUNNING", "WAITING", "GEN tok/s", "LAST START", "COLD START",
+)  # fmt: skip
+
+
+def _ago(at: float | None, now: float) -> str:
+    if at is None:
+        return "-"
+    seconds = max(0, int(now - at))
+    if seconds < 120:
+        return f"{seconds}s ago"
+    if seconds < 7200:
+        return f"{seconds // 60}m ago"
+    if seconds < 172800:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m ago"
+    return f"{seconds // 86400}d ago"
+
+
+def _gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / GIB:.1f}"
+
+
+def _or_dash(value: object, form: str = "{}") -> str:
+    return "-" if value is None else form.format(value)
+
+
+def _engine_row(e: EngineStatus, now: float) -> list[str]:
+    state = f"{e.active_state}/{e.sub_state}" + ("" if e.enabled else " (disabled)")
+    if e.active_state == "active" and not e.serving:
+        state += f" /health {e.health_http or 'no answer'}"
+    return [
+        e.name,
+        state,
+        _ago(e.since, now),
+        str(e.restarts),
+        str(e.main_pid or "-"),
+        " / ".join(_gib(v) for v in (e.memory_bytes, e.memory_high_bytes, e.memory_max_bytes)),
+        str(e.port),
+        ",".join(e.served_names),
+        _or_dash(e.kv_pool_tokens, "{:,}"),
+        _or_dash(None if e.kv_use is None else e.kv_use * 100, "{:.0f}%"),
+        _or_dash(e.requests_running),
+        _or_dash(e.requests_waiting),
+        _or_dash(e.generation_tokens_per_s, "{:.1f}"),
+        _or_dash(e.last_start_s, "{:.0f} s") + ("" if e.last_start_at is None else f" ({_ago(e.last_start_at, now)})"),
+        _or_dash(e.recorded_cold_start_s, "{:.0f} s"),
+    ]
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def _gpu_lines(report: NvmlReport | None) -> list[str]:
+    if report is None:
+        return ["GPU: not read"]
+    if report.error:
+        return [f"GPU: NVML says {report.error}"]
+    return [
+        f"GPU {g.index} {g.name}: driver {report.driver or '-'}, util {_or_dash(g.utilization_percent, '{}%')}, "
+        f"SM {_or_dash(g.sm_clock_mhz, '{} MHz')}, {_or_dash(g.temperature_c, '{} C')}, "
+        f"{_or_dash(g.power_w, '{:.1f} W')}, throttle: {', '.join(g.throttle_reasons) or 'none'}"
+        for g in report.gpus
+    ]
+
+
+def format_status(status: HostStatus) -> str:
+    """The block a person reads for one host."""
+    if not status.reachable:
+        return f"{status.host}: NOT READ: {status.error}"
+    now = status.checked_at
+    down = [e.name for e in status.engines if e.enabled and not e.serving]
+    head = f"{status.host}: " + (f"NOT SERVING: {', '.join(down)}" if down else "serving")
+    memory = (
+        f"memory: {_gib(status.mem_available_bytes)} GiB available of {_gib(status.mem_total_bytes)} GiB "
+        f"({_gib(status.unified_in_use_bytes)} GiB in use, CPU and GPU together)"
+    )
+    lines = [f"{head}   {memory}   vLLM {status.vllm_version or '-'}", *_gpu_lines(status.gpu)]
+    lines += _table([list(COLUMNS), *(_engine_row(e, now) for e in status.engines)])
+    lines += [f"drift since the record: {line}" for line in status.drift]
+    lines += [
+        f"watchdog {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(w.at))} {w.engine} {w.event}: {w.message}"
+        for w in status.watchdog
+    ]
+    lines += [f"left out (untrusted): {line}" for line in status.untrusted]
+    return "\n".join(lines)

@@ -1,0 +1,288 @@
+"""`sparkform status`: what it reads from a host's answer, what it leaves out, the table, the
+documented JSON and the exit code. Reading a real sandbox: tests/integration/test_watchful.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from sparkform import cli, status
+from sparkform.remote import LINK, SECTION
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEMA_DOC = REPO / "docs" / "status.md"
+INVENTORIES = REPO / "tests" / "fixtures" / "inventories"
+T0 = 1_764_550_000
+
+
+GB10_REPORT = json.dumps(
+    {
+        "driver": "580.95.05",
+        "gpus": [
+            {"index": 0, "name": "NVIDIA GB10", "utilization_percent": 96, "sm_clock_mhz": 2418, "temperature_c": 61,
+             "power_w": 41.3, "throttle_reasons": ["sw_power_cap"], "memory_used_bytes": None}
+        ],
+        "error": None,
+    }
+)  # fmt: skip
+
+
+def metrics(model: str, generated: float, running: int = 1, waiting: int = 0, kv_use: float = 0.25) -> list[str]:
+    """/metrics lines as vLLM 0.32 writes them (grep'd to the names status reads)."""
+    labels = f'engine="0",model_name="{model}"'
+    return [
+        'vllm:cache_config_info{block_size="128",kv_cache_size_tokens="1048576",num_gpu_blocks="8192"} 1.0',
+        f"vllm:kv_cache_usage_perc{{{labels}}} {kv_use}",
+        f"vllm:num_requests_running{{{labels}}} {running}.0",
+        f"vllm:num_requests_waiting{{{labels}}} {waiting}.0",
+        f"vllm:generation_tokens_total{{{labels}}} {generated}",
+    ]
+
+
+def units(q38: dict[str, str] | None = None) -> list[str]:
+    def block(unit: str, **over: str) -> list[str]:
+        properties = {
+            "Id": unit, "LoadState": "loaded", "ActiveState": "active", "SubState": "running", "NRestarts": "2",
+            "MainPID": "4242", "ExecMainStatus": "0", "Result": "success", "UnitFileState": "enabled",
+            "ExecMainStartTimestamp": f"@{T0 - 600}", "ExecMainStartTimestampMonotonic": "100000000",
+            "ActiveEnterTimestampMonotonic": "131500000", "MemoryCurrent": str(3 * 1024**3),
+            "MemoryHigh": str(105 * 1024**3), "MemoryMax": "infinity", "StateChangeTimestamp": f"@{T0 - 570}",
+        }  # fmt: skip
+        properties.update(over)
+        return [f"{key}={value}" for key, value in properties.items()] + [""]
+
+    return block("vllm-nemotron.service") + block("vllm-q38.service", **(q38 or {}))
+
+
+def answer(**sections: list[str]) -> list[str]:
+    """A host's answer to status_command: each section under its marker."""
+    base = {
+        "clock": [f"{T0}.000000000"],
+        "metrics:nemotron": metrics("nemotron", 1000),
+        "restarts:nemotron": ["3"],
+        "health:nemotron": ["200"],
+        "metrics:q38": metrics("q38", 500),
+        "restarts:q38": ["0"],
+        "health:q38": ["200"],
+        "clock2": [f"{T0 + 2}.000000000"],
+        "metrics2:nemotron": metrics("nemotron", 1084),
+        "metrics2:q38": metrics("q38", 500),
+        "units": units(),
+        "meminfo": ["MemTotal:       125513944 kB", "MemAvailable:   45513944 kB"],
+        "gpu": [GB10_REPORT],
+        "vllm": ["0.27.1"],
+        "versions": ["kernel=6.11.0-1016-nvidia", "driver=580.95.05", "gpu_arch=12.1"],
+        "record": [],
+        "cache_keys": [],
+        "watchdog": [],
+    }
+    base.update({name.replace("__", ":"): lines for name, lines in sections.items()})
+    return [line for name, lines in base.items() for line in (f"{SECTION}{name}", *lines)]
+
+
+@pytest.fixture
+def spark(make_host, seed_data):
+    return make_host(seed_data, name="spark")
+
+
+def test_a_serving_pair_is_read_whole(spark):
+    s = status.read_status("spark", spark.config, answer(), checked_at=T0)
+    assert s.serving and s.untrusted == []
+    nemotron, q38 = s.engines
+    assert (nemotron.name, nemotron.unit, nemotron.serving, nemotron.restarts, nemotron.main_pid) == (
+        "nemotron", "vllm-nemotron.service", True, 3, 4242,
+    )  # fmt: skip
+    limits = (nemotron.memory_bytes, nemotron.memory_high_bytes, nemotron.memory_max_bytes)
+    assert limits == (3 * 1024**3, 105 * 1024**3, None)
+    assert nemotron.served_names == ["nemotron"] and nemotron.kv_pool_tokens == 1048576 and nemotron.kv_use == 0.25
+    assert (nemotron.requests_running, nemotron.requests_waiting) == (1, 0)
+    assert q38.restarts == 0  # the journal's count this boot, not NRestarts (reset once an engine serves)
+    assert nemotron.generation_tokens_per_s == 42.0 and q38.generation_tokens_per_s == 0.0
+    assert (nemotron.since, nemotron.last_start_at, nemotron.last_start_s) == (T0 - 570, T0 - 600, 31.5)
+    assert s.mem_available_bytes == 45513944 * 1024 and s.unified_in_use_bytes == 80000000 * 1024
+    assert s.vllm_version == "0.27.1"
+    assert s.gpu.driver == "580.95.05" and s.gpu.gpus[0].throttle_reasons == ("sw_power_cap",)
+
+
+def test_an_engine_down_or_not_answering_makes_the_host_not_serving(spark):
+    failed = units({"ActiveState": "failed", "SubState": "failed", "MainPID": "0", "Result": "start-limit-hit"})
+    s = status.read_status("spark", spark.config, answer(units=failed, health__q38=["000"]), checked_at=T0)
+    assert not s.serving and [e.serving for e in s.engines] == [True, False]
+    assert s.engines[1].health_http is None and s.engines[1].active_state == "failed"
+    hung = status.read_status("spark", spark.config, answer(health__q38=["503"]), checked_at=T0)
+    assert not hung.serving and hung.engines[1].active_state == "active" and hung.engines[1].health_http == 503
+    assert "NOT SERVING: q38" in status.format_status(hung) and "/health 503" in status.format_status(hung)
+
+
+def test_a_disabled_engine_does_not_count(make_host, seed_data):
+    seed_data["engines"][1]["enabled"] = False
+    host = make_host(seed_data, name="spark")
+    failed = units({"ActiveState": "inactive", "SubState": "dead", "MainPID": "0"})
+    s = status.read_status("spark", host.config, answer(units=failed, health__q38=["000"]), checked_at=T0)
+    assert s.serving and not s.engines[1].enabled
+    assert "(disabled)" in status.format_status(s)
+
+
+def test_tokens_per_second_is_none_across_a_restart_or_without_a_second_sample(spark):
+    restarted = answer(metrics2__nemotron=metrics("nemotron", 12))
+    assert status.read_status("spark", spark.config, restarted).engines[0].generation_tokens_per_s is None
+    unsampled = answer(metrics2__nemotron=[])
+    assert status.read_status("spark", spark.config, unsampled).engines[0].generation_tokens_per_s is None
+
+
+def test_the_kv_pool_comes_from_blocks_when_the_size_label_is_absent_and_the_old_use_name_is_read(spark):
+    older = [
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="168975"} 1.0',
+        'vllm:gpu_cache_usage_perc{model_name="nemotron"} 0.5',
+    ]
+    e = status.read_status("spark", spark.config, answer(metrics__nemotron=older)).engines[0]
+    assert (e.kv_pool_tokens, e.kv_use, e.requests_running) == (16 * 168975, 0.5, None)
+
+
+def test_values_in_a_shape_never_written_are_left_out_and_named(spark):
+    hostile = answer(
+        metrics__nemotron=["vllm:num_requests_running{} -1", "vllm:kv_cache_usage_perc{} 7"],
+        vllm=["0.27.1; rm -rf /"],
+        cache_keys=["/var/lib/sparkform/record/cache-keys/q38:k;touch /tmp/pwned"],
+        record=[f"{LINK}/var/lib/sparkform/record/host-record.json"],
+        watchdog=[json.dumps({"__REALTIME_TIMESTAMP": "1", "MESSAGE": "\x1b[2Jgone", "SPARKFORM_EVENT": "hung"})],
+        meminfo=["MemTotal: lots kB"],
+        gpu=[GB10_REPORT.replace("NVIDIA GB10", "GB10\\u001b[2J")],
+    )
+    s = status.read_status("spark", spark.config, hostile, checked_at=T0)
+    nemotron = s.engines[0]
+    assert nemotron.kv_use is None and nemotron.requests_running is None
+    assert s.vllm_version is None and s.mem_total_bytes is None and s.watchdog == []
+    assert any("cache-keys/q38 is not a cache key" in line for line in s.untrusted)
+    assert any("host-record.json is a symbolic link" in line for line in s.untrusted)
+    assert any("watchdog journal entry" in line for line in s.untrusted)
+    assert s.gpu is None and any(line.startswith("the GPU report: gpus[0].name") for line in s.untrusted)
+    table = status.format_status(s)
+    assert "\x1b" not in table and "rm -rf" not in table and "pwned" not in table
+
+
+def test_watchdog_alerts_and_drift_since_the_record_are_shown(spark):
+    record = {
+        "versions": {"kernel": "6.11.0-1016-nvidia", "driver": "580.82.09", "cuda": None, "gpu_arch": "12.1",
+                     "firmware": None, "vllm": "vllm-0.27.1"},
+        "engines": {"q38": {"cache_key": "driver580.82.09-cudanone-vllm-0.27.1-sm12.1", "cold_start_s": 335.0,
+                            "start_s": 40.0}},
+    }  # fmt: skip
+    entry = {
+        "__REALTIME_TIMESTAMP": f"{T0 - 60}000000", "MESSAGE": "vllm-q38.service answered none of 3 probes: killed",
+        "SPARKFORM_EVENT": "hung", "SPARKFORM_ENGINE": "q38",
+    }  # fmt: skip
+    s = status.read_status(
+        "spark",
+        spark.config,
+        answer(
+            record=json.dumps(record).splitlines(),
+            cache_keys=["/var/lib/sparkform/record/cache-keys/q38:driver580.82.09-cudanone-vllm-0.27.1-sm12.1"],
+            watchdog=[json.dumps(entry)],
+        ),
+        checked_at=T0,
+    )
+    assert s.engines[1].recorded_cold_start_s == 335.0
+    assert s.drift == ["driver 580.82.09 -> 580.95.05: JIT caches of q38 will be rebuilt (cold start, about 335 s)"]
+    assert [(w.engine, w.event, w.at) for w in s.watchdog] == [("q38", "hung", T0 - 60)]
+    table = status.format_status(s)
+    assert "drift since the record: driver 580.82.09 -> 580.95.05" in table
+    assert "q38 hung: vllm-q38.service answered none of 3 probes: killed" in table
+
+
+def test_the_table_shows_each_engine_on_one_row(spark):
+    table = status.format_status(status.read_status("spark", spark.config, answer(), checked_at=T0))
+    head, *_ = table.splitlines()
+    assert head.startswith("spark: serving   memory: 43.4 GiB available of 119.7 GiB (76.3 GiB in use")
+    row = next(line for line in table.splitlines() if line.startswith("nemotron "))
+    assert "GPU 0 NVIDIA GB10: driver 580.95.05, util 96%, SM 2418 MHz, 61 C, 41.3 W, throttle: sw_power_cap" in table
+    for cell in (
+        "active/running",
+        "9m ago",
+        "3",
+        "4242",
+        "3.0 / 105.0 / -",
+        "1,048,576",
+        "25%",
+        "42.0",
+        "32 s (10m ago)",
+    ):
+        assert cell in row, cell
+
+
+def test_the_json_is_the_documented_schema(spark):
+    documented = SCHEMA_DOC.read_text().split("```json\n", 1)[1].split("```", 1)[0]
+    assert json.loads(documented) == status.HostStatus.model_json_schema(), (
+        "regenerate the schema in docs/status.md with `sparkform status --schema`"
+    )
+    for s in (
+        status.read_status("spark", spark.config, answer(), checked_at=T0),
+        status.unreachable("spark", "does not answer over SSH (Connection refused)"),
+    ):
+        jsonschema.validate(json.loads(s.model_dump_json()), json.loads(documented))
+
+
+def test_the_command_runs_in_one_shell_and_reads_this_machine_for_real(make_host, seed_data, servers):
+    """Two engines answer /health here (200 and 503) and no unit exists: the command ends, and
+    reads what there is."""
+    up, dying = servers(health=200), servers(health=503)
+    for engine, server in zip(seed_data["engines"], (up, dying), strict=True):
+        engine["port"] = server.port - seed_data.get("internal_port_offset", 10000)
+    host = make_host(seed_data, name="spark")
+    command = status.status_command(host.config, 0.1)
+    assert command.count("curl -sS") == 4 and "sleep 0.1 ;" in command
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    s = status.read_status("spark", host.config, result.stdout.splitlines())
+    assert [e.health_http for e in s.engines] == [200, 503]
+    assert not s.serving  # no unit is active here
+    assert s.mem_total_bytes == int(Path("/proc/meminfo").read_text().split()[1]) * 1024
+    assert up.paths() == ["/metrics", "/health", "/metrics"]
+
+
+@pytest.mark.parametrize("option", [["--watch", "0"], ["--sample", "-1"], ["--sample", "nan"]])
+def test_intervals_that_are_not_positive_are_refused(option, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["status", "inventory/spark.py", *option])
+    assert exit_.value.code == 2
+    assert "must be a positive number of seconds" in capsys.readouterr().err
+
+
+def unreachable_inventory(tmp_path: Path, port: int) -> Path:
+    inventory = tmp_path / "unreachable.py"
+    inventory.write_text(
+        "import runpy\n"
+        "from sparkform.inventory import hosts\n"
+        f"pair = runpy.run_path({str(INVENTORIES / 'broken_base.py')!r})['pair']()\n"
+        f"pair.update(ssh_hostname='127.0.0.1', ssh_port={port})\n"
+        "spark = hosts({'gone-box': pair}, __file__)\n"
+    )
+    return inventory
+
+
+def test_a_host_that_does_not_answer_is_named_in_one_line_and_exits_1(tmp_path, free_port, capsys):
+    inventory = unreachable_inventory(tmp_path, free_port())
+    assert cli.main(["status", str(inventory)]) == 1
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("gone-box: NOT READ: does not answer over SSH (") and "Connection refused" in line
+    assert cli.main(["status", str(inventory), "--json"]) == 1
+    (document,) = capsys.readouterr().out.splitlines()
+    assert json.loads(document)["reachable"] is False
+
+
+def test_watch_reads_again_every_interval_until_stopped(tmp_path, free_port):
+    inventory = unreachable_inventory(tmp_path, free_port())
+    command = [sys.executable, "-m", "sparkform.cli", "status", str(inventory), "--json", "--watch", "0.2"]
+    watch = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        rounds = [json.loads(watch.stdout.readline()) for _ in range(3)]
+    finally:
+        watch.kill()
+        watch.wait()
+    assert [r["host"] for r in rounds] == ["gone-box"] * 3
+    assert rounds[0]["checked_at"] < rounds[1]["checked_at"] < rounds[2]["checked_at"]
