@@ -10,14 +10,16 @@ SPARKFORM := $(VENV)/bin/sparkform
 # shellcheck and systemd-analyze check rendered files; debootstrap, systemd-nspawn, iproute2 and
 # ssh boot and reach the sandbox; strace shows which argv a secret-handling command exposes; nginx
 # runs the rendered front in the unit tests (the package's service is not started here); cc
-# compiles the sandbox's NVML stand-in for the GPU report's unit tests.
-SYSTEM_TOOLS := shellcheck systemd-analyze debootstrap systemd-nspawn ip ssh ssh-keygen nsenter strace nginx cc
+# compiles the sandbox's NVML stand-in for the GPU report's unit tests; promtool (Debian's
+# prometheus) checks the rendered scrape config, alert rules and textfile metrics.
+SYSTEM_TOOLS := shellcheck systemd-analyze debootstrap systemd-nspawn ip ssh ssh-keygen nsenter strace nginx cc promtool
 system-deps:
 	@missing=$$(for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null || echo $$tool; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "== installing Debian packages for: $$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    shellcheck systemd debootstrap systemd-container iproute2 openssh-client util-linux strace nginx gcc; \
+	    shellcheck systemd debootstrap systemd-container iproute2 openssh-client util-linux strace nginx gcc \
+	    prometheus; \
 	fi
 
 $(VENV)/.installed: pyproject.toml

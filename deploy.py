@@ -25,7 +25,8 @@ from sparkform import converge, layout
 from sparkform.hub import resolve_pins
 from sparkform.inventory import exit_invalid, exit_untrusted, host_from_data
 from sparkform.model import InventoryError
-from tasks import checkpoints, engines, files, front, guard, host_record, jit, system, venv
+from sparkform.render import prerequisite_packages
+from tasks import checkpoints, engines, files, front, guard, host_record, jit, monitoring, system, venv
 
 try:
     config = host_from_data(host.name, host.data.dict()).config
@@ -54,7 +55,8 @@ for hole in plan.holes:
         + ("this run repairs it" if hole.repaired else "fix that unit by hand")
     )
 
-system.packages_present(name="Install prerequisites", packages=request["packages"], snapshot=snapshot)
+# node_exporter is not among them: it is installed after its settings are written (below).
+system.packages_present(name="Install prerequisites", packages=prerequisite_packages(config.device), snapshot=snapshot)
 system.system_user(
     name=f"Engine user {config.engine_user}", user=config.engine_user, home=config.paths.engine_home, snapshot=snapshot
 )
@@ -164,6 +166,17 @@ guard.guard_running(
     wanted=plan.guard_wanted,
     stamp=config.paths.stamp("guard"),
 )
+if config.monitoring.enabled:
+    monitoring.node_exporter_serving(
+        name="node_exporter (systemd and textfile collectors) serving",
+        package=layout.NODE_EXPORTER_PACKAGE,
+        installed=layout.NODE_EXPORTER_PACKAGE in snapshot.installed_packages,
+        unit=layout.NODE_EXPORTER_UNIT,
+        current=snapshot.engines.get(layout.NODE_EXPORTER_UNIT),
+        applied=snapshot.markers.get(config.paths.stamp("node-exporter")),
+        wanted=plan.node_exporter_wanted,
+        stamp=config.paths.stamp("node-exporter"),
+    )
 if plan.steps:
     engines.target_reached(
         name=f"{layout.ENGINES_TARGET} reached",
@@ -173,5 +186,10 @@ if plan.steps:
     )
 checkpoints.old_revisions_removed(name="Remove old checkpoint revisions", config=config, snapshot=snapshot)
 host_record.host_recorded(
-    name="Host record", config=config, current=snapshot.record, started=plan.started, planned=plan.record
+    name="Host record",
+    config=config,
+    current=snapshot.record,
+    started=plan.started,
+    planned=plan.record,
+    textfile=snapshot.paths.get(config.monitoring.record_textfile),
 )

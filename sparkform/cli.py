@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparkform import hostpins, locks, logs, planner, ssh, status_command
+from sparkform import hostpins, locks, logs, monitoring, planner, ssh, status_command
 from sparkform.bundle import DEPLOY, VERIFY_SUITE
 from sparkform.engine import Checkpoint, Engine, Measured
 from sparkform.hostrecord import HostRecord, UntrustedValue
@@ -30,7 +30,7 @@ from sparkform.layout import record_path
 from sparkform.model import Host, InventoryError, Problem
 from sparkform.render import render_host
 from sparkform.sandbox import command as sandbox_command
-from sparkform.schema import CompileCaps, HostConfig
+from sparkform.schema import CompileCaps, HostConfig, Monitoring
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -241,6 +241,7 @@ def field_table() -> str:
     sections = [
         ("host", HostConfig),
         ("compile_caps.", CompileCaps),
+        ("monitoring.", Monitoring),
         ("engines[].", Engine),
         ("engines[].checkpoint.", Checkpoint),
         ("engines[].measured.", Measured),
@@ -252,7 +253,7 @@ def field_table() -> str:
                 default = "required"
             else:
                 value = info.get_default(call_default_factory=True)
-                default = "—" if isinstance(value, (CompileCaps, Measured)) else f"`{json.dumps(value)}`"
+                default = "—" if isinstance(value, (CompileCaps, Measured, Monitoring)) else f"`{json.dumps(value)}`"
             label = name if prefix == "host" else f"{prefix}{name}"
             meaning = " ".join(info.description.split())  # the field's docstring, on one line
             lines.append(f"| `{label}` | {default} | {meaning} |")
@@ -283,6 +284,13 @@ def _cmd_lock(args: argparse.Namespace) -> int:
 def _cmd_deploy_path(_: argparse.Namespace) -> int:
     """Where deploy.py is: in the checkout, or in the installed wheel (sparkform/bundle.py)."""
     print(DEPLOY)
+    return 0
+
+
+def _cmd_monitoring(args: argparse.Namespace) -> int:
+    addresses = {name: data.get("ssh_hostname") for name, data in raw_inventory(args.inventory).items()}
+    for path in monitoring.write(load_inventory(args.inventory), addresses, str(args.inventory), args.out):
+        print(path)
     return 0
 
 
@@ -330,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         "deploy-path", help='print where deploy.py is: pyinfra INVENTORY "$(sparkform deploy-path)"'
     )
     deploy_path.set_defaults(run=_cmd_deploy_path)
+    watch = sub.add_parser(
+        "monitoring", help="write a Prometheus scrape config, alert rules and a Grafana dashboard for the hosts"
+    )
+    watch.add_argument("inventory", type=Path)
+    watch.add_argument("--out", type=Path, required=True)
+    watch.set_defaults(run=_cmd_monitoring)
     fields = sub.add_parser("fields", help="print the inventory field table (Markdown)")
     fields.set_defaults(run=_cmd_fields)
     lock = sub.add_parser("lock", help="make the hashed lock of a vLLM version for a device (uv pip compile)")

@@ -19,7 +19,14 @@ from sparkform.engine import Engine
 from sparkform.hostrecord import EngineRecord, HostRecord, HostVersions
 from sparkform.layout import FRONT_CONFIG, FRONT_DROP_IN
 from sparkform.parsers import EngineState
-from sparkform.render import RenderedFile, guard_files, prerequisite_packages, render_host
+from sparkform.render import (
+    RenderedFile,
+    guard_files,
+    monitoring_packages,
+    node_exporter_files,
+    prerequisite_packages,
+    render_host,
+)
 from sparkform.schema import HostConfig
 from sparkform.snapshot import RemoteFile, Snapshot
 
@@ -65,13 +72,15 @@ def secrets(config: HostConfig) -> list[Secret]:
 
 def unwanted(config: HostConfig) -> list[str]:
     """Files that must not be on the host: the engines' old copy of the API key (before the
-    front), Debian's default nginx site, and the front's key and the alert webhook once the
-    inventory names none."""
+    front), Debian's default nginx site, the front's key and the alert webhook once the
+    inventory names none, and sparkform's metrics once monitoring is off (node_exporter itself,
+    and its settings, stay: the package is the owner's to remove)."""
     paths = [config.paths.retired_engine_env, layout.NGINX_DEFAULT_SITE]
     return (
         paths
         + ([] if config.api_key_file else [config.paths.front_key])
         + ([] if config.alert_webhook_file else [config.paths.alert_webhook])
+        + ([] if config.monitoring.enabled else config.monitoring.textfiles)
     )
 
 
@@ -107,6 +116,12 @@ def folders(config: HostConfig) -> list[Folder]:
         Folder(config.cache_root, "755"),
         Folder(posixpath.dirname(layout.FRONT_DROP_IN), "755"),
     ]
+    if config.monitoring.enabled:
+        # The textfiles' folder is root's alone: root writes into it, node_exporter only reads.
+        result += [
+            Folder(config.monitoring.textfile_dir, "755"),
+            Folder(posixpath.dirname(layout.NODE_EXPORTER_DROP_IN), "755"),
+        ]
     result += [Folder(config.engine_cache_dir(engine), "750", engine_user, engine_user) for engine in config.engines]
     return result
 
@@ -115,17 +130,20 @@ def snapshot_request(config: HostConfig) -> dict:
     """What the snapshot fact reads for `config` (its keyword arguments)."""
     rendered = render_host(config)
     return dict(
-        packages=prerequisite_packages(config.device),
+        packages=prerequisite_packages(config.device) + monitoring_packages(config),
         users=[config.engine_user],
         paths=(
             [f.path for f in folders(config)]
             + [f.path for f in rendered]
             + [s.path for s in secrets(config)]
             + unwanted(config)
+            + ([config.monitoring.record_textfile] if config.monitoring.enabled else [])
         ),
-        markers=[layout.venv_marker(config.venv), config.paths.stamp("nginx"), config.paths.stamp("guard")],
+        markers=[layout.venv_marker(config.venv), config.paths.stamp("nginx"), config.paths.stamp("guard")]
+        + ([config.paths.stamp("node-exporter")] if config.monitoring.enabled else []),
         units=[engine.unit for engine in config.engines]
-        + [layout.ENGINES_TARGET, layout.FRONT_UNIT, layout.GUARD_UNIT],
+        + [layout.ENGINES_TARGET, layout.FRONT_UNIT, layout.GUARD_UNIT]
+        + ([layout.NODE_EXPORTER_UNIT] if config.monitoring.enabled else []),
         unit_glob=layout.ENGINE_UNIT_GLOB,
         models_dir=config.models_dir,
         pins_dir=config.pins_dir,
@@ -222,6 +240,7 @@ class ConvergePlan:
     cache_key: str  # what the host's versions key JIT caches under now
     front_wanted: str  # the digest nginx must run with (its drop-in, config and key)
     guard_wanted: str  # the digest the guard must run with (its files)
+    node_exporter_wanted: str  # the digest node_exporter must run with (its settings and drop-in)
     record: HostRecord  # the host record as this run leaves it
 
     @property
@@ -306,5 +325,6 @@ def plan(config: HostConfig, snapshot: Snapshot) -> ConvergePlan:
             f"{digest(contents[FRONT_CONFIG], contents.get(config.paths.front_key, ''))}"
         ),
         guard_wanted=digest(*(contents[path] for path in guard_files(config))),
+        node_exporter_wanted=digest(*(f.content for f in node_exporter_files(config))),
         record=planned_record(config, live, snapshot.record, snapshot),
     )

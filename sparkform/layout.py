@@ -17,6 +17,7 @@ UNIT_PREFIX = "vllm-"  # engine NAME runs as unit vllm-NAME.service
 ENGINE_UNIT_GLOB = f"{UNIT_DIR}/{UNIT_PREFIX}*.service"
 ENGINES_TARGET = "sparkform-engines.target"  # reached once every enabled engine serves
 GUARD_UNIT = "sparkform-guard.service"
+RETRY_UNIT_PREFIX = "sparkform-retry-"  # the guard's delayed start of ENGINE: sparkform-retry-ENGINE.timer
 RECOVER_UNIT = "sparkform-recover@.service"  # the engines' OnFailure=, one instance per engine
 FRONT_UNIT = "nginx.service"
 FRONT_CONFIG = "/etc/nginx/conf.d/sparkform.conf"
@@ -24,6 +25,15 @@ FRONT_DROP_IN = f"{UNIT_DIR}/nginx.service.d/sparkform-hardening.conf"
 # Debian's welcome page on port 80 of every address: nothing a Spark should serve to the LAN.
 NGINX_DEFAULT_SITE = "/etc/nginx/sites-enabled/default"
 PROFILE_CAPS = "/etc/profile.d/sparkform-caps.sh"  # the compile caps for login shells
+# Monitoring (HostConfig.monitoring): Debian's prometheus-node-exporter, its settings, and the
+# textfiles sparkform writes for its collector: one per writer, each replaced whole.
+NODE_EXPORTER_PACKAGE = "prometheus-node-exporter"
+NODE_EXPORTER_UNIT = "prometheus-node-exporter.service"
+NODE_EXPORTER_DEFAULTS = "/etc/default/prometheus-node-exporter"  # ARGS=, read by Debian's unit
+NODE_EXPORTER_DROP_IN = f"{UNIT_DIR}/prometheus-node-exporter.service.d/sparkform-access.conf"
+RECORD_TEXTFILE = "sparkform.prom"  # the host record's metrics, written with the record
+GUARD_TEXTFILE = "sparkform-guard.prom"  # the guard's alerts, written by the guard
+GPU_TEXTFILE = "sparkform-gpu.prom"  # the GPU's temperature, clock and clock-event reasons, sampled by the guard
 # Written last into a venv or a checkpoint folder: without it the folder is unfinished, and the
 # launch script refuses the checkpoint.
 COMPLETE_MARKER = ".sparkform-complete"
@@ -31,6 +41,16 @@ COMPLETE_MARKER = ".sparkform-complete"
 CHECKPOINT_MANIFEST = ".sparkform-manifest.json"
 VENV_LOCK = "sparkform-lock.txt"  # the lock a venv was installed from, inside that venv
 RECORD_NAME = "host-record.json"
+
+
+def monitored_units_pattern() -> str:
+    """node_exporter's --collector.systemd.unit-include: the engines, their target, the guard, the
+    recovery units and their retry timers. `[.]` rather than a backslash: the pattern passes
+    through an environment file and systemd's $ARGS splitting."""
+    engine = f"{UNIT_PREFIX}.+[.]service"
+    target, guard = (unit.replace(".", "[.]") for unit in (ENGINES_TARGET, GUARD_UNIT))
+    recover = RECOVER_UNIT.replace("@.service", "@.+[.]service")
+    return f"({engine}|{target}|{guard}|{recover}|{RETRY_UNIT_PREFIX}.+[.](service|timer))"
 
 
 def engine_unit(engine_name: str) -> str:

@@ -24,6 +24,9 @@ from sparkform.layout import (
     FRONT_CONFIG,
     FRONT_DROP_IN,
     GUARD_UNIT,
+    NODE_EXPORTER_DEFAULTS,
+    NODE_EXPORTER_DROP_IN,
+    NODE_EXPORTER_PACKAGE,
     PROFILE_CAPS,
     RECOVER_UNIT,
     record_dir,
@@ -209,6 +212,8 @@ def guard_settings(config: HostConfig) -> dict:
         "state_dir": record_dir(config.state_dir),
         "webhook_file": config.paths.alert_webhook if config.alert_webhook_file else None,
         "alert_command": config.alert_command,
+        "textfile": config.monitoring.guard_textfile if config.monitoring.enabled else None,
+        "gpu_textfile": config.monitoring.gpu_textfile if config.monitoring.enabled else None,
         **{
             key: getattr(config, key)
             for key in (
@@ -224,6 +229,7 @@ def guard_settings(config: HostConfig) -> dict:
         },
         "memory_poll_s": 2,
         "memory_settle_s": 10,
+        "gpu_poll_s": 15,
     }
 
 
@@ -235,8 +241,34 @@ def front_listen(config: HostConfig) -> tuple[str, str]:
     return f"[{config.listen_address}]", " ipv6only=off" if address.is_unspecified else ""
 
 
-def _render(template: str, **context) -> str:
-    return _env.get_template(template).render(**context)
+def bracketed(address: str) -> str:
+    """An address as it goes before `:port` (IPv6 in brackets)."""
+    return f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
+
+
+def monitoring_packages(config: HostConfig) -> list[str]:
+    """Debian packages monitoring adds: node_exporter (none while it is off)."""
+    return [NODE_EXPORTER_PACKAGE] if config.monitoring.enabled else []
+
+
+def node_exporter_files(config: HostConfig) -> list[RenderedFile]:
+    """node_exporter's settings (Debian's ARGS) and the drop-in that limits who reaches it; a
+    change to either restarts it. None while monitoring is off."""
+    if not config.monitoring.enabled:
+        return []
+    return [
+        RenderedFile(
+            NODE_EXPORTER_DEFAULTS,
+            template("node-exporter.default.j2", config=config, listen=bracketed(config.monitoring.listen_address)),
+            "644",
+        ),
+        RenderedFile(NODE_EXPORTER_DROP_IN, template("node-exporter-access.conf.j2", config=config), "644"),
+    ]
+
+
+def template(name: str, **context) -> str:
+    """templates/NAME rendered with `context`."""
+    return _env.get_template(name).render(**context)
 
 
 def render_host(config: HostConfig) -> list[RenderedFile]:
@@ -244,36 +276,36 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
     paths = config.paths
     files = [
         RenderedFile(
-            paths.launch, _render("sparkform-launch.sh.j2", config=config, complete_marker=COMPLETE_MARKER), "755"
+            paths.launch, template("sparkform-launch.sh.j2", config=config, complete_marker=COMPLETE_MARKER), "755"
         ),
-        RenderedFile(paths.wait_ready, _render("sparkform-wait-ready.sh.j2", config=config), "755"),
+        RenderedFile(paths.wait_ready, template("sparkform-wait-ready.sh.j2", config=config), "755"),
         # Run by the venv's python (it needs huggingface_hub), so not executable on its own.
         RenderedFile(
             paths.checkpoint,
-            _render("sparkform-checkpoint.py.j2", complete_marker=COMPLETE_MARKER, manifest=CHECKPOINT_MANIFEST),
+            template("sparkform-checkpoint.py.j2", complete_marker=COMPLETE_MARKER, manifest=CHECKPOINT_MANIFEST),
             "644",
         ),
         # Run by the system's python3 at the end of a converge.
-        RenderedFile(paths.record, _render("sparkform-record.py.j2"), "644"),
+        RenderedFile(paths.record, template("sparkform-record.py.j2"), "644"),
         RenderedFile(
-            PROFILE_CAPS, _render("profile-caps.sh.j2", config=config, caps=config.compile_caps.as_env()), "644"
+            PROFILE_CAPS, template("profile-caps.sh.j2", config=config, caps=config.compile_caps.as_env()), "644"
         ),
     ]
     if config.enabled_engines:
         files.append(
-            RenderedFile(unit_path(ENGINES_TARGET), _render("sparkform-engines.target.j2", config=config), "644")
+            RenderedFile(unit_path(ENGINES_TARGET), template("sparkform-engines.target.j2", config=config), "644")
         )
     guard_config, guard_script, guard_unit, recover_unit = guard_files(config)
     files += [
         RenderedFile(
             guard_script,
-            _render("sparkform-guard.py.j2", guard_config=guard_config, message_id=ALERT_MESSAGE_ID),
+            template("sparkform-guard.py.j2", guard_config=guard_config, message_id=ALERT_MESSAGE_ID),
             "644",
         ),
         RenderedFile(guard_config, json.dumps(guard_settings(config), indent=2) + "\n", "644"),
         RenderedFile(
             guard_unit,
-            _render(
+            template(
                 "sparkform-guard.service.j2",
                 config=config,
                 guard_config=guard_config,
@@ -282,14 +314,14 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
             "644",
         ),
         RenderedFile(
-            recover_unit, _render("sparkform-recover@.service.j2", config=config, guard_config=guard_config), "644"
+            recover_unit, template("sparkform-recover@.service.j2", config=config, guard_config=guard_config), "644"
         ),
     ]
     listen, listen_options = front_listen(config)
     files += [
         RenderedFile(
             FRONT_CONFIG,
-            _render(
+            template(
                 "nginx-front.conf.j2",
                 config=config,
                 routes=FRONT_ROUTES,
@@ -299,7 +331,8 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
             ),
             "644",
         ),
-        RenderedFile(FRONT_DROP_IN, _render("nginx-hardening.conf.j2"), "644"),
+        RenderedFile(FRONT_DROP_IN, template("nginx-hardening.conf.j2"), "644"),
+        *node_exporter_files(config),
     ]
     for engine in config.engines:
         environment = engine_environment(config, engine)
@@ -307,7 +340,7 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
         files += [
             RenderedFile(
                 unit_path(engine.unit),
-                _render(
+                template(
                     "engine.service.j2",
                     config=config,
                     engine=engine,
@@ -319,7 +352,7 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
             ),
             RenderedFile(
                 env_file,
-                _render(
+                template(
                     "engine.env.j2",
                     config=config,
                     engine=engine,
@@ -329,6 +362,6 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
                 "644",
                 engine.name,
             ),
-            RenderedFile(args_file, _render("engine.args.j2", args=engine_args(config, engine)), "644", engine.name),
+            RenderedFile(args_file, template("engine.args.j2", args=engine_args(config, engine)), "644", engine.name),
         ]
     return files

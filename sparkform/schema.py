@@ -15,7 +15,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from sparkform import locks
 from sparkform.engine import Engine
-from sparkform.layout import HostPaths
+from sparkform.layout import GPU_TEXTFILE, GUARD_TEXTFILE, RECORD_TEXTFILE, HostPaths
 from sparkform.shapes import (
     COMMIT_ID,
     PYINFRA_KEY_PREFIXES,
@@ -48,6 +48,61 @@ class CompileCaps(StrictModel):
             "FLASHINFER_NVCC_THREADS": str(self.flashinfer_nvcc_threads),
             "TORCHINDUCTOR_COMPILE_THREADS": str(self.torchinductor_compile_threads),
         }
+
+
+class Monitoring(StrictModel):
+    """Debian's prometheus-node-exporter on the host (README, Monitoring); who may scrape it is `metrics_allow`."""
+
+    enabled: bool = Field(False)
+    """Install prometheus-node-exporter with its systemd collector limited to sparkform's units and textfiles of
+    sparkform's (host record, cache keys, cold starts, last converge, the guard's alerts, the GPU's clock-event
+    reasons)."""
+    listen_address: str = Field("127.0.0.1")
+    """Address node_exporter listens on (its --web.listen-address); a LAN address or 0.0.0.0 lets `metrics_allow`
+    scrape it from the LAN (its unit allows loopback and `metrics_allow` only)."""
+    port: int = Field(9100, ge=1, le=65535)
+    """node_exporter's port (Debian's default 9100)."""
+    textfile_dir: str = Field("/var/lib/prometheus/node-exporter")
+    """node_exporter's textfile collector folder (Debian's default); root's, 0755; sparkform writes sparkform.prom,
+    sparkform-guard.prom and sparkform-gpu.prom into it."""
+
+    @field_validator("listen_address")
+    @classmethod
+    def _an_address(cls, value: str) -> str:
+        return checked_address(value)
+
+    @field_validator("textfile_dir")
+    @classmethod
+    def _managed_folder(cls, value: str) -> str:
+        return checked_managed_folder(value)
+
+    @property
+    def record_textfile(self) -> str:
+        """The host record's metrics, written with the record."""
+        return f"{self.textfile_dir}/{RECORD_TEXTFILE}"
+
+    @property
+    def guard_textfile(self) -> str:
+        """The guard's alert counts, written by the guard."""
+        return f"{self.textfile_dir}/{GUARD_TEXTFILE}"
+
+    @property
+    def gpu_textfile(self) -> str:
+        """The GPU as nvidia-smi reports it, sampled by the guard."""
+        return f"{self.textfile_dir}/{GPU_TEXTFILE}"
+
+    @property
+    def textfiles(self) -> list[str]:
+        """Every textfile sparkform writes."""
+        return [self.record_textfile, self.guard_textfile, self.gpu_textfile]
+
+
+def checked_address(value: str) -> str:
+    """An IP address, normalized; ValueError naming the forms that are meant."""
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise ValueError(f"{value!r} is not an IP address (e.g. 127.0.0.1, 192.168.1.20 or 0.0.0.0)") from None
 
 
 class HostConfig(StrictModel):
@@ -98,7 +153,8 @@ class HostConfig(StrictModel):
     internal_port_offset: int = Field(10000, ge=1, le=64511)
     """Each engine binds 127.0.0.1 on port + this offset; only the front and the readiness helper use it."""
     metrics_allow: list[str] = Field(default_factory=list)
-    """Addresses or networks (CIDR) that may read each engine's /metrics through the front; empty: 404 for everyone."""
+    """Addresses or networks (CIDR) that may scrape: each engine's /metrics through the front (everyone else: 403), and
+    node_exporter when `monitoring` is on."""
     front_read_timeout_s: int = Field(3600, ge=10)
     """How long the front waits for an engine's next bytes; a long non-streamed generation must finish within it."""
     # The engines' user, CUDA and the compile caps
@@ -157,6 +213,8 @@ class HostConfig(StrictModel):
     root on the host."""
     alert_command: str | None = Field(None)
     """Program on the host run with every alert as JSON on stdin."""
+    monitoring: Monitoring = Field(default_factory=Monitoring)
+    """Prometheus node_exporter and sparkform's textfile metrics (off by default): the `monitoring.*` fields."""
     # Secrets (files on the control machine) and the hub
     hf_token_file: str | None = Field(None)
     """File on the control machine holding the HF token; lands on the host at 0600."""
@@ -192,10 +250,7 @@ class HostConfig(StrictModel):
     @field_validator("listen_address")
     @classmethod
     def _an_address(cls, value: str) -> str:
-        try:
-            return str(ipaddress.ip_address(value))
-        except ValueError:
-            raise ValueError(f"{value!r} is not an IP address (e.g. 127.0.0.1, 192.168.1.20 or 0.0.0.0)") from None
+        return checked_address(value)
 
     @field_validator("metrics_allow")
     @classmethod

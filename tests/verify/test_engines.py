@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 
@@ -216,10 +217,17 @@ def test_api_key_guards_the_api(remote, engine, config):
 
 def test_front_passes_only_the_openai_routes(remote, engine, config):
     for path in VLLM_UNGUARDED_ROUTES:
-        if path == "/metrics" and config.metrics_allow:
-            continue  # answered to the allowed addresses
+        if path == "/metrics":
+            continue  # the allowed addresses' (metrics_allow), 403 for everyone else: below
         assert _curl(remote, config, engine, path, status_only=True) == "404", path
     assert _curl(remote, config, engine, "/health", key=False, status_only=True) == "200"
+
+
+def test_front_metrics_to_the_allowed_addresses_only(remote, engine, config):
+    """The engine's /metrics through the front: 200 to an address in metrics_allow, 403 to any other."""
+    source = ipaddress.ip_address(config.front_local_address)  # where curl on the host comes from
+    allowed = any(source in ipaddress.ip_network(network) for network in config.metrics_allow)
+    assert _curl(remote, config, engine, "/metrics", key=False, status_only=True) == ("200" if allowed else "403")
 
 
 def test_engine_listens_on_loopback_only(remote, engine, config):
