@@ -1,7 +1,7 @@
 """What `sparkform status` reports: each host's engines and GPU as read in one SSH round trip.
 
 Pure: `status_command` is what runs on the host, `read_status` turns its output into a
-`HostStatus` (the documented `--json` object), `format_status` into the table a person reads.
+`HostStatus` (the documented `--json` object; sparkform/status_table.py prints it as a table).
 Every value read back is checked against the shape it must have; one that is not is left out
 (None) and named in `untrusted`, never shown raw.
 """
@@ -368,96 +368,3 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
 def unreachable(host_name: str, reason: str) -> HostStatus:
     """The status of a host that did not answer."""
     return HostStatus(host=host_name, reachable=False, error=reason, checked_at=time.time(), serving=False)
-
-
-# --- the table -------------------------------------------------------------------------------------
-
-GIB = 1024**3
-COLUMNS = (
-    "ENGINE", "STATE", "SINCE", "RESTARTS", "PID", "MEMORY GiB now/high/max", "PORT", "SERVED AS",
-    "KV POOL tokens", "KV USE", "RUNNING", "WAITING", "GEN tok/s", "LAST START", "COLD START",
-)  # fmt: skip
-
-
-def _ago(at: float | None, now: float) -> str:
-    if at is None:
-        return "-"
-    seconds = max(0, int(now - at))
-    if seconds < 120:
-        return f"{seconds}s ago"
-    if seconds < 7200:
-        return f"{seconds // 60}m ago"
-    if seconds < 172800:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m ago"
-    return f"{seconds // 86400}d ago"
-
-
-def _gib(value: int | None) -> str:
-    return "-" if value is None else f"{value / GIB:.1f}"
-
-
-def _or_dash(value: object, form: str = "{}") -> str:
-    return "-" if value is None else form.format(value)
-
-
-def _engine_row(e: EngineStatus, now: float) -> list[str]:
-    state = f"{e.active_state}/{e.sub_state}" + ("" if e.enabled else " (disabled)")
-    if e.active_state == "active" and not e.serving:
-        state += f" /health {e.health_http or 'no answer'}"
-    return [
-        e.name,
-        state,
-        _ago(e.since, now),
-        str(e.restarts),
-        str(e.main_pid or "-"),
-        " / ".join(_gib(v) for v in (e.memory_bytes, e.memory_high_bytes, e.memory_max_bytes)),
-        str(e.port),
-        ",".join(e.served_names),
-        _or_dash(e.kv_pool_tokens, "{:,}"),
-        _or_dash(None if e.kv_use is None else e.kv_use * 100, "{:.0f}%"),
-        _or_dash(e.requests_running),
-        _or_dash(e.requests_waiting),
-        _or_dash(e.generation_tokens_per_s, "{:.1f}"),
-        _or_dash(e.last_start_s, "{:.0f} s") + ("" if e.last_start_at is None else f" ({_ago(e.last_start_at, now)})"),
-        _or_dash(e.recorded_cold_start_s, "{:.0f} s"),
-    ]
-
-
-def _table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
-
-
-def _gpu_lines(report: NvmlReport | None) -> list[str]:
-    if report is None:
-        return ["GPU: not read"]
-    if report.error:
-        return [f"GPU: NVML says {report.error}"]
-    return [
-        f"GPU {g.index} {g.name}: driver {report.driver or '-'}, util {_or_dash(g.utilization_percent, '{}%')}, "
-        f"SM {_or_dash(g.sm_clock_mhz, '{} MHz')}, {_or_dash(g.temperature_c, '{} C')}, "
-        f"{_or_dash(g.power_w, '{:.1f} W')}, throttle: {', '.join(g.throttle_reasons) or 'none'}"
-        for g in report.gpus
-    ]
-
-
-def format_status(status: HostStatus) -> str:
-    """The block a person reads for one host."""
-    if not status.reachable:
-        return f"{status.host}: NOT READ: {status.error}"
-    now = status.checked_at
-    down = [e.name for e in status.engines if e.enabled and not e.serving]
-    head = f"{status.host}: " + (f"NOT SERVING: {', '.join(down)}" if down else "serving")
-    memory = (
-        f"memory: {_gib(status.mem_available_bytes)} GiB available of {_gib(status.mem_total_bytes)} GiB "
-        f"({_gib(status.unified_in_use_bytes)} GiB in use, CPU and GPU together)"
-    )
-    lines = [f"{head}   {memory}   vLLM {status.vllm_version or '-'}", *_gpu_lines(status.gpu)]
-    lines += _table([list(COLUMNS), *(_engine_row(e, now) for e in status.engines)])
-    lines += [f"drift since the record: {line}" for line in status.drift]
-    lines += [
-        f"watchdog {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(w.at))} {w.engine} {w.event}: {w.message}"
-        for w in status.watchdog
-    ]
-    lines += [f"left out (untrusted): {line}" for line in status.untrusted]
-    return "\n".join(lines)

@@ -21,7 +21,8 @@ from typing import Any
 from sparkform import ssh
 from sparkform.inventory import load_inventory, raw_inventory
 from sparkform.model import Host
-from sparkform.status import HostStatus, format_status, read_status, status_command, unreachable
+from sparkform.status import HostStatus, read_status, status_command, unreachable
+from sparkform.status_table import format_status
 
 SSH_TIMEOUT_S = 60.0
 CLEAR_SCREEN = "\033[H\033[2J"

@@ -13,6 +13,7 @@ import pytest
 
 from sparkform import cli, status
 from sparkform.remote import LINK, SECTION
+from sparkform.status_table import format_status
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA_DOC = REPO / "docs" / "status.md"
@@ -116,7 +117,7 @@ def test_an_engine_down_or_not_answering_makes_the_host_not_serving(spark):
     assert s.engines[1].health_http is None and s.engines[1].active_state == "failed"
     hung = status.read_status("spark", spark.config, answer(health__q38=["503"]), checked_at=T0)
     assert not hung.serving and hung.engines[1].active_state == "active" and hung.engines[1].health_http == 503
-    assert "NOT SERVING: q38" in status.format_status(hung) and "/health 503" in status.format_status(hung)
+    assert "NOT SERVING: q38" in format_status(hung) and "/health 503" in format_status(hung)
 
 
 def test_a_disabled_engine_does_not_count(make_host, seed_data):
@@ -125,7 +126,7 @@ def test_a_disabled_engine_does_not_count(make_host, seed_data):
     failed = units({"ActiveState": "inactive", "SubState": "dead", "MainPID": "0"})
     s = status.read_status("spark", host.config, answer(units=failed, health__q38=["000"]), checked_at=T0)
     assert s.serving and not s.engines[1].enabled
-    assert "(disabled)" in status.format_status(s)
+    assert "(disabled)" in format_status(s)
 
 
 def test_tokens_per_second_is_none_across_a_restart_or_without_a_second_sample(spark):
@@ -162,7 +163,7 @@ def test_values_in_a_shape_never_written_are_left_out_and_named(spark):
     assert any("host-record.json is a symbolic link" in line for line in s.untrusted)
     assert any("watchdog journal entry" in line for line in s.untrusted)
     assert s.gpu is None and any(line.startswith("the GPU report: gpus[0].name") for line in s.untrusted)
-    table = status.format_status(s)
+    table = format_status(s)
     assert "\x1b" not in table and "rm -rf" not in table and "pwned" not in table
 
 
@@ -190,13 +191,13 @@ def test_watchdog_alerts_and_drift_since_the_record_are_shown(spark):
     assert s.engines[1].recorded_cold_start_s == 335.0
     assert s.drift == ["driver 580.82.09 -> 580.95.05: JIT caches of q38 will be rebuilt (cold start, about 335 s)"]
     assert [(w.engine, w.event, w.at) for w in s.watchdog] == [("q38", "hung", T0 - 60)]
-    table = status.format_status(s)
+    table = format_status(s)
     assert "drift since the record: driver 580.82.09 -> 580.95.05" in table
     assert "q38 hung: vllm-q38.service answered none of 3 probes: killed" in table
 
 
 def test_the_table_shows_each_engine_on_one_row(spark):
-    table = status.format_status(status.read_status("spark", spark.config, answer(), checked_at=T0))
+    table = format_status(status.read_status("spark", spark.config, answer(), checked_at=T0))
     head, *_ = table.splitlines()
     assert head.startswith("spark: serving   memory: 43.4 GiB available of 119.7 GiB (76.3 GiB in use")
     row = next(line for line in table.splitlines() if line.startswith("nemotron "))
