@@ -67,3 +67,13 @@ def test_no_import_cycle_inside_the_project():
     graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
     assert {"sparkform.model", "sparkform.bootchain", "sparkform.validate", "sparkform.planner"} <= set(graph)
     assert cycles(graph) == []
+
+
+def test_no_two_test_modules_share_a_name():
+    """The test folders have no __init__.py: pytest imports each module by its bare name, so a
+    second test_x.py in one run (unit and integration; tests/verify runs on its own, as
+    `sparkform verify`) stops the whole run at collection ("import file mismatch")."""
+    modules = sorted((REPO / "tests").glob("unit/test_*.py")) + sorted((REPO / "tests").glob("integration/test_*.py"))
+    names = [path.name for path in modules]
+    assert len(names) > 20
+    assert sorted({name for name in names if names.count(name) > 1}) == []
