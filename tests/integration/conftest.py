@@ -22,6 +22,12 @@ from deploy_helpers import CONVERGED, SANDBOX_INVENTORY, mark_converged, pyinfra
 from sparkform.sandbox import machine, stage
 
 
+def pytest_collection_modifyitems(items):
+    """The modules that share a sandbox run last and back to back (a stable sort), so it is up
+    only meanwhile, never beside another module's."""
+    items.sort(key=lambda item: getattr(item.module, "SHARES_SANDBOX", False))
+
+
 @contextlib.contextmanager
 def fresh_sandbox():
     """A fresh sandbox, taken down afterwards."""
