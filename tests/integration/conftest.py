@@ -4,10 +4,15 @@ state most tests need: that sandbox as inventory/sandbox.py converges it.
 Every module marks `pytestmark = pytest.mark.usefixtures("converged")`; the tests that need the
 fresh, never-converged box instead (a first converge, a deploy killed halfway) are marked
 `from_scratch`. So any test runs alone too (`pytest FILE::TEST`): the fixture converges first.
+
+A module that leaves the sandbox as inventory/sandbox.py converges it, and needs no fresh one,
+sets `SHARES_SANDBOX = True`: such modules share one sandbox for the session (and one converge),
+which saves a boot and a converge each. A module with a `from_scratch` test never shares.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 
@@ -17,34 +22,61 @@ from deploy_helpers import CONVERGED, SANDBOX_INVENTORY, mark_converged, pyinfra
 from sparkform.sandbox import machine, stage
 
 
-@pytest.fixture(scope="module")
-def box():
-    """A fresh sandbox; SPARKFORM_SANDBOX points inventory/sandbox.py at it meanwhile.
+def pytest_collection_modifyitems(items):
+    """The modules that share a sandbox run last and back to back (a stable sort), so it is up
+    only meanwhile, never beside another module's."""
+    items.sort(key=lambda item: getattr(item.module, "SHARES_SANDBOX", False))
 
-    SPARKFORM_TEST_REUSE=NAME runs the module against sandbox NAME, already up and converged,
-    and leaves it up: for working on one test without waiting for a fresh converge.
-    """
-    reuse = os.environ.get("SPARKFORM_TEST_REUSE")
-    if reuse:
-        os.environ["SPARKFORM_SANDBOX"] = reuse
-        CONVERGED.add(reuse)
-        yield machine.get(reuse)
-        return
+
+@contextlib.contextmanager
+def fresh_sandbox():
+    """A fresh sandbox, taken down afterwards."""
     name = f"t-{uuid.uuid4().hex[:6]}"
-    os.environ["SPARKFORM_SANDBOX"] = name
     sandbox = stage.up(name)
     try:
         yield sandbox
     finally:
         stage.down(name)
-        os.environ.pop("SPARKFORM_SANDBOX", None)
+
+
+@pytest.fixture(scope="session")
+def shared_box():
+    """The sandbox of the modules that set SHARES_SANDBOX."""
+    with fresh_sandbox() as sandbox:
+        yield sandbox
+
+
+@pytest.fixture(scope="module")
+def box(request):
+    """The module's sandbox; SPARKFORM_SANDBOX points inventory/sandbox.py at it meanwhile.
+
+    SPARKFORM_TEST_REUSE=NAME runs the module against sandbox NAME, already up and converged,
+    and leaves it up: for working on one test without waiting for a fresh converge.
+    """
+    reuse = os.environ.get("SPARKFORM_TEST_REUSE")
+    with contextlib.ExitStack() as stack:
+        if reuse:
+            CONVERGED.add(reuse)
+            sandbox = machine.get(reuse)
+        elif getattr(request.module, "SHARES_SANDBOX", False):
+            sandbox = request.getfixturevalue("shared_box")
+        else:
+            sandbox = stack.enter_context(fresh_sandbox())
+        os.environ["SPARKFORM_SANDBOX"] = sandbox.name
+        try:
+            yield sandbox
+        finally:
+            os.environ.pop("SPARKFORM_SANDBOX", None)
 
 
 @pytest.fixture
 def converged(request, box):
     """The module's sandbox as inventory/sandbox.py converges it; a `from_scratch` test gets the box
     as it is. A test that leaves other state behind restores it itself (converge_back, finally:)."""
-    if request.node.get_closest_marker("from_scratch") or box.name in CONVERGED:
+    if request.node.get_closest_marker("from_scratch"):
+        assert not getattr(request.module, "SHARES_SANDBOX", False), "a from_scratch test needs a sandbox of its own"
+        return box
+    if box.name in CONVERGED:
         return box
     result = pyinfra(SANDBOX_INVENTORY, "-y")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -20,6 +20,7 @@ import pytest
 from deploy_helpers import ROOT, SANDBOX_INVENTORY, edited_inventory, ssh
 
 pytestmark = pytest.mark.usefixtures("converged")
+SHARES_SANDBOX = True  # it only reads the converged host
 
 NOT_BUILT = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".*cache")
 

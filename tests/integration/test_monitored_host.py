@@ -27,6 +27,7 @@ from sparkform import layout
 from sparkform.schema import Monitoring
 
 pytestmark = pytest.mark.usefixtures("converged")
+SHARES_SANDBOX = True  # it turns monitoring off again (node_exporter, the owner's package then, stays)
 TEXTFILES = Monitoring().textfile_dir
 PORTS = {"nemotron": 8012, "q38": 8011}
 
@@ -49,6 +50,19 @@ def test_node_exporter_lists_both_engine_units_and_sparkforms_metrics_and_stays_
             "metrics_allow": [box.host_address],
         },
     )
+    try:
+        checks_with_monitoring_on(box, watched, before)
+    finally:
+        # Off again: sparkform's textfiles go, node_exporter (the owner's package now) stays.
+        result = pyinfra(SANDBOX_INVENTORY, "-y")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    left = ssh(box, f"ls {TEXTFILES}").stdout.split()
+    assert layout.RECORD_TEXTFILE not in left and layout.GUARD_TEXTFILE not in left
+    assert scrape(f"http://{box.address}:{PORTS['q38']}/metrics")[0] == 403
+
+
+def checks_with_monitoring_on(box, watched, before) -> None:
+    """The checks with monitoring on (the caller turns it off again, whatever happens here)."""
     result = pyinfra(watched, "-y")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -88,10 +102,3 @@ def test_node_exporter_lists_both_engine_units_and_sparkforms_metrics_and_stays_
     )
     assert main_pids(box) == before  # monitoring restarts no engine
     assert changed_operations(watched) == []  # a converged host with monitoring: a no-op
-
-    # Off again: sparkform's textfiles go, node_exporter (the owner's package now) stays.
-    result = pyinfra(SANDBOX_INVENTORY, "-y")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    left = ssh(box, f"ls {TEXTFILES}").stdout.split()
-    assert layout.RECORD_TEXTFILE not in left and layout.GUARD_TEXTFILE not in left
-    assert scrape(f"http://{box.address}:{PORTS['q38']}/metrics")[0] == 403

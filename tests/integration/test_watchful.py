@@ -4,7 +4,8 @@ hung API server or EngineCore; a crash beside a hang; an engine that cannot serv
 outside the engines' cgroups. Each ends with both serving, without a human, and with the alerts
 the receiver on this machine got.
 
-One sandbox for the module; tests run in file order and each leaves the pair serving.
+The sandbox is shared with other modules that leave it converged; tests run in file order and
+each leaves the pair serving.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from deploy_helpers import (
     checkpoint_dir,
     edited_inventory,
     main_pids,
-    mark_converged,
     pyinfra,
     serving,
     ssh,
@@ -36,6 +36,7 @@ from sparkform.sandbox import stage
 from sparkform.sandbox.alerts import read_alerts
 
 pytestmark = pytest.mark.usefixtures("converged")
+SHARES_SANDBOX = True  # each test leaves the pair serving as the deploy left it
 
 PORTS = {"vllm-nemotron.service": 8012, "vllm-q38.service": 8011}
 NAMES = {"vllm-nemotron.service": "nemotron", "vllm-q38.service": "q38"}
@@ -103,11 +104,7 @@ def now(box) -> str:
     return ssh(box, "date +%s.%N").stdout.strip()
 
 
-@pytest.mark.from_scratch
-def test_converge(box):
-    result = pyinfra(SANDBOX_INVENTORY, "-y")
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    mark_converged(box)
+def test_the_guard_watches_the_converged_pair(box):
     assert ssh(box, "systemctl is-active sparkform-guard.service").stdout.strip() == "active"
 
 
@@ -157,7 +154,7 @@ def test_status_shows_the_pair_serving_and_counts_a_crash_and_the_time_it_was_do
 
 
 def test_both_engine_cores_killed_at_once_again_and_again_both_serve_again_every_time(box):
-    since = now(box)
+    since, since_alerts = now(box), len(alerts(box))
     took = []
     for round_ in range(DOUBLE_CRASHES):
         starts = start_seconds(box)
@@ -181,7 +178,7 @@ def test_both_engine_cores_killed_at_once_again_and_again_both_serve_again_every
     assert "gives up its turn" not in journal and "Start request repeated too quickly" not in journal
     # nemotron waited for q38 instead of failing a start beside it.
     assert "sparkform-launch: nemotron waits for engine q38, which is loading" in journal, journal[-3000:]
-    assert not [a for a in alerts(box) if a["event"] == "failed"]
+    assert not [a for a in alerts(box)[since_alerts:] if a["event"] == "failed"]
 
 
 def stop_and_wait_for_the_watchdog(box, unit: str, pid: int) -> None:
