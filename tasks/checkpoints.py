@@ -24,10 +24,12 @@ def checkpoint(config: HostConfig, engine: Engine, snapshot: Snapshot):
     and every file still has the size and mtime its manifest recorded (a no-op run hashes
     nothing); then record what a branch or tag resolved to, so later runs keep that commit.
 
-    `sparkform-checkpoint` (rendered from templates/) checks the free space, downloads, compares
-    every file with the hub's tree (sha256 for the weights), re-fetches a file that differs, and
-    writes the manifest and the marker last. The token is read from its 0600 file by the remote
-    shell, so it never appears in argv, in pyinfra's output or in a unit.
+    `sparkform-checkpoint` (rendered from templates/) checks the free space, downloads
+    `checkpoint_workers` files at once, hashing each as it streams in, compares every file with
+    the hub's tree (sha256 for the weights, git's blob id for the others), resumes a cut download,
+    re-fetches a file that differs, and writes the manifest and the marker last. The token is read
+    from its 0600 file by the remote shell, so it never appears in argv, in pyinfra's output or in
+    a unit.
 
     + config: the host's validated configuration, pinned (HostConfig.pinned)
     + engine: the engine whose checkpoint this is
@@ -63,7 +65,7 @@ def _fetch(config: HostConfig, engine: Engine, folder: str, drifted: bool):
     yield ProgressCommand(
         f"{' '.join(env)} {shlex.quote(config.venv)}/bin/python {shlex.quote(script)} "
         f"{shlex.quote(engine.checkpoint.repo)} {shlex.quote(config.commit(engine))} {shlex.quote(folder)}{includes}"
-        f" --progress-every {PROGRESS_EVERY_S}"
+        f" --workers {config.checkpoint_workers} --progress-every {PROGRESS_EVERY_S}"
     )
 
 
