@@ -8,6 +8,7 @@ import shlex
 from pyinfra import host
 from pyinfra.api import operation
 
+from sparkform.converge import checkpoint_complete
 from sparkform.engine import Engine
 from sparkform.layout import COMPLETE_MARKER
 from sparkform.schema import HostConfig
@@ -38,7 +39,7 @@ def checkpoint(config: HostConfig, engine: Engine, snapshot: Snapshot):
     folder = config.checkpoint_dir(engine)
     commit = config.commit(engine)
     current = snapshot.checkpoints.get(folder)
-    complete = current is not None and current.marker == commit and not current.drift
+    complete = checkpoint_complete(config, engine, snapshot)
     if not complete:
         yield from _fetch(config, engine, folder, drifted=current is not None and bool(current.drift))
     if engine.checkpoint.revision != commit and snapshot.pins.get(engine.checkpoint.pin_name) != commit:
