@@ -34,9 +34,12 @@ def resolve_revision(endpoint: str, repo: str, revision: str, token: str | None 
     try:
         commit = HfApi(endpoint=endpoint, token=token).model_info(repo, revision=revision).sha
     except HfHubHTTPError as err:
-        status = err.response.status_code if err.response is not None else "no answer"
-        reason = err.response.reason_phrase if err.response is not None else err
-        raise HubError(f"{url} answered {status} {reason}") from None
+        response = err.response
+        if response is None:
+            raise HubError(f"{url}: {err}") from None
+        # httpx's name for it (huggingface_hub >= 1.0), else requests' (older ones, still allowed)
+        reason = getattr(response, "reason_phrase", None) or getattr(response, "reason", "")
+        raise HubError(f"{url} answered {response.status_code} {reason}") from None
     except Exception as err:  # the transport's own errors (httpx's) share no narrower base class
         raise HubError(f"{url}: {err}") from None
     if not COMMIT_ID.fullmatch(str(commit)):
