@@ -219,7 +219,7 @@ class EngineStep:
     engine: Engine
     current: EngineState | None
     stale: bool  # its JIT caches no longer match the host: moved aside, rebuilt at this start
-    restart: bool  # its settings or caches changed: it restarts even if it runs
+    restart: bool  # its settings, caches or checkpoint's files changed: it restarts even if it runs
     starts: bool  # it (re)starts in this run
     cold: bool  # that start rebuilds its JIT caches (stale, or never keyed on this host)
     cold_start_s: float | None  # its last cold start: the host record's, else the inventory's (None: never measured)
@@ -259,6 +259,13 @@ class ConvergePlan:
         return {step.engine.name: step.cold for step in self.steps if step.starts}
 
 
+def checkpoint_complete(config: HostConfig, engine: Engine, snapshot: Snapshot) -> bool:
+    """Whether the engine's checkpoint folder is complete at its pinned commit with every file as
+    its manifest recorded (size and mtime); otherwise this run fetches (some of) it again."""
+    current = snapshot.checkpoints.get(config.checkpoint_dir(engine))
+    return current is not None and current.marker == config.commit(engine) and not current.drift
+
+
 def plan(config: HostConfig, snapshot: Snapshot) -> ConvergePlan:
     """Everything one converge of `config` (its pins resolved) does to the host in `snapshot`."""
     rendered = render_host(config)
@@ -293,7 +300,10 @@ def plan(config: HostConfig, snapshot: Snapshot) -> ConvergePlan:
     for engine in order:
         current = snapshot.engines.get(engine.unit)
         stale = engine.name in drift.stale_engines
-        restart = stale or any(f.engine == engine.name and f.path in changed for f in rendered)
+        # A running engine holds its weights in memory: files fetched again (a corrupt or changed
+        # one) reach it only through a restart.
+        refetched = not checkpoint_complete(config, engine, snapshot)
+        restart = stale or refetched or any(f.engine == engine.name and f.path in changed for f in rendered)
         steps.append(
             EngineStep(
                 engine,

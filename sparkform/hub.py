@@ -8,11 +8,11 @@ until the inventory's revision changes. A commit id needs no question at all.
 
 from __future__ import annotations
 
-import json
-import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
+
+from huggingface_hub import HfApi
+from huggingface_hub.errors import HfHubHTTPError
 
 from sparkform.engine import Engine
 from sparkform.model import InventoryError, Problem
@@ -20,7 +20,6 @@ from sparkform.schema import HostConfig
 from sparkform.shapes import COMMIT_ID
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
-TIMEOUT_S = 20.0
 
 
 class HubError(RuntimeError):
@@ -28,16 +27,21 @@ class HubError(RuntimeError):
 
 
 def resolve_revision(endpoint: str, repo: str, revision: str, token: str | None = None) -> str:
-    """The commit id `revision` (a branch, tag or commit) names in `repo`, per the hub's API."""
+    """The commit id `revision` (a branch, tag or commit) names in `repo`, asked through
+    huggingface_hub (its proxies, retries and typed errors; without a token file, its token
+    store). The token goes in a header, never in a message."""
     url = f"{endpoint.rstrip('/')}/api/models/{repo}/revision/{urllib.parse.quote(revision, safe='')}"
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
-            commit = json.load(response).get("sha", "")
-    except urllib.error.HTTPError as err:
-        raise HubError(f"{url} answered {err.code} {err.reason}") from None
-    except (urllib.error.URLError, OSError, ValueError) as err:
-        raise HubError(f"{url}: {getattr(err, 'reason', err)}") from None
+        commit = HfApi(endpoint=endpoint, token=token).model_info(repo, revision=revision).sha
+    except HfHubHTTPError as err:
+        response = err.response
+        if response is None:
+            raise HubError(f"{url}: {err}") from None
+        # httpx's name for it (huggingface_hub >= 1.0), else requests' (older ones, still allowed)
+        reason = getattr(response, "reason_phrase", None) or getattr(response, "reason", "")
+        raise HubError(f"{url} answered {response.status_code} {reason}") from None
+    except Exception as err:  # the transport's own errors (httpx's) share no narrower base class
+        raise HubError(f"{url}: {err}") from None
     if not COMMIT_ID.fullmatch(str(commit)):
         raise HubError(f"{url} named no commit (sha = {commit!r})")
     return commit

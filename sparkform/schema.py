@@ -137,6 +137,9 @@ class HostConfig(StrictModel):
     """Checkpoints, one folder per repo@commit; `.pins/` records what each branch or tag resolved to."""
     keep_revisions: int | None = Field(None, ge=0)
     """Old revisions of a repo kept after its engine serves a new one (newest first); None keeps them all."""
+    checkpoint_workers: int = Field(4, ge=1, le=32)
+    """Files of a checkpoint downloaded at once (each hashed as it streams in); more fill a fast link, fewer spare a
+    slow one."""
     cache_root: str = Field("/var/cache/sparkform")
     """Persistent per-engine JIT caches (vLLM, FlashInfer, Triton, CuTe DSL)."""
     lib_dir: str = Field("/usr/local/lib/sparkform")

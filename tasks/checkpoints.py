@@ -8,6 +8,7 @@ import shlex
 from pyinfra import host
 from pyinfra.api import operation
 
+from sparkform.converge import checkpoint_complete
 from sparkform.engine import Engine
 from sparkform.layout import COMPLETE_MARKER
 from sparkform.schema import HostConfig
@@ -24,10 +25,12 @@ def checkpoint(config: HostConfig, engine: Engine, snapshot: Snapshot):
     and every file still has the size and mtime its manifest recorded (a no-op run hashes
     nothing); then record what a branch or tag resolved to, so later runs keep that commit.
 
-    `sparkform-checkpoint` (rendered from templates/) checks the free space, downloads, compares
-    every file with the hub's tree (sha256 for the weights), re-fetches a file that differs, and
-    writes the manifest and the marker last. The token is read from its 0600 file by the remote
-    shell, so it never appears in argv, in pyinfra's output or in a unit.
+    `sparkform-checkpoint` (rendered from templates/) checks the free space, downloads
+    `checkpoint_workers` files at once, hashing each as it streams in, compares every file with
+    the hub's tree (sha256 for the weights, git's blob id for the others), resumes a cut download,
+    re-fetches a file that differs, and writes the manifest and the marker last. The token is read
+    from its 0600 file by the remote shell, so it never appears in argv, in pyinfra's output or in
+    a unit.
 
     + config: the host's validated configuration, pinned (HostConfig.pinned)
     + engine: the engine whose checkpoint this is
@@ -36,7 +39,7 @@ def checkpoint(config: HostConfig, engine: Engine, snapshot: Snapshot):
     folder = config.checkpoint_dir(engine)
     commit = config.commit(engine)
     current = snapshot.checkpoints.get(folder)
-    complete = current is not None and current.marker == commit and not current.drift
+    complete = checkpoint_complete(config, engine, snapshot)
     if not complete:
         yield from _fetch(config, engine, folder, drifted=current is not None and bool(current.drift))
     if engine.checkpoint.revision != commit and snapshot.pins.get(engine.checkpoint.pin_name) != commit:
@@ -63,7 +66,7 @@ def _fetch(config: HostConfig, engine: Engine, folder: str, drifted: bool):
     yield ProgressCommand(
         f"{' '.join(env)} {shlex.quote(config.venv)}/bin/python {shlex.quote(script)} "
         f"{shlex.quote(engine.checkpoint.repo)} {shlex.quote(config.commit(engine))} {shlex.quote(folder)}{includes}"
-        f" --progress-every {PROGRESS_EVERY_S}"
+        f" --workers {config.checkpoint_workers} --progress-every {PROGRESS_EVERY_S}"
     )
 
 

@@ -47,7 +47,7 @@ class FakeHub(HubStore):
 
     @property
     def requests(self) -> list[dict[str, Any]]:
-        """A copy of every recorded request: {method, path, status, authorization, range}."""
+        """A copy of every recorded request: {method, path, status, authorization, range, sent}."""
         with self._lock:
             return [dict(entry) for entry in self._requests]
 
@@ -119,6 +119,7 @@ class HubHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     hub: FakeHub
     _status: int = 0
+    _sent: int = 0
 
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet: requests are recorded by the hub instead of printed."""
@@ -132,6 +133,7 @@ class HubHandler(BaseHTTPRequestHandler):
     def handle_request(self, send_body: bool) -> None:
         """Answer one request and record it, whatever happens."""
         self._status = 0  # one handler serves every request of a keep-alive connection
+        self._sent = 0
         try:
             self.route(send_body)
         except HubError as err:
@@ -146,6 +148,7 @@ class HubHandler(BaseHTTPRequestHandler):
                     "status": self._status,
                     "authorization": "Authorization" in self.headers,  # presence only, never the value
                     "range": self.headers.get("Range"),
+                    "sent": self._sent,  # bytes of a file's body written to the client
                 }
             )
 
@@ -229,11 +232,16 @@ class HubHandler(BaseHTTPRequestHandler):
         self.send_head(206 if span else 200, headers, last - first + 1)
         if send_body:
             flip_at = meta.size // 2 if f"{commit}/{path}" in self.hub.corrupted(repo_id) else None
+            cut_after = self.hub.take_cut(path)
+            if cut_after is not None:
+                last = min(last, first + cut_after - 1)
+                self.close_connection = True  # short of its Content-Length: the client sees a cut
             with (self.hub.repo_dir(repo_id) / commit / path).open("rb") as handle:
                 for index, chunk in enumerate(body_chunks(handle, first, last, flip_at)):
                     if index == 1:
                         self.hub.wait_while_stalled()
                     self.wfile.write(chunk)
+                    self._sent += len(chunk)
 
     # --- answers ---------------------------------------------------------------------------
 

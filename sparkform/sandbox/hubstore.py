@@ -1,11 +1,14 @@
 """The fake Hugging Face hub's repositories on disk: commits, branches, and each file as the hub
 describes it (size, sha256, git blob id, LFS pointer), plus the switches a test flips while the
-hub serves (a corrupted file, stalled downloads). sparkform.sandbox.fakehub serves a store over HTTP.
+hub serves (a corrupted file, stalled downloads, a cut download). sparkform.sandbox.fakehub serves a
+store over HTTP.
 
     <root>/<owner>/<name>/<commit>/<files...>     one folder per commit, never changed
     <root>/<owner>/<name>/refs/<branch>           the commit a branch points at
     <root>/<owner>/<name>/corrupted.json          "<commit>/<path>" entries served corrupted
     <root>/stall                                  while it exists, file bodies pause mid-way
+    <root>/cut.json                               {"path", "after"}: the next body of that file
+                                                  stops after that many bytes (once)
 
 Every lookup reads the folder, so another process (a test) can move a branch or corrupt a file
 while the server runs. Commit ids are 40 hex digits derived from the repo id and the files'
@@ -188,6 +191,28 @@ class HubStore:
     def wait_while_stalled(self, poll_s: float = 0.1) -> None:
         while (self.root / "stall").exists():
             time.sleep(poll_s)
+
+    def cut(self, path: str, after: int) -> None:
+        """Cut the next download of `path` (any repo) after `after` bytes of its body: the
+        connection closes short of the Content-Length it announced, as a dropped link does. Once."""
+        partial = self.root / "cut.json.partial"
+        partial.write_text(json.dumps({"path": path, "after": after}) + "\n")
+        partial.replace(self.root / "cut.json")
+
+    def take_cut(self, path: str) -> int | None:
+        """The bytes after which this body of `path` stops, if a cut waits for it (then spent)."""
+        flag = self.root / "cut.json"
+        try:
+            cut = json.loads(flag.read_text())
+        except FileNotFoundError:
+            return None
+        if cut["path"] != path:
+            return None
+        try:
+            flag.unlink()  # one body only: whoever unlinks it takes it
+        except FileNotFoundError:
+            return None
+        return int(cut["after"])
 
     def _corrupted_list(self, repo_id: str) -> Path:
         """The file that lists the corrupted entries of `repo_id`."""

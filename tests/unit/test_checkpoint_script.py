@@ -4,6 +4,7 @@ full disk with the numbers, and writes the manifest and the marker only when all
 
 from __future__ import annotations
 
+import hashlib
 import importlib.machinery
 import importlib.util
 import json
@@ -206,7 +207,10 @@ def test_each_fetched_file_gets_a_line_and_nothing_else_is_printed(script, hub, 
         for line in lines[1:-1]
     ]
     assert all(done), lines
-    assert [(int(m[1]), int(m[2]), m[3]) for m in done] == [(n, len(files), name) for n, name in enumerate(files, 1)]
+    # Files download side by side, so they finish in any order: each once, with its own number.
+    assert sorted((int(m[1]), int(m[2]), m[3]) for m in done) == [
+        (n, len(files), name) for n, name in enumerate(files, 1)
+    ]
     assert lines[-1] == f"sparkform-checkpoint: {QWEN}@{commit} complete: {len(files)} files verified"
     # A second run fetches nothing, and says so in one line.
     (folder / COMPLETE_MARKER).unlink()
@@ -243,3 +247,158 @@ def test_a_slow_file_gets_a_progress_line_every_few_seconds_while_it_downloads(s
         n for n, line in enumerate(lines) if re.match(rf"sparkform-checkpoint: \[\d+/\d+\] {SHARD}: \S+ \w+ in ", line)
     ]
     assert done and all(n < done[0] for n, line in enumerate(lines) if re.fullmatch(progress, line))
+
+
+# --- parallel files, one hash per byte, blob ids, resumes, a disk that fills ---------------------
+
+SHARD2 = "model-00002-of-00002.safetensors"
+PROGRESS = re.compile(r"sparkform-checkpoint: \[\d+/\d+\] (\S+): .+ of .+ \(\d+%\), .+/s, .+")
+
+
+class Running:
+    """The script running in the background, its stdout read line by line as it comes."""
+
+    def __init__(self, script: Path, hub: FakeHub, folder: Path, *options: str) -> None:
+        self.process = subprocess.Popen(
+            fetch_command(script, QWEN, folder, *options),
+            env=fetch_env(hub, folder),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)
+        self.reader.start()
+
+    def downloading(self) -> set[str]:
+        """The files that progress lines have named so far."""
+        return {m[1] for line in list(self.lines) if (m := PROGRESS.fullmatch(line.rstrip("\n")))}
+
+    def wait_for(self, condition, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def finish(self) -> tuple[int, str]:
+        stderr = self.process.stderr.read()
+        self.process.wait(timeout=120)
+        self.reader.join(timeout=10)
+        return self.process.returncode, stderr
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_files_download_side_by_side_up_to_the_worker_count(script, hub, tmp_path, workers):
+    hub.stall()  # the shards stall after their first chunk, so those in flight stay in flight
+    running = Running(script, hub, tmp_path / "ckpt", "--workers", str(workers), "--progress-every", "0.3")
+    try:
+        running.wait_for(lambda: len(running.downloading()) >= workers)
+        time.sleep(1.5)  # a worker more than allowed would show up by now
+        in_flight = running.downloading()
+    finally:
+        hub.stall(False)
+    returncode, stderr = running.finish()
+    assert returncode == 0, stderr
+    assert in_flight == {SHARD, SHARD2} if workers == 2 else len(in_flight) == 1, in_flight
+
+
+def test_a_downloaded_file_is_never_read_back(script, hub, tmp_path):
+    """Its bytes are hashed as they stream in; the manifest and the comparison take that digest."""
+    folder = tmp_path / "ckpt"
+    trace = tmp_path / "openat.log"
+    command = ["strace", "-f", "-qq", "-e", "trace=openat", "-o", str(trace), *fetch_command(script, QWEN, folder)]
+    result = subprocess.run(command, env=fetch_env(hub, folder), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    opens = [line for line in trace.read_text().splitlines() if ".safetensors" in line]
+    assert any("O_WRONLY" in line and f"{SHARD}.part" in line for line in opens), opens
+    assert not [line for line in opens if "O_RDONLY" in line or "O_RDWR" in line], opens
+    manifest = json.loads((folder / ".sparkform-manifest.json").read_text())
+    served = hub.repo_dir(QWEN) / hub.resolve(QWEN, "main")
+    for entry in manifest["files"]:
+        assert entry["sha256"] == hashlib.sha256((served / entry["path"]).read_bytes()).hexdigest()
+
+
+def test_a_file_git_stores_is_compared_by_its_blob_id_not_its_size_alone(script, hub, tmp_path):
+    folder = tmp_path / "ckpt"
+    assert fetch(script, hub, folder).returncode == 0
+    config = folder / "config.json"
+    config.write_text(config.read_text().replace('"', "'", 1).replace('"', "'", 1))  # same size
+    (folder / COMPLETE_MARKER).unlink()
+    result = fetch(script, hub, folder)
+    assert result.returncode == 0, result.stderr
+    assert "config.json: git blob id differs from the hub's; fetching it again" in result.stderr
+    assert config.read_bytes() == (hub.repo_dir(QWEN) / hub.resolve(QWEN, "main") / "config.json").read_bytes()
+
+
+def shard_gets(hub: FakeHub, name: str = SHARD) -> list[dict]:
+    return [r for r in hub.requests if r["method"] == "GET" and r["path"].endswith(f"/{name}")]
+
+
+def test_a_cut_download_resumes_where_it_stopped(script, hub, tmp_path):
+    served = hub.repo_dir(QWEN) / hub.resolve(QWEN, "main") / SHARD
+    total = served.stat().st_size
+    cut_at = total * 9 // 10
+    hub.cut(SHARD, cut_at)
+    folder = tmp_path / "ckpt"
+    result = fetch(script, hub, folder)
+    assert result.returncode == 0, result.stderr
+    gets = shard_gets(hub)
+    assert [(r["range"], r["sent"]) for r in gets] == [(None, cut_at), (f"bytes={cut_at}-", total - cut_at)]
+    assert f"{SHARD}: cut after 3.8 MiB (IncompleteRead(" in result.stderr
+    assert (folder / SHARD).read_bytes() == served.read_bytes()
+    assert not (folder / ".partial").exists()
+
+
+def test_a_resumed_file_that_does_not_match_is_fetched_again_from_its_start(script, hub, tmp_path):
+    folder = tmp_path / "ckpt"
+    served = hub.repo_dir(QWEN) / hub.resolve(QWEN, "main") / SHARD
+    (folder / ".partial").mkdir(parents=True)
+    (folder / ".partial" / f"{SHARD}.part").write_bytes(b"\0" * (served.stat().st_size // 2))  # not the hub's bytes
+    result = fetch(script, hub, folder)
+    assert result.returncode == 0, result.stderr
+    assert f"{SHARD}: sha256 differs from the hub's after a resume; fetching it from its start" in result.stderr
+    assert [r["range"] for r in shard_gets(hub)] == [f"bytes={served.stat().st_size // 2}-", None]
+    assert (folder / SHARD).read_bytes() == served.read_bytes()
+
+
+def test_a_disk_that_fills_during_the_fetch_ends_with_the_numbers_and_the_next_run_resumes(script, hub, tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], check=True)
+    try:
+        folder = small / "ckpt"
+        hub.stall()
+        running = Running(script, hub, folder, "--margin-gib", "0", "--progress-every", "0.3")
+        try:
+            running.wait_for(lambda: {SHARD, SHARD2} <= running.downloading())
+            with open(small / "filler", "wb") as filler:  # something else takes the rest of the disk
+                with pytest.raises(OSError):
+                    while True:
+                        filler.write(b"\0" * 65536)
+                        filler.flush()
+        finally:
+            hub.stall(False)
+        returncode, stderr = running.finish()
+        assert returncode == 3, stderr
+        assert "Traceback" not in stderr, stderr
+        assert re.search(
+            rf"{QWEN}@\w+: the disk filled while \S+ was written into {folder}: .+ still to fetch, "
+            r".+ free; free space there or move models_dir",
+            stderr,
+        ), stderr
+        assert not (folder / COMPLETE_MARKER).exists() and not (folder / SHARD).exists()
+        # Room again: the next run resumes what was written.
+        (small / "filler").unlink()
+        kept = (folder / ".partial" / f"{SHARD}.part").stat().st_size
+        hub.clear_requests()
+        result = subprocess.run(
+            fetch_command(script, QWEN, folder, "--margin-gib", "0"),
+            env=fetch_env(hub, folder),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+        assert [r["range"] for r in shard_gets(hub)] == [f"bytes={kept}-"]
+        assert (folder / COMPLETE_MARKER).is_file()
+    finally:
+        subprocess.run(["umount", str(small)], check=True)

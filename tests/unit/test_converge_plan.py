@@ -12,7 +12,7 @@ from sparkform.bootchain import after_units
 from sparkform.converge import plan
 from sparkform.inventory import load_host
 from sparkform.parsers import EngineState
-from sparkform.snapshot import RemoteFile, Snapshot
+from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
 
 # `fast` waits for nothing, `slow` for `fast`; listed slow first, so the order is decided, not copied.
 HOST_DATA = {
@@ -53,8 +53,9 @@ def running(unit: str, after: tuple[str, ...] = (), enabled: str = "enabled") ->
 
 
 def converged(cfg, versions: list[str] = DRIVER_580) -> Snapshot:
-    """The host as a finished converge of `cfg` leaves it: every file as rendered, every enabled
-    engine running and enabled with its After=, its caches keyed, the record written."""
+    """The host as a finished converge of `cfg` leaves it: every file as rendered, every checkpoint
+    complete, every enabled engine running and enabled with its After=, its caches keyed, the
+    record written."""
     fresh = plan(cfg, Snapshot(live_versions=versions))
     files = {f.path: RemoteFile(converge.sha256(f.content), f.mode, "root", "root") for f in fresh.rendered}
     files |= {s.path: RemoteFile(converge.sha256(s.content), s.mode, "root", s.group) for s in fresh.secrets}
@@ -68,6 +69,10 @@ def converged(cfg, versions: list[str] = DRIVER_580) -> Snapshot:
         rendered_units={f.path for f in fresh.rendered if layout.engine_of_unit_path(f.path)},
         unit_files={unit: "enabled" for unit in engines},
         cache_keys={step.engine.name: fresh.cache_key for step in fresh.steps},
+        checkpoints={
+            cfg.checkpoint_dir(engine): CheckpointFolder(marker=cfg.commit(engine), drift=[], mtime=950.0)
+            for engine in cfg.engines
+        },
         booted_at=900.0,
     )
     # The record the run wrote, with the starts it measured.
@@ -212,3 +217,20 @@ def test_the_snapshot_request_reads_every_file_the_plan_compares():
     assert {layout.engine_unit("fast"), layout.engine_unit("slow"), layout.ENGINES_TARGET} <= set(request["units"])
     assert request["record_path"] == cfg.paths.host_record
     assert cfg.paths.stamp("nginx") in request["markers"]
+
+
+def test_an_engine_whose_checkpoint_is_fetched_again_restarts_alone_and_warm():
+    """A file that left its manifest (or a marker gone) is fetched again: the running engine
+    still holds the old bytes, so it restarts on the fetched ones."""
+    cfg = config()
+    snapshot = converged(cfg)
+    (fast,) = [e for e in cfg.engines if e.name == "fast"]
+    folder = cfg.checkpoint_dir(fast)
+    for damaged in (
+        CheckpointFolder(cfg.commit(fast), ["model.safetensors"], 950.0),
+        CheckpointFolder(None, [], 950.0),
+    ):
+        snapshot.checkpoints[folder] = damaged
+        steps = {s.engine.name: s for s in plan(cfg, snapshot).steps}
+        assert (steps["fast"].restart, steps["fast"].starts, steps["fast"].cold) == (True, True, False)
+        assert (steps["slow"].restart, steps["slow"].starts) == (False, False)

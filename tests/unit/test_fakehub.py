@@ -207,3 +207,27 @@ def test_stalled_hub_holds_a_download_until_released(hub: FakeHub) -> None:
     assert status == 200 and time.monotonic() - started < 5
     commit = hub.resolve(LLAMA, "main")
     assert body == (hub.repo_dir(LLAMA) / commit / "model.safetensors").read_bytes()
+
+
+def test_a_cut_body_stops_short_of_its_length_once_and_huggingface_hub_sees_it(hub: FakeHub, tmp_path: Path) -> None:
+    commit = hub.resolve(LLAMA, "main")
+    data = (hub.repo_dir(LLAMA) / commit / "model.safetensors").read_bytes()
+    url = f"{hub.url}/{LLAMA}/resolve/{commit}/model.safetensors"
+    hub.cut("model.safetensors", 1000)
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.headers["Content-Length"] == str(len(data))
+        assert response.read(len(data)) == data[:1000]  # then the connection closes
+    status, _, body = fetch(url)  # spent: the next body is whole
+    assert (status, body) == (200, data)
+    assert [r["sent"] for r in hub.requests if r["method"] == "GET"] == [1000, len(data)]
+    # huggingface_hub's own download notices the cut and asks again: from the start, as it had handed
+    # on no whole chunk of its 10 MB (sparkform-checkpoint resumes from the byte, its own test shows).
+    hub.cut("model.safetensors", 1000)
+    path = hf_hub_download(
+        LLAMA, "model.safetensors", revision=commit, cache_dir=tmp_path / "cache", endpoint=hub.url, token=False
+    )
+    assert Path(path).read_bytes() == data
+    assert [(r["range"], r["sent"]) for r in hub.requests if r["method"] == "GET"][-2:] == [
+        (None, 1000),
+        (None, len(data)),
+    ]

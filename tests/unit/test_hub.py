@@ -121,3 +121,18 @@ def test_plan_shows_what_a_branch_names_now_only_when_asked(hub, tmp_path, capsy
     assert commit not in offline
     assert main(["plan", str(inventory), "--resolve"]) == 0
     assert f"checkpoint of m: org/model main -> {commit} on the hub now" in capsys.readouterr().out
+
+
+def test_without_a_token_file_huggingface_hub_s_token_store_is_used(hub, tmp_path, monkeypatch):
+    publish(hub, tmp_path / "a", "one")
+    monkeypatch.setenv("HF_TOKEN", "hf_from_the_store")
+    resolve_revision(hub.url, REPO, "main")
+    (lookup,) = requests_after(hub, "sentinel")
+    assert lookup["authorization"] is True
+
+
+def test_a_hub_error_never_shows_the_token(hub, tmp_path):
+    publish(hub, tmp_path / "a", "one")
+    with pytest.raises(HubError) as err:
+        resolve_revision(hub.url, REPO, "nope", token="hf_secret_in_no_message")
+    assert "answered 404" in str(err.value) and "hf_secret_in_no_message" not in str(err.value)

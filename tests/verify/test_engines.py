@@ -10,7 +10,15 @@ import pytest
 
 from sparkform import bootchain
 from sparkform.hostrecord import HostRecord
-from sparkform.layout import CHECKPOINT_MANIFEST, ENGINES_TARGET, UNIT_PREFIX, cache_keys_dir, record_dir, record_path
+from sparkform.layout import (
+    CHECKPOINT_MANIFEST,
+    COMPLETE_MARKER,
+    ENGINES_TARGET,
+    UNIT_PREFIX,
+    cache_keys_dir,
+    record_dir,
+    record_path,
+)
 from sparkform.parsers import parse_kv_pool
 from sparkform.render import VLLM_UNGUARDED_ROUTES, engine_environment
 
@@ -259,12 +267,12 @@ def test_checkpoint_complete_at_pinned_revision(remote, engine, config):
     folder = config.checkpoint_dir(engine)
     assert remote.file(f"{folder}/.sparkform-complete").exists
     assert remote.file(f"{folder}/config.json").exists
-    # hf download records the commit it fetched in each file's metadata (first line).
-    commits = set(
-        remote.check_output(f"head -qn1 {folder}/.cache/huggingface/download/*.metadata 2>/dev/null || true").split()
-    )
     assert config.commit(engine), f"no pin of {engine.checkpoint.pin_name} in {config.pins_dir}"
-    assert commits == {config.commit(engine)}, f"files of {folder} come from commits {commits}"
+    # sparkform-checkpoint records the commit whose tree every file was checked against.
+    manifest = json.loads(remote.file(f"{folder}/{CHECKPOINT_MANIFEST}").content_string)
+    assert (manifest["repo"], manifest["commit"]) == (engine.checkpoint.repo, config.commit(engine)), manifest
+    marker = remote.file(f"{folder}/{COMPLETE_MARKER}").content_string.strip()
+    assert marker == config.commit(engine), f"the marker of {folder} names {marker}"
 
 
 # Re-hashes every file of a checkpoint against its manifest; prints the files that differ.
