@@ -32,6 +32,7 @@ from sparkform.hostrecord import (
     parse_live_versions,
 )
 from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES, Sample, engine_states, parse_prometheus, parse_systemctl_show
+from sparkform.readback import named_lines
 from sparkform.remote import plain_file, plain_files, section, split_sections
 from sparkform.render import ALERT_MESSAGE_ID
 from sparkform.schema import HostConfig
@@ -264,18 +265,6 @@ def _record(lines: list[str], untrusted: list[str]) -> HostRecord | None:
         return None
 
 
-def _cache_keys(lines: list[str], untrusted: list[str]) -> dict[str, str]:
-    keys = {}
-    for line in lines:
-        path, _, key = line.partition(":")
-        name = path.rsplit("/", 1)[-1]
-        if ENGINE_NAME_PATTERN.fullmatch(name) and CACHE_KEY_PATTERN.fullmatch(key):
-            keys[name] = key
-        else:
-            untrusted.append(f"{path} is not a cache key sparkform writes")
-    return keys
-
-
 def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at: float | None = None) -> HostStatus:
     """The status in `status_command`'s output."""
     sections, links = split_sections(lines)
@@ -346,7 +335,12 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
             untrusted.append(f"the GPU report: {err}")
     vllm = "".join(sections.get("vllm", []))
     live = parse_live_versions(sections.get("versions", []), f"{config.vllm_package}-{config.vllm_version}")
-    keys = _cache_keys(sections.get("cache_keys", []), untrusted)
+    keys = named_lines(
+        sections.get("cache_keys", []),
+        (ENGINE_NAME_PATTERN, "a cache key file of an engine"),
+        (CACHE_KEY_PATTERN, "a cache key"),
+        untrusted,
+    )
     host_drift = drift(record, live, {e.name: keys.get(e.name) for e in config.engines})
     return HostStatus(
         host=host_name,

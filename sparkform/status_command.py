@@ -36,8 +36,7 @@ def read_host(host: Host, data: dict[str, Any], folder: Path, sample_s: float) -
     except subprocess.TimeoutExpired:
         return unreachable(host.name, f"no answer over SSH within {SSH_TIMEOUT_S + sample_s:.0f} s")
     if result.returncode != 0:  # the command itself always exits 0: this is ssh's 255
-        reason = (result.stderr.strip().splitlines() or [f"ssh exit {result.returncode}"])[-1]
-        return unreachable(host.name, f"does not answer over SSH ({reason})")
+        return unreachable(host.name, f"does not answer over SSH ({ssh.failure(result)})")
     return read_status(host.name, host.config, result.stdout.splitlines())
 
 

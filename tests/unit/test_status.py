@@ -159,12 +159,17 @@ def test_values_in_a_shape_never_written_are_left_out_and_named(spark):
     nemotron = s.engines[0]
     assert nemotron.kv_use is None and nemotron.requests_running is None
     assert s.vllm_version is None and s.mem_total_bytes is None and s.watchdog == []
-    assert any("cache-keys/q38 is not a cache key" in line for line in s.untrusted)
+    assert any(line.startswith("/var/lib/sparkform/record/cache-keys/q38 holds 'k;touch") for line in s.untrusted)
     assert any("host-record.json is a symbolic link" in line for line in s.untrusted)
     assert any("watchdog journal entry" in line for line in s.untrusted)
     assert s.gpu is None and any(line.startswith("the GPU report: gpus[0].name") for line in s.untrusted)
     table = format_status(s)
-    assert "\x1b" not in table and "rm -rf" not in table and "pwned" not in table
+    assert "\x1b" not in table and "rm -rf" not in table
+    # a left-out value appears only quoted, on the line that says it was left out
+    assert [line for line in table.splitlines() if "pwned" in line] == [
+        "left out (untrusted): /var/lib/sparkform/record/cache-keys/q38 holds 'k;touch /tmp/pwned', "
+        "which is not a cache key"
+    ]
 
 
 def test_watchdog_alerts_and_drift_since_the_record_are_shown(spark):
