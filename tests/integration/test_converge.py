@@ -430,13 +430,19 @@ def test_checkpoint_drift_is_caught_deep_verify_names_it_and_a_truncated_shard_i
     assert changed_operations(SANDBOX_INVENTORY) == []
     result = verify("--deep")
     assert result.returncode != 0 and "model-00001-of-00002.safetensors" in result.stdout
-    # A truncated shard: its size no longer matches the manifest, so the deploy fetches it again.
+    # A truncated shard: its size no longer matches the manifest, so the deploy fetches it again,
+    # and restarts the engine that serves it (it may hold the bad bytes in memory); only that one.
     ssh(box, f"truncate -s 1000 {shard}")
-    assert [name.split(":")[0] for name in changed_operations(SANDBOX_INVENTORY)] == ["Checkpoint of nemotron"]
+    changed = [name.split(":")[0] for name in changed_operations(SANDBOX_INVENTORY)]
+    assert changed[0] == "Checkpoint of nemotron" and "Engine nemotron serving" in changed, changed
+    assert not [name for name in changed if "q38" in name], changed
     before = main_pids(box)
     assert pyinfra(SANDBOX_INVENTORY, "-y").returncode == 0
     assert verify("--deep").returncode == 0  # the flipped byte went with the re-fetch
-    assert main_pids(box) == before  # same revision, same files: nothing to restart
+    after = main_pids(box)
+    assert after["vllm-q38.service"] == before["vllm-q38.service"]
+    assert after["vllm-nemotron.service"] not in (0, before["vllm-nemotron.service"])
+    assert changed_operations(SANDBOX_INVENTORY) == []
 
 
 def test_moved_branch_changes_nothing_and_a_new_pin_replaces_the_old_revision_only_once_it_serves(box, tmp_path):
