@@ -31,7 +31,14 @@ from sparkform.hostrecord import (
     last_cold_starts,
     parse_live_versions,
 )
-from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES, Sample, engine_states, parse_prometheus, parse_systemctl_show
+from sparkform.parsers import (
+    SYSTEMCTL_SHOW_PROPERTIES,
+    Sample,
+    engine_states,
+    parse_meminfo,
+    parse_prometheus,
+    parse_systemctl_show,
+)
 from sparkform.readback import named_lines
 from sparkform.remote import plain_file, plain_files, section, split_sections
 from sparkform.render import ALERT_MESSAGE_ID
@@ -175,7 +182,9 @@ def status_command(config: HostConfig, sample_s: float) -> str:
                 f"MESSAGE_ID={RESTART_SCHEDULED_MESSAGE_ID} | wc -l",
             )
         )
-        sections.append(section(f"health:{engine.name}", f"curl -s -o /dev/null -m 5 -w '%{{http_code}}\\n' {health}"))
+        sections.append(
+            section(f"health:{engine.name}", f"curl -s -o /dev/null -m 5 -w '%{{http_code}}\\n' {shlex.quote(health)}")
+        )
     sections.append(f"sleep {sample_s:g}")
     sections.append(section("clock2", clock))
     sections += [section(f"metrics2:{e.name}", _metrics(e, config)) for e in config.engines]
@@ -319,13 +328,10 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
             )
         )
 
-    meminfo = {}
-    for line in sections.get("meminfo", []):
-        key, _, rest = line.partition(":")
-        words = rest.split()
-        if words and words[0].isdigit():
-            meminfo[key] = int(words[0]) * 1024
-    total, available = meminfo.get("MemTotal"), meminfo.get("MemAvailable")
+    meminfo = parse_meminfo(sections.get("meminfo", []))
+    total, available = (
+        None if kib is None else kib * 1024 for kib in (meminfo["mem_total_kib"], meminfo["mem_available_kib"])
+    )
 
     report = None
     if sections.get("gpu"):
