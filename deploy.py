@@ -26,7 +26,7 @@ from sparkform.hub import resolve_pins
 from sparkform.inventory import exit_invalid, exit_untrusted, host_from_data
 from sparkform.model import InventoryError
 from sparkform.render import prerequisite_packages
-from tasks import checkpoints, engines, files, front, guard, host_record, jit, monitoring, system, venv
+from tasks import checkpoints, engines, files, front, guard, host_record, jit, monitoring, scrub, system, venv
 
 try:
     config = host_from_data(host.name, host.data.dict()).config
@@ -165,6 +165,15 @@ guard.guard_running(
     applied=snapshot.markers.get(config.paths.stamp("guard")),
     wanted=plan.guard_wanted,
     stamp=config.paths.stamp("guard"),
+)
+scrub.scrub_timer(
+    name=f"Checkpoint scrub ({config.scrub.period})" if config.scrub.enabled else "Checkpoint scrub off",
+    enabled=config.scrub.enabled,
+    unit=layout.SCRUB_TIMER,
+    current=snapshot.engines.get(layout.SCRUB_TIMER),
+    applied=snapshot.markers.get(config.paths.stamp("scrub")),
+    wanted=plan.scrub_wanted,
+    stamp=config.paths.stamp("scrub"),
 )
 if config.monitoring.enabled:
     monitoring.node_exporter_serving(

@@ -30,7 +30,7 @@ from sparkform.layout import record_path
 from sparkform.model import Host, InventoryError, Problem
 from sparkform.render import render_host
 from sparkform.sandbox import command as sandbox_command
-from sparkform.schema import CompileCaps, HostConfig, Monitoring
+from sparkform.schema import CompileCaps, HostConfig, Monitoring, Scrub
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -242,6 +242,7 @@ def field_table() -> str:
         ("host", HostConfig),
         ("compile_caps.", CompileCaps),
         ("monitoring.", Monitoring),
+        ("scrub.", Scrub),
         ("engines[].", Engine),
         ("engines[].checkpoint.", Checkpoint),
         ("engines[].measured.", Measured),
@@ -253,7 +254,8 @@ def field_table() -> str:
                 default = "required"
             else:
                 value = info.get_default(call_default_factory=True)
-                default = "—" if isinstance(value, (CompileCaps, Measured, Monitoring)) else f"`{json.dumps(value)}`"
+                tables = (CompileCaps, Measured, Monitoring, Scrub)
+                default = "—" if isinstance(value, tables) else f"`{json.dumps(value)}`"
             label = name if prefix == "host" else f"{prefix}{name}"
             meaning = " ".join(info.description.split())  # the field's docstring, on one line
             lines.append(f"| `{label}` | {default} | {meaning} |")

@@ -139,10 +139,15 @@ def snapshot_request(config: HostConfig) -> dict:
             + unwanted(config)
             + ([config.monitoring.record_textfile] if config.monitoring.enabled else [])
         ),
-        markers=[layout.venv_marker(config.venv), config.paths.stamp("nginx"), config.paths.stamp("guard")]
+        markers=[
+            layout.venv_marker(config.venv),
+            config.paths.stamp("nginx"),
+            config.paths.stamp("guard"),
+            config.paths.stamp("scrub"),
+        ]
         + ([config.paths.stamp("node-exporter")] if config.monitoring.enabled else []),
         units=[engine.unit for engine in config.engines]
-        + [layout.ENGINES_TARGET, layout.FRONT_UNIT, layout.GUARD_UNIT]
+        + [layout.ENGINES_TARGET, layout.FRONT_UNIT, layout.GUARD_UNIT, layout.SCRUB_TIMER]
         + ([layout.NODE_EXPORTER_UNIT] if config.monitoring.enabled else []),
         unit_glob=layout.ENGINE_UNIT_GLOB,
         models_dir=config.models_dir,
@@ -241,6 +246,7 @@ class ConvergePlan:
     front_wanted: str  # the digest nginx must run with (its drop-in, config and key)
     guard_wanted: str  # the digest the guard must run with (its files)
     node_exporter_wanted: str  # the digest node_exporter must run with (its settings and drop-in)
+    scrub_wanted: str  # the digest the scrub's timer must be armed with (its unit)
     record: HostRecord  # the host record as this run leaves it
 
     @property
@@ -336,5 +342,6 @@ def plan(config: HostConfig, snapshot: Snapshot) -> ConvergePlan:
         ),
         guard_wanted=digest(*(contents[path] for path in guard_files(config))),
         node_exporter_wanted=digest(*(f.content for f in node_exporter_files(config))),
+        scrub_wanted=digest(contents[layout.unit_path(layout.SCRUB_TIMER)]),
         record=planned_record(config, live, snapshot.record, snapshot),
     )

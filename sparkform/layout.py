@@ -19,6 +19,9 @@ ENGINES_TARGET = "sparkform-engines.target"  # reached once every enabled engine
 GUARD_UNIT = "sparkform-guard.service"
 RETRY_UNIT_PREFIX = "sparkform-retry-"  # the guard's delayed start of ENGINE: sparkform-retry-ENGINE.timer
 RECOVER_UNIT = "sparkform-recover@.service"  # the engines' OnFailure=, one instance per engine
+# The checkpoint scrub (HostConfig.scrub): the timer starts the service, a one-shot run.
+SCRUB_UNIT = "sparkform-scrub.service"
+SCRUB_TIMER = "sparkform-scrub.timer"
 FRONT_UNIT = "nginx.service"
 FRONT_CONFIG = "/etc/nginx/conf.d/sparkform.conf"
 FRONT_DROP_IN = f"{UNIT_DIR}/nginx.service.d/sparkform-hardening.conf"
@@ -45,12 +48,13 @@ RECORD_NAME = "host-record.json"
 
 def monitored_units_pattern() -> str:
     """node_exporter's --collector.systemd.unit-include: the engines, their target, the guard, the
-    recovery units and their retry timers. `[.]` rather than a backslash: the pattern passes
-    through an environment file and systemd's $ARGS splitting."""
+    recovery units and their retry timers, the scrub and its timer. `[.]` rather than a
+    backslash: the pattern passes through an environment file and systemd's $ARGS splitting."""
     engine = f"{UNIT_PREFIX}.+[.]service"
     target, guard = (unit.replace(".", "[.]") for unit in (ENGINES_TARGET, GUARD_UNIT))
     recover = RECOVER_UNIT.replace("@.service", "@.+[.]service")
-    return f"({engine}|{target}|{guard}|{recover}|{RETRY_UNIT_PREFIX}.+[.](service|timer))"
+    scrub = SCRUB_UNIT.removesuffix(".service")
+    return f"({engine}|{target}|{guard}|{recover}|{RETRY_UNIT_PREFIX}.+[.](service|timer)|{scrub}[.](service|timer))"
 
 
 def engine_unit(engine_name: str) -> str:
@@ -155,6 +159,11 @@ class HostPaths:
         return f"{self.lib_dir}/sparkform-guard"
 
     @property
+    def scrub(self) -> str:
+        """Re-hashes the checkpoints against their manifests; run by the system's python3."""
+        return f"{self.lib_dir}/sparkform-scrub"
+
+    @property
     def engine_home(self) -> str:
         """The engine user's HOME: its own, inside root's state folder."""
         return f"{self.state_dir}/home"
@@ -167,6 +176,10 @@ class HostPaths:
     @property
     def guard_config(self) -> str:
         return f"{self.config_dir}/guard.json"
+
+    @property
+    def scrub_config(self) -> str:
+        return f"{self.config_dir}/scrub.json"
 
     @property
     def engines_dir(self) -> str:

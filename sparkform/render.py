@@ -29,6 +29,8 @@ from sparkform.layout import (
     NODE_EXPORTER_PACKAGE,
     PROFILE_CAPS,
     RECOVER_UNIT,
+    SCRUB_TIMER,
+    SCRUB_UNIT,
     record_dir,
     unit_path,
 )
@@ -233,6 +235,71 @@ def guard_settings(config: HostConfig) -> dict:
     }
 
 
+def checkpoint_fetch(config: HostConfig, engine: Engine) -> list[str]:
+    """The fetch of an engine's checkpoint, as the deploy and the scrub run it (argv; HF_TOKEN and
+    HF_ENDPOINT go in its environment, never here)."""
+    includes = [word for pattern in engine.checkpoint.include for word in ("--include", pattern)]
+    return [
+        f"{config.venv}/bin/python",
+        config.paths.checkpoint,
+        engine.checkpoint.repo,
+        config.commit(engine) or engine.checkpoint.revision,
+        config.checkpoint_dir(engine),
+        *includes,
+        "--workers",
+        str(config.checkpoint_workers),
+    ]
+
+
+def scrub_settings(config: HostConfig) -> dict:
+    """What sparkform-scrub knows: each checkpoint an enabled engine serves, with its fetch and the
+    engines to restart after a repair; the token's path, never the token."""
+    folders: dict[str, dict] = {}
+    for engine in config.enabled_engines:
+        checkpoint = folders.setdefault(
+            config.checkpoint_dir(engine),
+            {
+                "folder": config.checkpoint_dir(engine),
+                "repo": engine.checkpoint.repo,
+                "commit": config.commit(engine),
+                "fetch": checkpoint_fetch(config, engine),
+                "engines": [],
+            },
+        )
+        checkpoint["engines"].append({"name": engine.name, "unit": engine.unit})
+    return {
+        "checkpoints": list(folders.values()),
+        "rate_mib_s": config.scrub.rate_mib_s,
+        "hf_endpoint": config.hf_endpoint,
+        "hf_token_file": config.paths.hf_token if config.hf_token_file else None,
+        "guard": config.paths.guard,
+    }
+
+
+def scrub_files(config: HostConfig) -> list[RenderedFile]:
+    """The scrub's script, settings, service and timer (the timer restarts when it changes)."""
+    paths = config.paths
+    return [
+        RenderedFile(
+            paths.scrub,
+            template(
+                "sparkform-scrub.py.j2",
+                scrub_config=paths.scrub_config,
+                complete_marker=COMPLETE_MARKER,
+                manifest=CHECKPOINT_MANIFEST,
+            ),
+            "644",
+        ),
+        RenderedFile(paths.scrub_config, json.dumps(scrub_settings(config), indent=2) + "\n", "644"),
+        RenderedFile(
+            unit_path(SCRUB_UNIT),
+            template("sparkform-scrub.service.j2", config=config, state_folder=record_dir(config.state_dir)),
+            "644",
+        ),
+        RenderedFile(unit_path(SCRUB_TIMER), template("sparkform-scrub.timer.j2", config=config), "644"),
+    ]
+
+
 def front_listen(config: HostConfig) -> tuple[str, str]:
     """nginx's listen address (IPv6 in brackets) and options for `listen_address`."""
     address = ipaddress.ip_address(config.listen_address)
@@ -316,6 +383,7 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
         RenderedFile(
             recover_unit, template("sparkform-recover@.service.j2", config=config, guard_config=guard_config), "644"
         ),
+        *scrub_files(config),
     ]
     listen, listen_options = front_listen(config)
     files += [

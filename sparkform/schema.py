@@ -23,6 +23,7 @@ from sparkform.shapes import (
     SHARED_USERS,
     URL_PATTERN,
     StrictModel,
+    checked_calendar,
     checked_managed_folder,
     checked_path,
 )
@@ -97,6 +98,27 @@ class Monitoring(StrictModel):
         return [self.record_textfile, self.guard_textfile, self.gpu_textfile]
 
 
+class Scrub(StrictModel):
+    """The checkpoint scrub (README, Unattended): sparkform-scrub.timer re-hashes every file of the engines' checkpoints
+    against its manifest, at idle I/O priority; a file that no longer matches is reported, fetched again, and the
+    engines that serve it are restarted on the good bytes."""
+
+    enabled: bool = Field(True)
+    """Run the scrub on its timer; false stops and disables the timer (`systemctl start sparkform-scrub` still runs
+    one)."""
+    period: str = Field("weekly")
+    """When the scrub runs: an OnCalendar= event (weekly, daily, 'Sun *-*-* 03:00'); a run missed while the host was
+    off happens after the next boot, once the engines serve."""
+    rate_mib_s: int = Field(200, ge=1, le=100_000)
+    """The most the scrub reads, in MiB a second (40 GB of checkpoints take 3.5 min at 200); its reads also yield
+    to every other read (idle I/O class)."""
+
+    @field_validator("period")
+    @classmethod
+    def _calendar(cls, value: str) -> str:
+        return checked_calendar(value)
+
+
 def checked_address(value: str) -> str:
     """An IP address, normalized; ValueError naming the forms that are meant."""
     try:
@@ -140,6 +162,8 @@ class HostConfig(StrictModel):
     checkpoint_workers: int = Field(4, ge=1, le=32)
     """Files of a checkpoint downloaded at once (each hashed as it streams in); more fill a fast link, fewer spare a
     slow one."""
+    scrub: Scrub = Field(default_factory=Scrub)
+    """The checkpoint scrub, on by default (weekly, 200 MiB/s): the `scrub.*` fields."""
     cache_root: str = Field("/var/cache/sparkform")
     """Persistent per-engine JIT caches (vLLM, FlashInfer, Triton, CuTe DSL)."""
     lib_dir: str = Field("/usr/local/lib/sparkform")

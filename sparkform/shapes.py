@@ -76,6 +76,18 @@ OWNED_FLAGS = {
     "--allowed-local-media-path": "lets any request read the engine's files: not through extra_args",
 }
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
+# A systemd calendar event (OnCalendar=), as systemd.time(7) writes one: a shorthand, or
+# [weekdays] [date] [time] [zone], each a word of its own.
+CALENDAR_SHORTHANDS = frozenset({
+    "minutely", "hourly", "daily", "weekly", "monthly", "quarterly", "semiannually", "yearly", "annually",
+})  # fmt: skip
+_WEEKDAY = r"(Mon|Tue|Wed|Thu|Fri|Sat|Sun)[a-z]{0,6}"
+CALENDAR_WORDS = (
+    re.compile(rf"{_WEEKDAY}((,|[.][.]){_WEEKDAY})*"),  # Mon..Fri, Sat,Sun
+    re.compile(r"[0-9*][0-9*.,/~]*-[0-9*.,/~-]+"),  # *-*-01, 2026-*-1..7
+    re.compile(r"[0-9*][0-9*.,/]*:[0-9*.,/:]*"),  # 03:00, *:0/15
+    re.compile(r"(?!Mon|Tue|Wed|Thu|Fri|Sat|Sun)[A-Za-z_]+(/[A-Za-z_]+)?"),  # UTC, Europe/Berlin: never alone
+)
 
 
 def checked_path(value: str) -> str:
@@ -88,6 +100,25 @@ def checked_path(value: str) -> str:
     if posixpath.normpath(value) != value or "/./" in f"{value}/" or "/../" in f"{value}/":
         raise ValueError(f"{value!r} is not normalized: write it without '.', '..', '//' or a trailing '/'")
     return value
+
+
+def checked_calendar(value: str) -> str:
+    """A systemd calendar event of CALENDAR_SHORTHANDS or CALENDAR_WORDS (its hours below 24, its
+    minutes and seconds below 60), or a ValueError with examples."""
+    if value in CALENDAR_SHORTHANDS:
+        return value
+    kinds = iter(CALENDAR_WORDS)
+    words = value.split(" ")
+    zone_alone = CALENDAR_WORDS[-1].fullmatch(words[0])
+    # Each word is of a kind that comes after the previous word's, in the order above.
+    shaped = not zone_alone and all(any(kind.fullmatch(word) for kind in kinds) for word in words)
+    times = [part for word in words if ":" in word for part in word.split(":")]
+    if shaped and all(int(part) < (24 if i == 0 else 60) for i, part in enumerate(times) if part.isdigit()):
+        return value
+    raise ValueError(
+        f"{value!r} is not a systemd calendar event: write weekly, daily, monthly or e.g. 'Sun *-*-* 03:00' or "
+        "'Mon..Fri 22:30' (`systemd-analyze calendar VALUE` shows when one fires)"
+    )
 
 
 def checked_managed_folder(value: str) -> str:

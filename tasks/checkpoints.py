@@ -11,6 +11,7 @@ from pyinfra.api import operation
 from sparkform.converge import checkpoint_complete
 from sparkform.engine import Engine
 from sparkform.layout import COMPLETE_MARKER
+from sparkform.render import checkpoint_fetch
 from sparkform.schema import HostConfig
 from sparkform.snapshot import Snapshot
 from tasks.files import replaced_file
@@ -54,7 +55,6 @@ def _fetch(config: HostConfig, engine: Engine, folder: str, drifted: bool):
         env.append(f"HF_ENDPOINT={shlex.quote(config.hf_endpoint)}")
     if config.hf_token_file:
         env.append(f'HF_TOKEN="$(cat {shlex.quote(config.paths.hf_token)})"')
-    includes = "".join(f" --include {shlex.quote(p)}" for p in engine.checkpoint.include)
     script = config.paths.checkpoint
     if drifted:
         # Files changed since they were verified: the engine must not start on them meanwhile.
@@ -64,9 +64,7 @@ def _fetch(config: HostConfig, engine: Engine, folder: str, drifted: bool):
     # Shell assignments, not `env NAME=value`: env's own argv would show the token in `ps`. Its
     # lines (one per file, and every PROGRESS_EVERY_S seconds while a file downloads) show live.
     yield ProgressCommand(
-        f"{' '.join(env)} {shlex.quote(config.venv)}/bin/python {shlex.quote(script)} "
-        f"{shlex.quote(engine.checkpoint.repo)} {shlex.quote(config.commit(engine))} {shlex.quote(folder)}{includes}"
-        f" --workers {config.checkpoint_workers} --progress-every {PROGRESS_EVERY_S}"
+        f"{' '.join(env)} {shlex.join(checkpoint_fetch(config, engine))} --progress-every {PROGRESS_EVERY_S}"
     )
 
 

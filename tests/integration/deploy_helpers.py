@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -130,6 +131,25 @@ def edited_inventory(
 def checkpoint_dir(box: machine.Sandbox, engine: str) -> str:
     """The checkpoint folder the engine's rendered settings point it at (repo@commit)."""
     return ssh(box, f"sed -n 's/^SPARKFORM_CHECKPOINT=//p' {PATHS.engine_settings(engine)[0]}").stdout.strip()
+
+
+# A byte of the shard's middle flipped, its size and mtime kept: what bit rot looks like to a
+# deploy, which trusts both.
+_FLIP_A_BYTE = (
+    "import os, sys\n"
+    "path = sys.argv[1]\n"
+    "stat = os.stat(path)\n"
+    "with open(path, 'r+b') as handle:\n"
+    "    handle.seek(stat.st_size // 2)\n"
+    "    byte = handle.read(1)[0]\n"
+    "    handle.seek(stat.st_size // 2)\n"
+    "    handle.write(bytes([byte ^ 0xFF]))\n"
+    "os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))\n"
+)
+
+
+def flip_a_byte_keeping_size_and_mtime(box: machine.Sandbox, path: str) -> None:
+    ssh(box, f"python3 -c {shlex.quote(_FLIP_A_BYTE)} {shlex.quote(path)}")
 
 
 def journal_times(

@@ -28,6 +28,7 @@ from deploy_helpers import (
     changed_operations,
     checkpoint_dir,
     edited_inventory,
+    flip_a_byte_keeping_size_and_mtime,
     journal_times,
     main_pids,
     mark_converged,
@@ -421,12 +422,7 @@ def test_checkpoint_drift_is_caught_deep_verify_names_it_and_a_truncated_shard_i
     assert verify("--deep").returncode == 0
     shard = f"{checkpoint_dir(box, 'nemotron')}/{SHARD}"
     # A flipped byte, size and mtime kept: the no-op run trusts the manifest; --deep re-hashes.
-    ssh(
-        box,
-        "python3 -c \"import os,sys; p=sys.argv[1]; st=os.stat(p); f=open(p,'r+b'); f.seek(st.st_size//2); "
-        "b=f.read(1); f.seek(st.st_size//2); f.write(bytes([b[0]^255])); f.close(); "
-        f'os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))" {shard}',
-    )
+    flip_a_byte_keeping_size_and_mtime(box, shard)
     assert changed_operations(SANDBOX_INVENTORY) == []
     result = verify("--deep")
     assert result.returncode != 0 and "model-00001-of-00002.safetensors" in result.stdout

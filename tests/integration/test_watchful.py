@@ -1,7 +1,7 @@
 """Never dark without a word: faults no single-engine test scripts, on the sandbox pair with the
 real engines, the real systemd and the guard. Both engines crashing at once, again and again; a
 hung API server or EngineCore; a crash beside a hang; an engine that cannot serve; memory taken
-outside the engines' cgroups. Each ends with both serving, without a human, and with the alerts
+outside the engines' cgroups; a byte that rots in a served shard (the scrub's). Each ends with both serving, without a human, and with the alerts
 the receiver on this machine got.
 
 The sandbox is shared with other modules that leave it converged; tests run in file order and
@@ -23,6 +23,8 @@ from deploy_helpers import (
     changed_operations,
     checkpoint_dir,
     edited_inventory,
+    flip_a_byte_keeping_size_and_mtime,
+    journal_times,
     main_pids,
     pyinfra,
     serving,
@@ -32,6 +34,8 @@ from deploy_helpers import (
     wait_for,
 )
 
+from sparkform.layout import SCRUB_UNIT
+from sparkform.render import ALERT_MESSAGE_ID
 from sparkform.sandbox import stage
 from sparkform.sandbox.alerts import read_alerts
 
@@ -335,6 +339,34 @@ def test_memory_taken_outside_the_engines_stops_the_lower_priority_engine_until_
     wait_for(lambda: serving(box, "vllm-q38.service"), 240, "q38 started again once memory is back")
     assert ("memory-recovered", "q38") in [(a["event"], a["engine"]) for a in alerts(box)[since_alerts:]]
     assert pyinfra(SANDBOX_INVENTORY, "-y").returncode == 0
+
+
+def test_a_byte_flipped_in_a_served_shard_is_found_by_the_scrub_fetched_again_and_its_engine_restarted(box):
+    shard = f"{checkpoint_dir(box, 'nemotron')}/model-00001-of-00002.safetensors"
+    good = ssh(box, f"sha256sum {shard}").stdout.split()[0]
+    flip_a_byte_keeping_size_and_mtime(box, shard)
+    assert ssh(box, f"sha256sum {shard}").stdout.split()[0] != good
+    assert changed_operations(SANDBOX_INVENTORY) == []  # a deploy trusts size and mtime: it sees nothing
+    before, since, since_alerts = main_pids(box), now(box), len(alerts(box))
+    # What the timer starts; a one-shot unit: `start` returns once the run ended, successfully.
+    ssh(box, f"systemctl start {SCRUB_UNIT}")
+    assert ssh(box, f"sha256sum {shard}").stdout.split()[0] == good
+    after = main_pids(box)
+    assert after["vllm-nemotron.service"] not in (0, before["vllm-nemotron.service"])
+    assert after["vllm-q38.service"] == before["vllm-q38.service"]
+    assert answers(box, "vllm-nemotron.service")
+    events = [(a["event"], a["engine"]) for a in alerts(box)[since_alerts:]]
+    assert events == [("checkpoint-corrupt", "nemotron"), ("checkpoint-repaired", "nemotron")], events
+    journaled = ssh(
+        box, f"journalctl MESSAGE_ID={ALERT_MESSAGE_ID} SPARKFORM_EVENT=checkpoint-corrupt --since @{since} -o cat"
+    ).stdout
+    assert "model-00001-of-00002.safetensors: sha256 differs from its manifest's" in journaled, journaled
+    # The engine started on the good file: its new process began after the file was whole again.
+    (fetched,) = journal_times(box, r"complete: \d+ files verified", units=(SCRUB_UNIT,), since=since)
+    started = ssh(box, "systemctl show --timestamp=unix -p ExecMainStartTimestamp --value vllm-nemotron.service").stdout
+    assert float(started.strip().lstrip("@")) > fetched
+    # The scrub's fetch wrote the manifest again: nothing is left for a deploy to do.
+    assert changed_operations(SANDBOX_INVENTORY) == []
 
 
 def test_after_automatic_restarts_a_dry_run_changes_nothing(box):

@@ -4,7 +4,8 @@ A Box is a small host (engines a and b) rendered with its every sparkform folder
 tmp_path, so the launch script and the readiness helper run there with bash: the launch script
 with a stub `python` in the venv that records the environment and arguments it was handed, the
 helper against FakeEngine (the few endpoints it polls) or Staller (a socket that never answers)
-on 127.0.0.1. The fixtures that make them, make_box and servers, are in conftest.py.
+on 127.0.0.1. The fixtures that make them, make_box and servers, are in conftest.py. Journal is
+a stand-in journald socket the guard's alerts reach (test_guard.py, test_scrub.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkform.inventory import load_host
-from sparkform.render import RenderedFile, render_host
+from sparkform.render import ALERT_MESSAGE_ID, RenderedFile, render_host
 from sparkform.schema import HostConfig
 
 # What every launch path (the unit, the env file, the launch script) hands the engine: its cache
@@ -275,3 +276,26 @@ class Staller:
         self.sock.close()
         for conn in self.conns:
             conn.close()
+
+
+class Journal:
+    """A datagram socket that speaks journald's native protocol (KEY=value lines)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.1)
+        self.entries: list[dict[str, str]] = []
+
+    def read(self) -> list[dict[str, str]]:
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except (socket.timeout, BlockingIOError):
+                return self.entries
+            self.entries.append(dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line))
+
+    def alerts(self) -> list[dict[str, str]]:
+        """The entries of sparkform-guard's alerts (its MESSAGE_ID)."""
+        return [e for e in self.read() if e.get("MESSAGE_ID") == ALERT_MESSAGE_ID]

@@ -568,6 +568,10 @@ def test_render_writes_every_file_with_its_mode(tmp_path):
             "etc/sparkform/guard.json",
             "etc/systemd/system/sparkform-guard.service",
             "etc/systemd/system/sparkform-recover@.service",
+            "usr/local/lib/sparkform/sparkform-scrub",
+            "etc/sparkform/scrub.json",
+            "etc/systemd/system/sparkform-scrub.service",
+            "etc/systemd/system/sparkform-scrub.timer",
         ]
     )
     assert result.stdout.splitlines() == [

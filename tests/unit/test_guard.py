@@ -16,34 +16,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from script_box import Journal
 
 from sparkform.inventory import load_host
-from sparkform.render import ALERT_MESSAGE_ID, guard_files, render_host
+from sparkform.render import guard_files, render_host
 from sparkform.sandbox.alerts import make_server, read_alerts
 
 WEBHOOK_SECRET = "sf-webhook-token-0123456789"
-
-
-class Journal:
-    """A datagram socket that speaks journald's native protocol (KEY=value lines)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(path))
-        self.sock.settimeout(0.1)
-        self.entries: list[dict[str, str]] = []
-
-    def read(self) -> list[dict[str, str]]:
-        while True:
-            try:
-                data = self.sock.recv(65536)
-            except (socket.timeout, BlockingIOError):
-                return self.entries
-            self.entries.append(dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line))
-
-    def alerts(self) -> list[dict[str, str]]:
-        return [e for e in self.read() if e.get("MESSAGE_ID") == ALERT_MESSAGE_ID]
 
 
 class StubEngine:

@@ -41,6 +41,8 @@ ALERTS = (
     "SparkformRequestsWaiting",
     "SparkformMemAvailableLow",
     "SparkformGpuThrottled",
+    "SparkformCheckpointCorrupt",
+    "SparkformScrubFailed",
     "SparkformGuardActed",
 )
 STAND_IN = ROOT / "sparkform" / "sandbox" / "nvidia-smi"

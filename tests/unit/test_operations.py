@@ -29,7 +29,7 @@ from sparkform.inventory import load_host
 from sparkform.layout import cache_keys_dir, record_path
 from sparkform.parsers import EngineState
 from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
-from tasks import checkpoints, engines, files, front, guard, host_record, jit, monitoring, system, venv
+from tasks import checkpoints, engines, files, front, guard, host_record, jit, monitoring, scrub, system, venv
 
 HOST_DATA = {
     "device": "cpu",
@@ -153,6 +153,7 @@ FRONT = dict(
 GUARD = dict(
     unit="sparkform-guard.service", current=unit(), wanted="new", stamp="/var/lib/sparkform/record/applied-guard"
 )
+SCRUB = dict(unit="sparkform-scrub.timer", wanted="new", stamp="/var/lib/sparkform/record/applied-scrub")
 
 # What engine_running hears of the start it may make: warm, its cold start never measured.
 START = dict(cold=False, cold_start_s=None, budget_s=CONFIG.readiness_budget_s)
@@ -345,6 +346,22 @@ TABLE = {
         dict(GUARD, applied="old"),
         ["systemctl restart sparkform-guard.service", 'mv -fT "$temp" /var/lib/sparkform/record/applied-guard'],
         dict(GUARD, applied="new"),
+    ),
+    "scrub: arm its timer at the first deploy": (
+        scrub.scrub_timer,
+        dict(SCRUB, enabled=True, current=None, applied=None),
+        [
+            "systemctl enable sparkform-scrub.timer",
+            "systemctl restart sparkform-scrub.timer",
+            'mv -fT "$temp" /var/lib/sparkform/record/applied-scrub',
+        ],
+        dict(SCRUB, enabled=True, current=unit(), applied="new"),
+    ),
+    "scrub: turned off stops and disables its timer": (
+        scrub.scrub_timer,
+        dict(SCRUB, enabled=False, current=unit(), applied="new"),
+        ["systemctl disable --now sparkform-scrub.timer"],
+        dict(SCRUB, enabled=False, current=unit("inactive", "disabled"), applied="new"),
     ),
     "node_exporter: install it keeping sparkform's settings, then start it with them": (
         monitoring.node_exporter_serving,

@@ -26,9 +26,9 @@ import pytest
 from script_box import CACHE_VARS, CAPS
 
 from sparkform.inventory import load_host, load_inventory
-from sparkform.layout import ENGINES_TARGET
+from sparkform.layout import ENGINES_TARGET, SCRUB_TIMER
 from sparkform.render import RenderedFile, engine_args, min_available_kib, render_host
-from sparkform.schema import HostConfig
+from sparkform.schema import HostConfig, Scrub
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "fixtures" / "golden" / "spark.local"
@@ -157,6 +157,10 @@ def test_rendered_file_list_and_modes(seed_files):
         "/etc/sparkform/guard.json",
         "/etc/systemd/system/sparkform-guard.service",
         "/etc/systemd/system/sparkform-recover@.service",
+        "/usr/local/lib/sparkform/sparkform-scrub",
+        "/etc/sparkform/scrub.json",
+        "/etc/systemd/system/sparkform-scrub.service",
+        "/etc/systemd/system/sparkform-scrub.timer",
     ]
     engine_files = [
         "/etc/systemd/system/vllm-{}.service",
@@ -168,8 +172,8 @@ def test_rendered_file_list_and_modes(seed_files):
         **{path: ("644", None) for path in host_files},
         **{path.format(name): ("644", name) for name in ("nemotron", "q38") for path in engine_files},
     }
-    # The engines, their target, the guard, the recovery template and nginx's drop-in.
-    assert [f.is_unit for f in seed_files.values()].count(True) == 6
+    # The engines, their target, the guard, the recovery template, the scrub and its timer, nginx's drop-in.
+    assert [f.is_unit for f in seed_files.values()].count(True) == 8
 
 
 # --- systemd-analyze verify ------------------------------------------------------------------------
@@ -254,7 +258,8 @@ def verify(
     (root / "usr/bin").mkdir(parents=True, exist_ok=True)
     (root / "usr/bin/python3").write_text("#!/bin/sh\n")
     (root / "usr/bin/python3").chmod(0o755)
-    units = [Path(f.path).name for f in files if f.is_unit and f.path.endswith((".service", ".target"))] + list(also)
+    units = [Path(f.path).name for f in files if f.is_unit and f.path.endswith((".service", ".target", ".timer"))]
+    units += also
     return subprocess.run(
         ["systemd-analyze", "verify", f"--root={root}", *units], capture_output=True, text=True, timeout=120
     )
@@ -267,8 +272,8 @@ def test_units_pass_systemd_analyze_verify_with_nothing_on_stderr(which, monkeyp
     result = verify(tmp_path / "root", system_units, files)
     assert result.returncode == 0, result.stderr
     assert result.stderr == "", result.stderr
-    # The engines, their target, the guard, the recovery template and nginx's drop-in.
-    assert len([f for f in files if f.is_unit]) == len(config.engines) + 4
+    # The engines, their target, the guard, the recovery template, the scrub and its timer, nginx's drop-in.
+    assert len([f for f in files if f.is_unit]) == len(config.engines) + 6
 
 
 def exposure(root: Path, unit: str) -> float:
@@ -369,6 +374,35 @@ def test_readme_example_timer_passes_systemd_analyze_verify(target, monkeypatch,
         assert result.returncode == 0 and result.stderr == "", result.stderr
     else:
         assert target in result.stderr
+
+
+# Periods written as systemd.time(7) writes them, and some it refuses (the last two have the
+# schema's shape; their hour and minute are out of range).
+CALENDARS = ["weekly", "daily", "Sun 03:00", "Mon..Fri 22:30", "Sat *-*-1..7 04:00", "*-*-* 03:00:00", "*:0/15",
+             "Sun,Wed 03:00 UTC", "2026-12-01"]  # fmt: skip
+NOT_CALENDARS = ["every sunday", "weekly; reboot", "03:00 Sun", "UTC", "Sun 03:00\nExecStartPre=/bin/sh", "",
+                 "Sun 25:00", "Sun 03:60"]  # fmt: skip
+
+
+@pytest.mark.parametrize("period", CALENDARS + NOT_CALENDARS)
+def test_the_schema_takes_the_scrub_periods_systemd_takes(period):
+    require("systemd-analyze")
+    systemd = subprocess.run(["systemd-analyze", "calendar", period], capture_output=True, timeout=30).returncode == 0
+    try:
+        Scrub(period=period)
+        schema = True
+    except ValueError:
+        schema = False
+    assert (schema, systemd) == ((True, True) if period in CALENDARS else (False, False))
+
+
+def test_the_scrub_timer_of_a_period_passes_systemd_analyze_verify(tmp_path, system_units):
+    config = load_host("box", {"scrub": {"period": "Mon..Fri 22:30"}}).config
+    files = render_host(config)
+    timer = next(f for f in files if f.path.endswith(SCRUB_TIMER))
+    assert "OnCalendar=Mon..Fri 22:30\n" in timer.content
+    result = verify(tmp_path / "root", system_units, files)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
 
 
 def test_systemd_analyze_check_catches_a_bad_unit(tmp_path, system_units, monkeypatch):
@@ -672,7 +706,7 @@ def test_no_secret_in_any_rendered_file(seed_data, tmp_path):
         os.chmod(tmp_path / name, 0o600)
     seed_data.update(hf_token_file=str(tmp_path / "hf"), api_key_file=str(tmp_path / "key"))
     files = render_host(load_host("spark", seed_data).config)
-    assert len(files) == 18
+    assert len(files) == 22
     for file in files:
         assert token not in file.content and key not in file.content, file.path
         assert "SECRET" not in file.content, file.path

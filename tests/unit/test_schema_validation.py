@@ -311,6 +311,14 @@ INVALID = [
         None,
         ["below the warning floor (8.0 GiB)"],
     ),
+    (
+        "scrub-period-in-words",
+        host(scrub={"period": "every sunday"}),
+        "scrub.period",
+        None,
+        ["not a systemd calendar event", "'Sun *-*-* 03:00'"],
+    ),
+    ("scrub-rate-zero", host(scrub={"rate_mib_s": 0}), "scrub.rate_mib_s", None, ["greater than or equal to 1"]),
 ]
 
 
