@@ -1,8 +1,8 @@
 """Never dark without a word: faults no single-engine test scripts, on the sandbox pair with the
 real engines, the real systemd and the guard. Both engines crashing at once, again and again; a
 hung API server or EngineCore; a crash beside a hang; an engine that cannot serve; memory taken
-outside the engines' cgroups; a byte that rots in a served shard (the scrub's). Each ends with both serving, without a human, and with the alerts
-the receiver on this machine got.
+outside the engines' cgroups; a byte that rots in a served shard (the scrub's). Each ends with
+both serving, without a human, and with the alerts the receiver on this machine got.
 
 The sandbox is shared with other modules that leave it converged; tests run in file order and
 each leaves the pair serving.
