@@ -43,8 +43,9 @@ spark = hosts(
                     "quantization": "modelopt",
                     "gpu_memory_utilization": 0.25,
                     "max_model_len": 262_144,
-                    # Not a memory knob: each decode sequence needs one Mamba state block and
-                    # the default 256 exceeded the pool's 147 (CUDA graph capture refused).
+                    # Not a memory knob: each decode sequence needs one Mamba state block, and
+                    # the default 256 exceeded a pool's 147 (CUDA graph capture refused; by the
+                    # page rules Qwen3.8's at the even split: docs/incidents.md#mamba-max-num-seqs).
                     "max_num_seqs": 128,
                     "served_names": ["nemotron"],
                     "tool_call_parser": TOOL_PARSER,

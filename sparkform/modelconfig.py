@@ -3,6 +3,12 @@
 Only layers that keep per-token KV (full attention) cost memory per token; Mamba and linear
 attention layers keep a constant state per sequence instead. That is why a Mamba hybrid gets
 ten times the tokens per GiB of a dense-attention model (docs/incidents.md#even-split).
+
+How vLLM turns KV memory into a pool (vllm/v1/core/kv_cache_utils.py, the hybrid page rules of
+vllm/model_executor/models/config.py) is `KvLayout`: one page size for every layer, the
+attention block grown until its page holds a sequence's state, layers in groups that share a
+block id, and a full-window request costing its attention blocks plus one block per state group
+(docs/incidents.md#kv-pool-ledger).
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ from pathlib import Path
 from typing import Any
 
 GIB = 1024**3
+
+# vLLM's default block for attention-only models, and the multiple a hybrid's grown attention
+# block is rounded up to (the kernels' block alignment).
+BLOCK_TOKENS = 16
 
 DTYPE_BYTES = {
     "float32": 4,
@@ -34,6 +44,34 @@ class ModelConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class KvLayout:
+    """How vLLM pages one checkpoint's KV pool at one window.
+
+    A block id spans one page in each of the layers that share it (one layer per group), so the
+    pool holds kv_bytes // block_bytes blocks. A request at the full window takes
+    ceil(window / block_tokens) blocks in each attention group and one block (its state) in each
+    Mamba / linear-attention group; vLLM prints concurrency as blocks / that, and the pool in
+    tokens as concurrency x window."""
+
+    block_tokens: int  # tokens per attention block
+    block_bytes: int  # one block id: page size x layers per group
+    blocks_per_request: int  # a full-window request
+    max_model_len: int
+    state_groups: int  # groups of Mamba / linear-attention layers; 0 for attention-only models
+
+    def blocks(self, kv_bytes: float) -> int:
+        return int(kv_bytes // self.block_bytes)
+
+    def pool_tokens(self, kv_bytes: float) -> int:
+        return self.blocks(kv_bytes) * self.max_model_len // self.blocks_per_request
+
+    @property
+    def tokens_per_gib(self) -> float:
+        """Pool tokens per GiB at this window, before the pool is cut to whole blocks."""
+        return GIB * self.max_model_len / (self.blocks_per_request * self.block_bytes)
+
+
+@dataclass(frozen=True)
 class KvGeometry:
     """What one sequence costs in cache: per token (attention layers), per sequence (state)."""
 
@@ -51,23 +89,36 @@ class KvGeometry:
         return self.kv_layers * self.kv_heads * 2 * self.head_dim * kv_dtype_bytes
 
     def tokens_per_gib(self, kv_dtype_bytes: float) -> float:
+        """Per-token KV alone: exact for attention-only models, an upper bound for hybrids."""
         return GIB / self.bytes_per_token(kv_dtype_bytes)
 
     @property
     def is_hybrid(self) -> bool:
         return self.state_layers > 0
 
-    def state_blocks(self, kv_bytes: float, kv_dtype_bytes: float) -> int | None:
-        """Cache blocks of a hybrid's pool, each holding one sequence's state (vLLM's "Mamba
-        cache blocks", which bound max_num_seqs). An estimate by vLLM's rules: the attention
-        block grows until one page holds a state; layers share blocks in groups the size of the
-        smaller layer kind. None when config.json lacks the state's dimensions."""
-        if not self.is_hybrid or not self.state_bytes_per_layer:
+    def layout(self, kv_dtype_bytes: float, max_model_len: int) -> KvLayout | None:
+        """vLLM's paging of this checkpoint at a window; None for a hybrid whose config.json lacks
+        the state's dimensions."""
+        token_bytes = self.kv_heads * 2 * self.head_dim * kv_dtype_bytes  # one layer's K and V
+        if not self.is_hybrid:
+            block, group_size, attention_groups = BLOCK_TOKENS, self.kv_layers, 1
+        elif not self.state_bytes_per_layer:
             return None
-        token_bytes = self.kv_heads * 2 * self.head_dim * kv_dtype_bytes
-        block_tokens = max(16, math.ceil(self.state_bytes_per_layer / token_bytes / 16) * 16)
-        group_size = min(self.kv_layers, self.state_layers)
-        return int(kv_bytes // (block_tokens * token_bytes * group_size))
+        else:
+            # The attention block grows until its page holds one state; states are padded to it.
+            block = BLOCK_TOKENS * math.ceil(self.state_bytes_per_layer / (BLOCK_TOKENS * token_bytes))
+            # Groups the size of the smaller layer kind (the larger when they are within 1.5x).
+            fewer, more = sorted((self.kv_layers, self.state_layers))
+            group_size = more if more < 1.5 * fewer else fewer
+            attention_groups = math.ceil(self.kv_layers / group_size)
+        state_groups = math.ceil(self.state_layers / group_size)
+        return KvLayout(
+            block_tokens=block,
+            block_bytes=int(block * token_bytes) * group_size,
+            blocks_per_request=math.ceil(max_model_len / block) * attention_groups + state_groups,
+            max_model_len=max_model_len,
+            state_groups=state_groups,
+        )
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -119,28 +170,36 @@ def geometry(config: dict[str, Any]) -> KvGeometry:
 
 
 def _state_bytes_per_layer(cfg: dict[str, Any]) -> int | None:
-    """Conv state plus SSM/recurrent state of one layer for one sequence, in the model dtype."""
-    dtype = DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), 2)
+    """Conv state plus SSM/recurrent state of one layer for one sequence. The conv state is in
+    the model dtype; the SSM state in vLLM's mamba_ssm_cache_dtype, which 'auto' takes from
+    config.json (Nemotron-H: mamba_ssm_cache_dtype, float32 when absent; Qwen3.5:
+    mamba_ssm_dtype, the model dtype when absent)."""
+    dtype = DTYPE_BYTES.get(_model_dtype(cfg), 2)
     if "mamba_num_heads" in cfg:  # Nemotron-H, Mamba-2
+        ssm_dtype = DTYPE_BYTES.get(str(cfg.get("mamba_ssm_cache_dtype", "float32")), 4)
         inner = cfg["mamba_num_heads"] * cfg["mamba_head_dim"]
         conv_dim = inner + 2 * cfg.get("n_groups", 1) * cfg["ssm_state_size"]
-        return int(((cfg.get("conv_kernel", 4) - 1) * conv_dim + inner * cfg["ssm_state_size"]) * dtype)
+        conv = (cfg.get("conv_kernel", 4) - 1) * conv_dim
+        return int(conv * dtype + inner * cfg["ssm_state_size"] * ssm_dtype)
     if "linear_num_value_heads" in cfg:  # Qwen3-Next / Qwen3.5, Gated DeltaNet
+        ssm_dtype = DTYPE_BYTES.get(str(cfg.get("mamba_ssm_dtype")), dtype)
         key_dim = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
         value_dim = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
         recurrent = cfg["linear_num_value_heads"] * cfg["linear_key_head_dim"] * cfg["linear_value_head_dim"]
         conv = (cfg.get("linear_conv_kernel_dim", 4) - 1) * (2 * key_dim + value_dim)
-        return int((conv + recurrent) * dtype)
+        return int(conv * dtype + recurrent * ssm_dtype)
     return None
+
+
+def _model_dtype(cfg: dict[str, Any]) -> str:
+    return str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
 
 
 def kv_dtype_bytes(kv_cache_dtype: str, config: dict[str, Any]) -> float:
     """Bytes per KV element: the cache dtype, or the model's dtype when it is 'auto'."""
     if kv_cache_dtype != "auto":
         return DTYPE_BYTES[kv_cache_dtype]
-    cfg = _text_config(config)
-    model_dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    return DTYPE_BYTES.get(model_dtype, 2)
+    return DTYPE_BYTES.get(_model_dtype(_text_config(config)), 2)
 
 
 def load(path: Path) -> dict[str, Any]:

@@ -5,7 +5,9 @@ workspace. Context length is a per-request ceiling, not a reservation
 (docs/incidents.md#window-raise), so concurrency at the window is pool tokens / max_model_len.
 Tokens per GiB is architectural and differs tenfold between a Mamba hybrid and a dense-attention
 model, so an even split starves one engine; the recommended split equalises concurrency at each
-engine's window instead (docs/incidents.md#even-split).
+engine's window instead (docs/incidents.md#even-split). From config.json the pool follows vLLM's
+paging (modelconfig.KvLayout): whole blocks, and on a hybrid one state block per request, which
+is why its tokens per GiB grow with the window (docs/incidents.md#kv-pool-ledger).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import asdict, dataclass
 from sparkform import modelconfig
 from sparkform.engine import Engine
 from sparkform.model import Host, Problem
-from sparkform.modelconfig import GIB
+from sparkform.modelconfig import GIB, KvLayout
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,15 @@ class EnginePlan:
     max_model_len: int
     max_num_seqs: int
     state_blocks: int | None  # hybrids: sequences the pool can hold state for
+    layout: KvLayout | None  # vLLM's paging from config.json, when the tokens come from it
 
     @property
     def pool_tokens(self) -> int | None:
-        if self.kv_gib is None or self.tokens_per_gib is None:
+        if self.kv_gib is None:
+            return None
+        if self.layout is not None:
+            return self.layout.pool_tokens(self.kv_gib * GIB)
+        if self.tokens_per_gib is None:
             return None
         # round, not int: a measured pool (tokens / GiB x GiB) must come back exact, not one short.
         return round(self.kv_gib * self.tokens_per_gib)
@@ -84,16 +91,25 @@ class Plan:
         }
 
 
-def _tokens_per_gib(host: Host, engine: Engine) -> tuple[float | None, str]:
+def _layout(host: Host, engine: Engine) -> KvLayout | None:
+    config = host.model_configs.get(engine.name)
+    if config is None:
+        return None
+    kv_bytes = modelconfig.kv_dtype_bytes(engine.kv_cache_dtype, config)
+    return modelconfig.geometry(config).layout(kv_bytes, engine.max_model_len)
+
+
+def _tokens_per_gib(host: Host, engine: Engine, layout: KvLayout | None) -> tuple[float | None, str]:
     if engine.measured.tokens_per_gib:
         return engine.measured.tokens_per_gib, "measured"
+    if layout is not None:
+        return layout.tokens_per_gib, "config.json"
     config = host.model_configs.get(engine.name)
     if config is None:
         return None, "unknown: set model_config_path or measured"
-    geo = modelconfig.geometry(config)
-    per_gib = geo.tokens_per_gib(modelconfig.kv_dtype_bytes(engine.kv_cache_dtype, config))
-    # Hybrids also keep one state block per sequence: the figure is an upper bound there.
-    return per_gib, "config.json (upper bound)" if geo.is_hybrid else "config.json"
+    # A hybrid without its state's dimensions: per-token KV alone, which ignores the state blocks.
+    per_gib = modelconfig.geometry(config).tokens_per_gib(modelconfig.kv_dtype_bytes(engine.kv_cache_dtype, config))
+    return per_gib, "config.json (upper bound: no state dimensions)"
 
 
 def _kv_gib(engine: Engine, share_gib: float) -> tuple[float | None, float | None, str]:
@@ -117,19 +133,15 @@ def _kv_gib(engine: Engine, share_gib: float) -> tuple[float | None, float | Non
     return None, None, "unknown: set weights_gib or measured.kv_cache_gib"
 
 
-def _state_blocks(host: Host, engine: Engine, kv_gib: float | None) -> int | None:
-    config = host.model_configs.get(engine.name)
-    if config is None or kv_gib is None:
-        return None
-    return modelconfig.geometry(config).state_blocks(
-        kv_gib * GIB, modelconfig.kv_dtype_bytes(engine.kv_cache_dtype, config)
-    )
-
-
 def engine_plan(host: Host, engine: Engine) -> EnginePlan:
     share = engine.gpu_memory_utilization * host.config.memory_total_gib
     kv_gib, non_kv, kv_source = _kv_gib(engine, share)
-    per_gib, tokens_source = _tokens_per_gib(host, engine)
+    layout = _layout(host, engine)
+    # Measured tokens per GiB outrank the paging; the Mamba cache blocks still come from it.
+    paging = None if engine.measured.tokens_per_gib else layout
+    per_gib, tokens_source = _tokens_per_gib(host, engine, paging)
+    # vLLM's "Mamba cache blocks": every block of a hybrid's pool can hold one sequence's state.
+    state_blocks = layout.blocks(kv_gib * GIB) if layout and layout.state_groups and kv_gib is not None else None
     return EnginePlan(
         engine.name,
         engine.gpu_memory_utilization,
@@ -142,7 +154,8 @@ def engine_plan(host: Host, engine: Engine) -> EnginePlan:
         tokens_source,
         engine.max_model_len,
         engine.max_num_seqs,
-        _state_blocks(host, engine, kv_gib),
+        state_blocks,
+        paging,
     )
 
 
@@ -153,7 +166,8 @@ def state_block_problems(host: Host) -> list[Problem]:
     problems = []
     for engine in host.config.enabled_engines:
         blocks = engine_plan(host, engine).state_blocks
-        if blocks is not None and engine.max_num_seqs > blocks:
+        # An empty pool is no max_num_seqs problem: the plan shows it (KV GiB 0).
+        if blocks and engine.max_num_seqs > blocks:
             problems.append(
                 Problem(
                     host.name,
@@ -255,7 +269,11 @@ def format_plan(result: Plan) -> str:
             if e.state_blocks is None
             else f"; {e.state_blocks:,} Mamba cache blocks for max_num_seqs {e.max_num_seqs}"
         )
-        lines.append(f"  {e.name}: KV from {e.kv_source}; tokens/GiB from {e.tokens_source}{blocks}")
+        paging = ""
+        if e.layout is not None:
+            block, per_request = e.layout.block_tokens, e.layout.blocks_per_request
+            paging = f" (blocks of {block:,} tokens, {per_request:,} per full-window request)"
+        lines.append(f"  {e.name}: KV from {e.kv_source}; tokens/GiB from {e.tokens_source}{paging}{blocks}")
     if result.split:
         parts = ", ".join(
             f"{name} {util:.2f} ({result.split.concurrency[name]:.2f}x)"

@@ -67,7 +67,7 @@ EXPECTED = {
     "missing_revision": ("spark-test: engine fast: checkpoint.revision = ", "required field is missing"),
     "max_num_seqs_over_mamba_blocks": (
         "spark-test: engine slow: max_num_seqs = 2048",
-        "above the 1497 Mamba cache blocks the planner predicts",
+        "above the 763 Mamba cache blocks the planner predicts",
     ),
     "wheelhouse_without_host_folder": ("spark-test: wheelhouse_source = ", "no host folder to copy the wheels into"),
     "lock_missing": (

@@ -1,10 +1,11 @@
 """The memory planner and the KV geometry it is built on.
 
-Expected values are computed by hand here from the formula in sparkform/modelconfig.py, vLLM's
-page rules (bytes per token = full-attention layers x KV heads x 2 (K and V) x head_dim x
-dtype bytes; tokens per GiB = 2^30 / that), and checked against the owner's KV pool ledger
-(docs/incidents.md#kv-pool-ledger): the measured pools at a 131,072 window reproduce the
-concurrency vLLM printed, and the config.json arithmetic lands near the measured tokens per GiB.
+Expected values are computed by hand here from vLLM's page rules (bytes per token = full-attention
+layers x KV heads x 2 (K and V) x head_dim x dtype bytes; on a hybrid the attention block grows
+until a page holds one sequence's state, layers share block ids in groups, and a full-window
+request takes its attention blocks plus one block per state group), and checked against the
+owner's KV pool ledger (docs/incidents.md#kv-pool-ledger): the measured pools reproduce the
+concurrency vLLM printed, and config.json predicts every Nemotron and Qwen3.8 pool of it.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def test_qwen35_like_layer_types_count_only_full_attention_layers():
     assert (geo.kv_heads, geo.head_dim) == (4, 256)
     assert geo.is_hybrid
     assert geo.native_max_len == 262144
-    # fp8: 16 x 4 x 2 x 256 x 1 = 32,768 bytes per token -> 2^30 / 2^15 = 32,768 tokens per GiB,
-    # next to the ~31-32K per GiB measured for Qwen3.8 on the owner's Spark.
+    # fp8: 16 x 4 x 2 x 256 x 1 = 32,768 bytes per token -> 2^30 / 2^15 = 32,768 tokens per GiB
+    # of per-token KV alone, 4 % above the ~31K per GiB measured for Qwen3.8 on the owner's Spark
+    # (the state blocks take the rest: test_config_json_predicts_every_served_pair_pool).
     assert geo.bytes_per_token(1) == 16 * 4 * 2 * 256 == 32768
     assert geo.tokens_per_gib(modelconfig.kv_dtype_bytes("fp8", cfg)) == 32768
     assert within(geo.tokens_per_gib(1), 953_661 / 30.33, rel=0.05)  # the owner's 31,443 per GiB
@@ -83,8 +85,8 @@ def test_nemotron_h_like_pattern_counts_only_star_layers():
     assert geo.state_layers == 23
     assert (geo.kv_heads, geo.head_dim) == (2, 128)
     assert geo.native_max_len == 1_048_576  # the owner's pair: "native 1,048,576"
-    # fp8: 6 x 2 x 2 x 128 = 3,072 bytes per token -> 349,525 tokens per GiB: the same order as
-    # the owner's measured ~305-327K (the Mamba state blocks take the rest).
+    # fp8: 6 x 2 x 2 x 128 = 3,072 bytes per token -> 349,525 tokens per GiB of per-token KV
+    # alone, above the owner's measured ~305-327K (the Mamba state blocks take the rest).
     assert geo.bytes_per_token(1) == 6 * 2 * 2 * 128 == 3072
     assert int(geo.tokens_per_gib(1)) == 349_525
     measured_low, measured_high = 2_777_998 / 9.12, 2_703_604 / 8.26
@@ -111,9 +113,49 @@ def test_seed_per_token_kv_with_fp8(fixture, kib_per_token, kv_layers):
 
 def test_the_hybrid_gets_ten_times_the_tokens_per_gib_of_dense_attention():
     # docs/incidents.md#even-split: ~305K against ~31K, "the ratio is ten times either way".
-    hybrid = modelconfig.geometry(config("nemotron_h.json")).tokens_per_gib(1)
-    dense = modelconfig.geometry(config("qwen3_5_hybrid.json")).tokens_per_gib(1)
-    assert 9.5 < hybrid / dense < 11.5
+    for window in (131_072, 262_144):
+        hybrid = modelconfig.geometry(config("nemotron_h_mamba.json")).layout(1, window).tokens_per_gib
+        dense = modelconfig.geometry(config("qwen3_5_hybrid.json")).layout(1, window).tokens_per_gib
+        assert 9.5 < hybrid / dense < 11.5
+
+
+def test_hybrid_paging_by_vllms_rules():
+    """Nemotron-H: one sequence's Mamba-2 state per layer is conv (kernel-1) x (heads x head_dim +
+    2 x groups x state) in bf16 plus SSM heads x head_dim x state in float32 (config.json's
+    mamba_ssm_cache_dtype, vLLM's default for Nemotron-H). The attention block grows in steps of 16
+    until its page holds that; 6 attention and 23 Mamba layers share block ids in groups of 6 (1
+    attention group, 4 Mamba groups); a full-window request takes ceil(window / block) + 4."""
+    cfg = config("nemotron_h_mamba.json")
+    state = (4 - 1) * (64 * 64 + 2 * 8 * 128) * 2 + 64 * 64 * 128 * 4
+    token_bytes = 2 * 2 * 128 * 1  # KV heads x (K+V) x head_dim x fp8
+    block = 16 * -(-state // (16 * token_bytes))
+    assert (state, block) == (2_134_016, 4176)
+    layout = modelconfig.geometry(cfg).layout(1, 131_072)
+    assert (layout.block_tokens, layout.block_bytes, layout.state_groups) == (block, block * token_bytes * 6, 4)
+    assert layout.blocks_per_request == -(-131_072 // block) + 4 == 36
+    assert modelconfig.geometry(cfg).layout(1, 262_144).blocks_per_request == 63 + 4
+    # Without the field vLLM takes float32 for Nemotron-H; a bf16 SSM state halves the block.
+    del cfg["mamba_ssm_cache_dtype"]
+    assert modelconfig.geometry(cfg).layout(1, 131_072).block_tokens == 4176
+    cfg["mamba_ssm_cache_dtype"] = "bfloat16"
+    assert modelconfig.geometry(cfg).layout(1, 131_072).block_tokens == 16 * -(-1_085_440 // (16 * 512)) == 2128
+    # Qwen3.5 / Qwen3.8 (Gated DeltaNet): conv 3 x (2 x 16 x 128 + 48 x 128) in bf16, recurrent
+    # 48 x 128 x 128 in float32 (mamba_ssm_dtype); 16 attention, 48 linear layers: groups of 16.
+    qwen = modelconfig.geometry(config("qwen3_5_hybrid.json")).layout(1, 131_072)
+    state = 3 * (2 * 16 * 128 + 48 * 128) * 2 + 48 * 128 * 128 * 4
+    assert qwen.block_tokens == 16 * -(-state // (16 * 2048)) == 1568
+    assert (qwen.block_bytes, qwen.blocks_per_request) == (1568 * 2048 * 16, 84 + 3)
+    # Attention-only models: vLLM's 16-token blocks, all layers in one group.
+    dense = modelconfig.geometry(config("dense_gqa_llama.json")).layout(2, 131_072)
+    assert (dense.block_tokens, dense.block_bytes, dense.blocks_per_request, dense.state_groups) == (
+        16,
+        16 * 4096 * 32,
+        131_072 // 16,
+        0,
+    )
+    assert dense.tokens_per_gib == 8192
+    # A hybrid whose config.json lacks the state's dimensions cannot be paged.
+    assert modelconfig.geometry(config("nemotron_h.json")).layout(1, 131_072) is None
 
 
 @pytest.mark.parametrize(
@@ -191,6 +233,7 @@ def test_seed_rounded_tokens_per_gib_reproduce_concurrency(seed_data, make_host)
 
 
 LEDGER = [
+    # The field notes' "KV pool ledger" (docs/incidents.md#kv-pool-ledger):
     # (date, engine row, KV GiB, pool tokens, window, concurrency vLLM printed)
     ("2026-06-07 Qwen3-Next-80B", 20.8, 1_722_225, 131_072, 13.1),
     ("2026-06-09 Qwen3-Next-80B", 24.75, 2_106_551, 262_144, 8.04),
@@ -215,6 +258,57 @@ def test_every_ledger_row_comes_back_exactly(seed_data, make_host, kv_gib, token
     q38 = by_name(planner.plan(make_host(seed_data)))["q38"]
     assert q38.pool_tokens == tokens  # exact: the pool vLLM printed, not one token short
     assert round(q38.concurrency, 2) == pytest.approx(printed, abs=0.051)
+
+
+# The Nemotron and Qwen3.8 rows of LEDGER (the owner's field notes, "KV pool ledger": the boot
+# log's `Available KV cache memory`, `KV cache size` and `Maximum concurrency` lines; also
+# docs/incidents.md#kv-pool-ledger) with the engine, its config.json and the row's utilization.
+# Both engines ran an fp8 KV cache (the notes' per-token figures are fp8's) and max_num_seqs 128
+# (the pool does not move with it).
+SERVED_PAIR_ROWS = {
+    "2026-08-19 Nemotron even": ("nemotron", "nemotron_h_mamba.json", 0.30),
+    "2026-08-19 Qwen3.8 even": ("q38", "qwen3_5_hybrid.json", 0.30),
+    "2026-08-19 Qwen3.8 rebalanced": ("q38", "qwen3_5_hybrid.json", 0.38),
+    "2026-08-19 Nemotron rebalanced": ("nemotron", "nemotron_h_mamba.json", 0.22),
+    "2026-08-19 Nemotron systemd": ("nemotron", "nemotron_h_mamba.json", 0.25),
+    "2026-08-19 Qwen3.8 systemd": ("q38", "qwen3_5_hybrid.json", 0.45),
+    "2026-08-20 Nemotron raised": ("nemotron", "nemotron_h_mamba.json", 0.25),
+    "2026-08-20 Qwen3.8 raised": ("q38", "qwen3_5_hybrid.json", 0.45),
+}
+
+
+def at_ledger_row(data: dict[str, Any], name: str, fixture: str, util: float, kv_gib: float, window: int) -> None:
+    """The engine as the row booted it, with the KV memory it printed but not its tokens."""
+    eng(data, name).update(
+        gpu_memory_utilization=util,
+        model_config_path=fixture,
+        kv_cache_dtype="fp8",
+        max_model_len=window,
+        max_num_seqs=128,
+        measured={"gpu_memory_utilization": util, "kv_cache_gib": kv_gib},
+    )
+
+
+@pytest.mark.parametrize("row", SERVED_PAIR_ROWS)
+def test_config_json_predicts_every_served_pair_pool(seed_data, make_host, row):
+    name, fixture, util = SERVED_PAIR_ROWS[row]
+    kv_gib, tokens, window, printed = next(entry[1:] for entry in LEDGER if entry[0] == row)
+    at_ledger_row(seed_data, name, fixture, util, kv_gib, window)
+    plan = by_name(planner.plan(make_host(seed_data)))[name]
+    assert (plan.kv_source, plan.tokens_source) == ("measured", "config.json")
+    assert plan.kv_gib == pytest.approx(kv_gib)
+    assert plan.pool_tokens == tokens  # to the token (issue 16 asks for 2 %)
+    assert round(plan.concurrency, 2) == pytest.approx(printed, abs=0.051)
+
+
+def test_the_147_mamba_cache_blocks_are_qwen38_at_the_even_split(seed_data, problems_of):
+    # The notes' refusal, "max_num_seqs (256) exceeds available Mamba cache blocks (147)": by the
+    # page rules that is Qwen3.8's pool at the even split; no Nemotron row holds fewer than 474.
+    at_ledger_row(seed_data, "q38", "qwen3_5_hybrid.json", 0.30, 7.05, 131_072)
+    eng(seed_data, "q38")["max_num_seqs"] = 256
+    (problem,) = problems_of(seed_data)
+    assert (problem.engine, problem.field, problem.value) == ("q38", "max_num_seqs", 256)
+    assert "above the 147 Mamba cache blocks" in problem.message
 
 
 def test_window_is_a_ceiling_not_a_reservation(seed_data, make_host):
@@ -258,16 +352,24 @@ def test_estimate_from_weights_and_config(seed_data, make_host):
         model_config_path="qwen3_5_hybrid.json",
         max_model_len=131_072,
     )
-    q38 = by_name(planner.plan(make_host(seed_data)))["q38"]
+    result = planner.plan(make_host(seed_data))
+    q38 = by_name(result)["q38"]
     kv = 0.45 * 121 - 21.81 - 2.31  # 30.33 GiB: the owner's measured pool
     assert q38.kv_gib == pytest.approx(kv)
     assert q38.non_kv_gib == pytest.approx(21.81 + 2.31)
     assert q38.kv_source == "share - weights - overhead"
-    assert q38.tokens_per_gib == 32768
-    assert q38.tokens_source == "config.json (upper bound)"
-    assert q38.pool_tokens == round(kv * 32768)
-    # Within 5 % of what the engine really printed (953,661): an upper bound, and close.
-    assert 953_661 < q38.pool_tokens < 1.05 * 953_661
+    assert q38.tokens_source == "config.json"
+    # vLLM's paging (test_hybrid_paging_by_vllms_rules): blocks of 1,568 tokens, 16 layers x 1,568
+    # x 2,048 bytes a block id, 84 + 3 blocks a full-window request.
+    block_bytes = 16 * 1568 * 2048
+    assert q38.tokens_per_gib == pytest.approx(2**30 * 131_072 / (87 * block_bytes))
+    assert q38.pool_tokens == int(kv * 2**30 // block_bytes) * 131_072 // 87
+    assert q38.pool_tokens == 953_661  # what the engine printed at 30.33 GiB, to the token
+    assert q38.state_blocks == 633
+    assert (
+        "q38: KV from share - weights - overhead; tokens/GiB from config.json (blocks of 1,568 tokens, 87 per "
+        "full-window request); 633 Mamba cache blocks for max_num_seqs 128"
+    ) in planner.format_plan(result)
 
 
 def test_dense_config_is_not_labelled_an_upper_bound(seed_data, make_host):
@@ -277,9 +379,11 @@ def test_dense_config_is_not_labelled_an_upper_bound(seed_data, make_host):
     q38 = by_name(planner.plan(make_host(seed_data)))["q38"]
     assert q38.tokens_source == "config.json"
     assert q38.tokens_per_gib == 8192  # bf16 KV
+    assert q38.state_blocks is None
     kv = 0.45 * 121 - 16.0 - 2.5  # default non-KV overhead 2.5 GiB
-    assert q38.pool_tokens == round(kv * 8192)
-    assert q38.concurrency == pytest.approx(round(kv * 8192) / 131_072)
+    # Whole 16-token blocks of 32 layers x 16 x 4,096 bytes.
+    assert q38.pool_tokens == int(kv * 2**30 // (32 * 16 * 4096)) * 16
+    assert q38.concurrency == pytest.approx(q38.pool_tokens / 131_072)
 
 
 def test_measured_tokens_per_gib_wins_over_config(seed_data, make_host):
@@ -368,16 +472,18 @@ def test_even_split_starves_the_dense_engine_and_the_recommendation_moves_memory
     result = planner.plan(host)
     plans = by_name(result)
     # The even split: nemotron (42.35 - 21.13) GiB x 349,525 / 131,072 ~ 56.6x; q38 (42.35 - 24.12)
-    # GiB x 32,768 / 131,072 ~ 4.6x. Twelve to one.
+    # GiB in 380 blocks of 49 MiB, 87 a full-window request ~ 4.4x. Thirteen to one.
     assert plans["nemotron"].concurrency == pytest.approx((42.35 - 21.13) * 2**30 / 3072 / 131_072, rel=1e-3)
-    assert plans["q38"].concurrency == pytest.approx((42.35 - 24.12) * 32768 / 131_072, rel=1e-3)
+    assert int((42.35 - 24.12) * 2**30 // (16 * 1568 * 2048)) == 380
+    assert plans["q38"].concurrency == pytest.approx(380 / 87, rel=1e-5)
     assert plans["nemotron"].concurrency / plans["q38"].concurrency > 10
 
     split = result.split
     assert split is not None
     assert split.utilization["q38"] > 0.35 > split.utilization["nemotron"]
-    # By hand: c = (84.7 - 45.25) / (131072/349525 + 131072/32768) = 9.02 full-window requests;
-    # nemotron (21.13 + 0.375 c) / 121 = 0.203 -> 0.20, q38 (24.12 + 4 c) / 121 = 0.497 -> 0.50.
+    # By hand: q38 takes 87 x 16 x 1,568 x 2,048 bytes = 4.163 GiB a full-window request, so
+    # c = (84.7 - 45.25) / (131072/349525 + 4.163) = 8.69 full-window requests;
+    # nemotron (21.13 + 0.375 c) / 121 = 0.202 -> 0.20, q38 (24.12 + 4.163 c) / 121 = 0.498 -> 0.50.
     assert split.utilization == {"nemotron": 0.20, "q38": 0.50}
     assert sum(split.utilization.values()) == pytest.approx(0.70)
     low, high = sorted(split.concurrency.values())
@@ -508,16 +614,17 @@ def test_plan_as_dict_is_json(seed_data, make_host):
 
 def test_mamba_cache_blocks_by_vllms_page_rules(seed_data, make_host):
     """Nemotron-H: one sequence's Mamba-2 state per layer is conv (kernel-1) x (heads x head_dim
-    + 2 x groups x state) plus SSM heads x head_dim x state, in bf16. The attention block grows
-    until a page holds it; 6 attention and 23 Mamba layers share blocks in groups of 6."""
-    state = ((4 - 1) * (64 * 64 + 2 * 8 * 128) + 64 * 64 * 128) * 2
+    + 2 x groups x state) in bf16 plus SSM heads x head_dim x state in float32. The attention
+    block grows until a page holds it; 6 attention and 23 Mamba layers share blocks in groups of
+    6, and every block id can hold one sequence's state."""
+    state = (4 - 1) * (64 * 64 + 2 * 8 * 128) * 2 + 64 * 64 * 128 * 4
     token_bytes = 2 * 2 * 128 * 1  # KV heads x (K+V) x head_dim x fp8
-    block_tokens = max(16, -(-state // (token_bytes * 16)) * 16)  # ceil to a multiple of 16
+    block_tokens = -(-state // (token_bytes * 16)) * 16  # ceil to a multiple of 16
     expected = int(9.12 * 2**30 // (block_tokens * token_bytes * 6))
     nemotron = eng(seed_data, "nemotron")
     nemotron.update(model_config_path="nemotron_h_mamba.json", kv_cache_dtype="fp8", measured={"kv_cache_gib": 9.12})
     plan = by_name(planner.plan(make_host(seed_data)))["nemotron"]
-    assert plan.state_blocks == expected == 1497
+    assert plan.state_blocks == expected == 763
     assert by_name(planner.plan(make_host(seed_data)))["q38"].state_blocks is None  # no config.json
 
 
@@ -530,4 +637,4 @@ def test_max_num_seqs_above_the_mamba_blocks_is_refused(seed_data, problems_of):
     )
     (problem,) = problems_of(seed_data)
     assert (problem.engine, problem.field, problem.value) == ("nemotron", "max_num_seqs", 128)
-    assert "82 Mamba cache blocks" in problem.message and "at most 82" in problem.fix
+    assert "41 Mamba cache blocks" in problem.message and "at most 41" in problem.fix  # 0.5 GiB // 12.2 MiB
