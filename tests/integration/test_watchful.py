@@ -363,8 +363,10 @@ def test_a_byte_flipped_in_a_served_shard_is_found_by_the_scrub_fetched_again_an
     assert "model-00001-of-00002.safetensors: sha256 differs from its manifest's" in journaled, journaled
     # The engine started on the good file: its new process began after the file was whole again.
     (fetched,) = journal_times(box, r"complete: \d+ files verified", units=(SCRUB_UNIT,), since=since)
-    started = ssh(box, "systemctl show --timestamp=unix -p ExecMainStartTimestamp --value vllm-nemotron.service").stdout
-    assert float(started.strip().lstrip("@")) > fetched
+    (launched,) = journal_times(
+        box, r"sparkform-launch: starting nemotron", units=("vllm-nemotron.service",), since=since
+    )
+    assert launched > fetched
     # The scrub's fetch wrote the manifest again: nothing is left for a deploy to do.
     assert changed_operations(SANDBOX_INVENTORY) == []
 
