@@ -260,3 +260,10 @@ def test_reads_are_held_to_the_rate(host):
     slept = len(clock.slept)
     slow.took(5 * 2**20)
     assert len(clock.slept) == slept
+
+
+@pytest.mark.parametrize("rate", ["0", "-5", "fast"])
+def test_a_rate_that_bounds_nothing_is_refused_before_any_read(host, rate):
+    result = host.scrub("--check-only", "--rate-mib-s", rate)
+    assert result.returncode == 2 and "of 1 or more" in result.stderr, result.stderr
+    assert "as their manifest recorded" not in result.stdout
