@@ -352,6 +352,7 @@ def rollback_script(config: HostConfig) -> str:
         rollback_record=ROLLBACK_RECORD,
         complete_marker=COMPLETE_MARKER,
         guard=config.paths.guard,
+        target=ENGINES_TARGET,
     )
 
 

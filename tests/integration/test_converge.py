@@ -101,6 +101,7 @@ def test_dry_diff_shows_only_the_edited_file_and_changes_nothing(box, tmp_path):
     assert changed_operations(inventory) == [
         f"File {args_file}",
         "Engine q38 serving",
+        "Settings q38 serves kept",
         "sparkform-engines.target reached",
         "Host record",
     ]

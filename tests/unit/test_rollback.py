@@ -26,7 +26,7 @@ from sparkform.rollback import rollback_command
 from sparkform.snapshot import Snapshot
 from tasks import engines
 
-STUB_SYSTEMCTL = '#!/bin/sh\necho "systemctl $*" >> "{calls}"\n[ "$1 $2" != "restart $STUB_FAILS" ]\n'
+STUB_SYSTEMCTL = '#!/bin/sh\necho "systemctl $*" >> "{calls}"\n[ "$1 $2" != "start $STUB_FAILS" ]\n'
 WHY = "ValueError: unrecognized arguments: --no-such-flag\nvllm-a.service: Failed with result 'exit-code'."
 
 
@@ -171,9 +171,12 @@ def test_a_failed_change_goes_back_byte_for_byte_restarts_only_its_engine_alerts
     assert result.returncode == 0, result.stderr
     assert host.texts("a") == host.served and host.texts("b") == neighbour
     assert host.systemctl_calls() == [
+        "systemctl stop vllm-a.service",
         "systemctl daemon-reload",
         "systemctl reset-failed vllm-a.service",
-        "systemctl restart vllm-a.service",
+        "systemctl start vllm-a.service",
+        "systemctl is-enabled --quiet sparkform-engines.target",
+        "systemctl start sparkform-engines.target",
     ]
     assert "a serves again on its settings of 2025-12-01 06:53 UTC" in result.stdout
     assert "--no-such-flag" in result.stdout
