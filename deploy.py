@@ -155,6 +155,7 @@ for step in plan.steps:
             step.engine.name, int(time.time()), config.venv, config.checkpoint_dir(step.engine), step.settings
         ),
         current=step.kept,
+        previous=step.engine.name in snapshot.previous,
         rolled_back=step.engine.name in snapshot.rollbacks,
     )
     jit.cache_keyed(

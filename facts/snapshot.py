@@ -20,7 +20,7 @@ from sparkform.hostrecord import (
     UntrustedValue,
 )
 from sparkform.kept import KeptSettings, Rollback
-from sparkform.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER, KEPT_RECORD, ROLLBACK_RECORD
+from sparkform.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER, KEPT_PREVIOUS, KEPT_RECORD, ROLLBACK_RECORD
 from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES, engine_states
 from sparkform.readback import REPO_AT, named_lines, pins, pins_command, shaped
 from sparkform.remote import plain_file, plain_files, section, split_sections
@@ -74,7 +74,8 @@ class HostSnapshot(FactBase):
     + cache_root: folder of the engines' JIT cache folders (and those moved aside)
     + cache_keys_dir: root's folder of the key each engine's caches were built under
     + record_path: the host record
-    + kept_root: root's folder of each engine's kept settings (kept.json, rolled-back.json)
+    + kept_root: root's folder of each engine's kept settings (kept.json, rolled-back.json, and
+      previous/kept.json)
 
     Every value read back is checked against the shape sparkform writes it in; one that does
     not match is listed in ``untrusted`` and left out, never used.
@@ -128,6 +129,7 @@ class HostSnapshot(FactBase):
                 "kept",
                 plain_files(f"{shlex.quote(kept_root)}/*/{KEPT_RECORD} {shlex.quote(kept_root)}/*/{ROLLBACK_RECORD}"),
             ),
+            section("kept_previous", plain_files(f"{shlex.quote(kept_root)}/*/{KEPT_PREVIOUS}/{KEPT_RECORD}")),
         ]
         return " ; ".join(sections)
 
@@ -202,21 +204,27 @@ class HostSnapshot(FactBase):
         for path in sections.get("caches_aside", []):
             if checked(CACHE_KEY_PATTERN, path.rsplit(STALE_MARK, 1)[-1], path, "a cache folder moved aside"):
                 snapshot.caches_aside.append(path)
-        _read_kept(sections.get("kept", []), snapshot)
+        _read_kept(sections.get("kept", []), snapshot, previous=False)
+        _read_kept(sections.get("kept_previous", []), snapshot, previous=True)
         return snapshot
 
 
-def _read_kept(lines: list[str], snapshot: Snapshot) -> None:
-    """Each engine's kept settings and rollback record (one JSON line each), by the folder's name;
-    a record of another shape, or one that names another engine, is untrusted."""
-    readers = {
-        KEPT_RECORD: (KeptSettings.from_json, snapshot.kept),
-        ROLLBACK_RECORD: (Rollback.from_json, snapshot.rollbacks),
-    }
+def _read_kept(lines: list[str], snapshot: Snapshot, previous: bool) -> None:
+    """Each engine's kept settings and rollback record, or (`previous`) the settings kept before
+    them, one JSON line each, by the engine's folder; a record of another shape, or one that
+    names another engine, is untrusted."""
+    readers = (
+        {KEPT_RECORD: (KeptSettings.from_json, snapshot.previous)}
+        if previous
+        else {
+            KEPT_RECORD: (KeptSettings.from_json, snapshot.kept),
+            ROLLBACK_RECORD: (Rollback.from_json, snapshot.rollbacks),
+        }
+    )
     for line in lines:
         path, _, text = line.partition(":")
         folder, _, name = path.rpartition("/")
-        engine = folder.rsplit("/", 1)[-1]
+        engine = folder.rsplit("/", 2)[-2 if previous else -1]
         if not shaped((ENGINE_NAME_PATTERN, "an engine name"), engine, path, snapshot.untrusted) or name not in readers:
             continue
         parse, found = readers[name]

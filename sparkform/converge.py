@@ -290,9 +290,9 @@ def engine_settings_digest(config: HostConfig, engine: Engine, rendered: list[Re
 
 
 def kept_checkpoints(snapshot: Snapshot) -> set[str]:
-    """Checkpoint folders some engine's kept settings load: cleanup keeps them, so a rollback
-    always finds its weights."""
-    return {kept.checkpoint for kept in snapshot.kept.values()}
+    """Checkpoint folders some engine's kept settings (or those kept before them) load: cleanup
+    keeps them, so a rollback always finds its weights."""
+    return {kept.checkpoint for kept in [*snapshot.kept.values(), *snapshot.previous.values()]}
 
 
 def rollback_lines(config: HostConfig, snapshot: Snapshot, rendered: list[RenderedFile]) -> list[str]:

@@ -49,6 +49,9 @@ RECORD_NAME = "host-record.json"
 KEPT_RECORD = "kept.json"
 ROLLBACK_RECORD = "rolled-back.json"
 KEPT_FILES = ("unit", "env", "args")  # the kept copies, in the order of HostPaths.engine_files
+# In a kept folder: the settings kept before the last ones (the same files and KEPT_RECORD), what
+# `sparkform rollback` goes back to from a change that served but misbehaves.
+KEPT_PREVIOUS = "previous"
 
 
 def monitored_units_pattern() -> str:

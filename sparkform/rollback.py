@@ -4,8 +4,9 @@ settings they last served with, for a change that starts but misbehaves.
 Runs the host's own sparkform-rollback (templates/sparkform-rollback.py.j2) over SSH, the same
 the deploy runs after a changed engine's failed start: it writes the kept files back, records
 why (the next dry-run names the change while the inventory still renders it), alerts, and
-restarts the engine to readiness. Without --engine, every enabled engine of the host whose
-settings differ from its kept ones goes back, one at a time in start order.
+restarts the engine to readiness. An engine that runs its last serving settings (the change
+served, so the deploy kept it) goes back to the ones kept before them. Without --engine, every
+engine of the host with settings to go back to goes back, one at a time in start order.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pyinfra.api import operation
 from sparkform.converge import starts
 from sparkform.engine import Engine
 from sparkform.kept import KeptSettings
-from sparkform.layout import KEPT_FILES, KEPT_RECORD
+from sparkform.layout import KEPT_FILES, KEPT_PREVIOUS, KEPT_RECORD
 from sparkform.parsers import EngineState
 from tasks.progress import ProgressCommand, printf_line, start_format, ticking
 
@@ -94,18 +94,25 @@ def engine_running(
 
 @operation()
 def settings_kept(
-    kept_dir: str, files: tuple[str, str, str], wanted: KeptSettings, current: KeptSettings | None, rolled_back: bool
+    kept_dir: str,
+    files: tuple[str, str, str],
+    wanted: KeptSettings,
+    current: KeptSettings | None,
+    previous: bool,
+    rolled_back: bool,
 ):
     """
     Keep a copy of the settings the engine serves (its unit, env and args files) with what they
-    use, once its start served: root's folder, replaced whole (a new folder, then renames), so a
-    cut-off run leaves the previous copy. Drops a rollback record with it: the engine serves
-    the inventory's settings again.
+    use, once its start served, and the settings kept before them in `previous/` (what
+    `sparkform rollback` goes back to from a change that served): root's folder, replaced whole
+    (a new folder, then renames), so a cut-off run leaves the previous copy. Drops a rollback
+    record with it: the engine serves the inventory's settings again.
 
     + kept_dir: the engine's kept folder (layout.kept_dir)
     + files: its unit, env and args files (HostPaths.engine_files)
     + wanted: what they are: the digest as rendered, the venv and the checkpoint folder
     + current: what the host keeps now (None: nothing)
+    + previous: the host keeps settings from before `current` too
     + rolled_back: the host holds a rollback record for the engine
     """
     same = current is not None and (current.digest, current.venv, current.checkpoint) == (
@@ -120,11 +127,15 @@ def settings_kept(
     target = shlex.quote(kept_dir)
     # Dot names: the snapshot fact reads every engine's folder (kept_root/*), never these.
     old, temp = shlex.quote(f"{root}/.{engine}.old"), shlex.quote(f"{root}/.{engine}.XXXXXX")
-    copies = " && ".join(
-        f'cp -- {shlex.quote(path)} "$temp"/{name}' for path, name in zip(files, KEPT_FILES, strict=True)
-    )
+    copies = [f'cp -- {shlex.quote(path)} "$temp"/{name}' for path, name in zip(files, KEPT_FILES, strict=True)]
+    if current is not None and current.digest != wanted.digest:
+        # What served until now becomes the settings before these.
+        kept = " ".join(shlex.quote(f"{kept_dir}/{name}") for name in (*KEPT_FILES, KEPT_RECORD))
+        copies += [f'mkdir "$temp"/{KEPT_PREVIOUS}', f'cp -- {kept} "$temp"/{KEPT_PREVIOUS}/']
+    elif previous:
+        copies.append(f'cp -R -- {shlex.quote(f"{kept_dir}/{KEPT_PREVIOUS}")} "$temp"/{KEPT_PREVIOUS}')
     yield (
-        f"mkdir -p -m 700 {shlex.quote(root)} && temp=$(mktemp -d {temp}) && {copies} "
+        f"mkdir -p -m 700 {shlex.quote(root)} && temp=$(mktemp -d {temp}) && {' && '.join(copies)} "
         f'&& printf \'%s\' {shlex.quote(wanted.to_json())} > "$temp"/{KEPT_RECORD} && chmod -R go-rwx "$temp" '
         f'&& rm -rf -- {old} && {{ [ ! -e {target} ] || mv -T -- {target} {old}; }} && mv -T -- "$temp" {target} '
         f"&& rm -rf -- {old}"

@@ -368,6 +368,35 @@ def test_a_change_q38_cannot_start_on_goes_back_to_the_settings_it_last_served_w
     assert changed_operations(SANDBOX_INVENTORY) == []
 
 
+def test_sparkform_rollback_puts_back_a_change_that_started_and_the_next_dry_run_names_it(box, tmp_path):
+    """A change that starts but misbehaves, rolled back by hand: the settings before it serve
+    again, nemotron is untouched, the output says which settings, the next dry-run names the change."""
+    nemotron_pid = main_pids(box)["vllm-nemotron.service"]
+    served = q38_files(box)
+    change = edited_inventory(tmp_path, {"q38": {"max_num_seqs": 2}})
+    assert pyinfra(change, "-y").returncode == 0
+    assert q38_files(box) != served
+
+    result = subprocess.run(
+        [str(BIN / "sparkform"), "rollback", str(change), "--engine", "q38", "--reason", "answers slower"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "sparkform-rollback: q38 serves again on its settings of" in result.stdout
+    assert serving(box, "vllm-q38.service") and q38_files(box) == served
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
+    dry = pyinfra(change, "--dry")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "q38 runs its previous settings since " in dry.stdout + dry.stderr
+    assert ": answers slower" in dry.stdout + dry.stderr
+    converge_back(box)
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
+    assert changed_operations(SANDBOX_INVENTORY) == []
+
+
 def test_unusable_checkpoint_fails_the_start_and_is_never_reported_active(box):
     since = ssh(box, "date +%s.%N").stdout.strip()
     q38_checkpoint = checkpoint_dir(box, "q38")

@@ -159,6 +159,8 @@ SCRUB = dict(unit="sparkform-scrub.timer", wanted="new", stamp="/var/lib/sparkfo
 # What the fast engine serves, as the deploy keeps it.
 KEPT = KeptSettings("fast", 1764572000, CONFIG.venv, FAST_FOLDER, "a" * 32)
 KEPT_DIR = CONFIG.paths.kept("fast")
+FAST_FILES = CONFIG.paths.engine_files("fast")
+BEFORE = dataclasses.replace(KEPT, since=KEPT.since - 86400, digest="b" * 32)  # what it served before
 
 # What engine_running hears of the start it may make: warm, its cold start never measured.
 START = dict(cold=False, cold_start_s=None, budget_s=CONFIG.readiness_budget_s)
@@ -276,6 +278,17 @@ TABLE = {
         [],
         None,
     ),
+    "checkpoints: a folder the settings kept before the last ones load stays too": (
+        checkpoints.old_revisions_removed,
+        dict(
+            config=KEEP_ONE,
+            snapshot=snapshot(
+                checkpoints=REVISIONS, pins=PINS, previous={"fast": dataclasses.replace(KEPT, checkpoint=FAST_OLDEST)}
+            ),
+        ),
+        [],
+        None,
+    ),
     "checkpoints: every old revision stays without keep_revisions": (
         checkpoints.old_revisions_removed,
         dict(config=CONFIG, snapshot=snapshot(checkpoints=REVISIONS, pins=PINS)),
@@ -332,7 +345,14 @@ TABLE = {
     ),
     "settings: keep those the engine serves, a new copy renamed in place": (
         engines.settings_kept,
-        dict(kept_dir=KEPT_DIR, files=CONFIG.paths.engine_files("fast"), wanted=KEPT, current=None, rolled_back=False),
+        dict(
+            kept_dir=KEPT_DIR,
+            files=CONFIG.paths.engine_files("fast"),
+            wanted=KEPT,
+            current=None,
+            previous=False,
+            rolled_back=False,
+        ),
         [
             f"temp=$(mktemp -d {CONFIG.state_dir}/record/kept/.fast.XXXXXX)",
             'cp -- /etc/systemd/system/vllm-fast.service "$temp"/unit',
@@ -341,18 +361,40 @@ TABLE = {
             '"$temp"/kept.json',
             f'mv -T -- "$temp" {KEPT_DIR}',
         ],
-        dict(kept_dir=KEPT_DIR, files=CONFIG.paths.engine_files("fast"), wanted=KEPT, current=KEPT, rolled_back=False),
+        dict(
+            kept_dir=KEPT_DIR,
+            files=CONFIG.paths.engine_files("fast"),
+            wanted=KEPT,
+            current=KEPT,
+            previous=False,
+            rolled_back=False,
+        ),
+    ),
+    "settings: new ones served, those kept until now become the previous ones": (
+        engines.settings_kept,
+        dict(kept_dir=KEPT_DIR, files=FAST_FILES, wanted=KEPT, current=BEFORE, previous=True, rolled_back=False),
+        [
+            'mkdir "$temp"/previous',
+            f'cp -- {KEPT_DIR}/unit {KEPT_DIR}/env {KEPT_DIR}/args {KEPT_DIR}/kept.json "$temp"/previous/',
+            f'mv -T -- "$temp" {KEPT_DIR}',
+        ],
+        dict(kept_dir=KEPT_DIR, files=FAST_FILES, wanted=KEPT, current=KEPT, previous=True, rolled_back=False),
     ),
     "settings: kept again once the engine serves the inventory's settings after a rollback": (
         engines.settings_kept,
-        dict(kept_dir=KEPT_DIR, files=CONFIG.paths.engine_files("fast"), wanted=KEPT, current=KEPT, rolled_back=True),
-        [f"mv -T -- {KEPT_DIR} {CONFIG.state_dir}/record/kept/.fast.old", f'mv -T -- "$temp" {KEPT_DIR}'],
+        dict(kept_dir=KEPT_DIR, files=FAST_FILES, wanted=KEPT, current=KEPT, previous=True, rolled_back=True),
+        [
+            f'cp -R -- {KEPT_DIR}/previous "$temp"/previous',
+            f"mv -T -- {KEPT_DIR} {CONFIG.state_dir}/record/kept/.fast.old",
+            f'mv -T -- "$temp" {KEPT_DIR}',
+        ],
         dict(
             kept_dir=KEPT_DIR,
             files=CONFIG.paths.engine_files("fast"),
             # The same settings kept at another time: nothing to copy again.
             wanted=dataclasses.replace(KEPT, since=KEPT.since + 60),
             current=KEPT,
+            previous=True,
             rolled_back=False,
         ),
     ),

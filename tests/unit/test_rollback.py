@@ -98,17 +98,20 @@ class RolledHost:
                 content = content.replace(f'"{UNIT_DIR}/', f'"{self.units}/')
             target.write_text(content)
 
-    def keep(self, config) -> KeptSettings:
-        """Run the deploy's settings_kept command for engine a, in a real shell."""
+    def keep(self, config, since: int = 1764572000) -> KeptSettings:
+        """Run the deploy's settings_kept command for engine a, in a real shell, on what the
+        snapshot fact reads of the host (as the deploy does)."""
         (a,) = [e for e in config.engines if e.name == "a"]
-        wanted = KeptSettings("a", 1764572000, config.venv, config.checkpoint_dir(a), settings_digest(*self.texts("a")))
+        wanted = KeptSettings("a", since, config.venv, config.checkpoint_dir(a), settings_digest(*self.texts("a")))
         kept_dir = config.paths.kept("a")
+        snapshot = self.snapshot() if Path(kept_dir).exists() else Snapshot()
         (command,) = engines.settings_kept._inner(
             kept_dir=kept_dir,
             files=tuple(str(p) for p in self.files("a")),
             wanted=wanted,
-            current=None,
-            rolled_back=False,
+            current=snapshot.kept.get("a"),
+            previous="a" in snapshot.previous,
+            rolled_back="a" in snapshot.rollbacks,
         )
         subprocess.run(["bash", "-c", command], check=True)
         return wanted
@@ -197,14 +200,15 @@ def test_a_failed_change_goes_back_byte_for_byte_restarts_only_its_engine_alerts
 
 def test_an_engine_on_its_kept_settings_has_nothing_to_go_back_to(host):
     result = host.rollback("a", "--by", "hand")
-    assert result.returncode == 3 and "already runs its last serving settings" in result.stderr
+    assert result.returncode == 3, result.stderr
+    assert "already runs its last serving settings, and none were kept before them" in result.stderr
     assert host.systemctl_calls() == [] and host.journal.alerts() == []
 
 
 @pytest.mark.parametrize(
     "damage, why",
     [
-        (lambda h: Path(h.config.paths.kept("a"), "args").write_text("--evil\n"), "not those kept.json describes"),
+        (lambda h: Path(h.config.paths.kept("a"), "args").write_text("--evil\n"), "not those its kept.json describes"),
         (lambda h: Path(h.config.paths.kept("a")).chmod(0o755), "is not root's alone"),
         (lambda h: Path(h.config.venv, COMPLETE_MARKER).unlink(), "venv"),
         (lambda h: Path(h.config.paths.kept("a"), "kept.json").write_text('{"engine": "a"}'), "not what the deploy"),
@@ -268,3 +272,29 @@ def test_by_hand_the_reason_travels_on_stdin_quoted_and_is_recorded_as_given(hos
 def test_an_engine_the_inventory_lacks_is_named_before_connecting(capsys):
     assert cli.main(["rollback", "inventory/spark.py", "--engine", "q83"]) == 2
     assert capsys.readouterr().err == "sparkform rollback: the inventory has no engine 'q83' (engines: nemotron, q38)\n"
+
+
+def test_by_hand_a_change_that_served_goes_back_to_the_settings_before_it_and_they_trade_places(host):
+    """The change served (the deploy kept it, the settings before it moved to previous/); the
+    owner rolls it back: the settings before it serve again and are the kept ones, the change
+    is kept before them and named by the next dry-run."""
+    changed = load_host("rollback-test", data(host.root, ["--max-num-seqs", "4"])).config
+    host.put(changed, "a")
+    change = host.texts("a")
+    host.keep(changed, since=1764575600)
+    kept = host.snapshot()
+    assert kept.kept["a"].digest == settings_digest(*change)
+    assert kept.previous == {"a": host.kept}
+
+    result = host.rollback("a", "--by", "hand", why="answers slower")
+
+    assert result.returncode == 0, result.stderr
+    assert "a serves again on its settings of 2025-12-01 06:53 UTC" in result.stdout
+    assert host.texts("a") == host.served
+    snapshot = host.snapshot()
+    assert snapshot.untrusted == []
+    assert snapshot.kept == {"a": host.kept}
+    assert snapshot.previous["a"].digest == settings_digest(*change)
+    assert snapshot.rollbacks["a"].failed == settings_digest(*change)
+    (line,) = converge.plan(changed, dataclasses.replace(snapshot, live_versions=[])).rollback_lines
+    assert line.endswith(": answers slower")

@@ -34,6 +34,7 @@ SECTIONS = (
     "cache_keys",
     "caches_aside",
     "kept",
+    "kept_previous",
 )
 CAPTURED = f"""{SECTION}packages
 python3 installed
@@ -279,6 +280,7 @@ def test_the_command_follows_no_link_where_root_reads_back_a_file(tmp_path):
 
 
 KEPT = KeptSettings("q38", 1764572000, "/opt/sparkform/venvs/vllm-0.27.1", "/m/a--b@" + "1" * 40, "0" * 32)
+PREVIOUS = dataclasses.replace(KEPT, since=1764500000, checkpoint="/m/a--b@" + "2" * 40, digest="1" * 32)
 ROLLED_BACK = {
     "engine": "q38",
     "at": 1764575600,
@@ -336,6 +338,7 @@ def test_kept_settings_and_a_rollback_are_read_back(tmp_path):
         ("q38/rolled-back.json", json.dumps({**ROLLED_BACK, "by": "guard"}), "by 'guard'"),
         ("q38/rolled-back.json", json.dumps({**ROLLED_BACK, "at": True}), "at True"),
         ("Q38/kept.json", KEPT.to_json(), "an engine name"),
+        ("nemotron/previous/kept.json", KEPT.to_json(), "names engine 'q38'"),
     ],
 )
 def test_a_kept_record_of_another_shape_is_untrusted_and_left_out(tmp_path, name, text, why):
