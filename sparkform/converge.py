@@ -109,6 +109,8 @@ def folders(config: HostConfig) -> list[Folder]:
         Folder(config.paths.engine_home, "750", engine_user, engine_user),
         Folder(config.paths.lock_dir, "755", engine_user, engine_user),
         Folder(layout.record_dir(config.state_dir), "755"),
+        # The settings kept for a rollback: root's alone, what root writes back into units.
+        Folder(layout.kept_root(config.state_dir), "700"),
         Folder(config.paths.cache_keys, "755"),
         Folder(config.venv_root, "755"),
         # Checkpoints belong to root: an engine can read its weights, never change them.

@@ -22,7 +22,7 @@ FAILURE_REASON_PATTERN = r"(Error|error:|exceeds|refus|sparkform-|Failed with re
 def _explained(command: str, unit: str, rollback: str | None = None) -> str:
     """Run a systemctl command; on failure print why from the unit's journal since then, hand
     those lines to `rollback` (a command reading them on stdin) when there is one, and fail."""
-    journal = f"journalctl -u {shlex.quote(unit)} --since @$since --no-pager -o cat"
+    journal = f'journalctl -u {shlex.quote(unit)} --since "@$since" --no-pager -o cat'
     back = f"printf '%s\\n' \"$why\" | {rollback} >&2; " if rollback else ""
     return (
         f"since=$(date +%s); {command} || {{ rc=$?; why=$({journal} | grep -E '{FAILURE_REASON_PATTERN}' "
@@ -135,7 +135,8 @@ def settings_kept(
     elif previous:
         copies.append(f'cp -R -- {shlex.quote(f"{kept_dir}/{KEPT_PREVIOUS}")} "$temp"/{KEPT_PREVIOUS}')
     yield (
-        f"mkdir -p -m 700 {shlex.quote(root)} && temp=$(mktemp -d {temp}) && {' && '.join(copies)} "
+        f"{{ [ -d {shlex.quote(root)} ] || mkdir -m 700 {shlex.quote(root)}; }} "
+        f"&& temp=$(mktemp -d {temp}) && {' && '.join(copies)} "
         f'&& printf \'%s\' {shlex.quote(wanted.to_json())} > "$temp"/{KEPT_RECORD} && chmod -R go-rwx "$temp" '
         f'&& rm -rf -- {old} && {{ [ ! -e {target} ] || mv -T -- {target} {old}; }} && mv -T -- "$temp" {target} '
         f"&& rm -rf -- {old}"
