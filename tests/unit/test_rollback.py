@@ -17,12 +17,12 @@ import pytest
 from script_box import Journal
 
 from facts.snapshot import HostSnapshot
-from sparkform import cli, converge
+from sparkform import bootchain, cli, converge
 from sparkform.inventory import load_host
 from sparkform.kept import KeptSettings, settings_digest
 from sparkform.layout import COMPLETE_MARKER, UNIT_DIR, kept_root
 from sparkform.render import render_host
-from sparkform.rollback import rollback_command
+from sparkform.rollback import chosen, rollback_command
 from sparkform.snapshot import Snapshot
 from tasks import engines
 
@@ -298,3 +298,12 @@ def test_by_hand_a_change_that_served_goes_back_to_the_settings_before_it_and_th
     assert snapshot.rollbacks["a"].failed == settings_digest(*change)
     (line,) = converge.plan(changed, dataclasses.replace(snapshot, live_versions=[])).rollback_lines
     assert line.endswith(": answers slower")
+
+
+def test_without_engine_every_engine_of_the_host_is_tried_in_start_order(make_host, seed_data):
+    spark, other = make_host(seed_data, name="spark"), make_host(seed_data, name="spark-2")
+    order = [e.name for e in bootchain.start_order(spark.config)]
+    assert [(h.name, engines) for h, engines in chosen([spark, other], None, "spark-2")] == [("spark-2", order)]
+    assert [(h.name, engines) for h, engines in chosen([spark], "q38", None)] == [("spark", ["q38"])]
+    with pytest.raises(ValueError, match=r"the inventory has no host 'spark-3' \(hosts: spark, spark-2\)"):
+        chosen([spark, other], None, "spark-3")
