@@ -11,6 +11,7 @@ everything from it; each step below is one operation.
 """
 
 import sys
+import time
 from pathlib import Path
 
 # facts/ and tasks/ lie beside this file: importable whatever folder pyinfra runs in.
@@ -24,6 +25,7 @@ from facts.snapshot import HostSnapshot
 from sparkform import converge, layout
 from sparkform.hub import resolve_pins
 from sparkform.inventory import exit_invalid, exit_untrusted, host_from_data
+from sparkform.kept import KeptSettings
 from sparkform.model import InventoryError
 from sparkform.render import prerequisite_packages
 from tasks import checkpoints, engines, files, front, guard, host_record, jit, monitoring, scrub, system, venv
@@ -48,6 +50,9 @@ plan = converge.plan(config, snapshot)
 
 for line in plan.drift_lines:
     logger.warning(f"[{host.name}] since the last converge: {line}")
+# A change that failed and went back: a re-run tries it again, so it says so first.
+for line in plan.rollback_lines:
+    logger.warning(f"[{host.name}] {line}")
 # The boot chain: an edge to a unit that is not enabled orders nothing (docs/incidents.md#boot-chain-hole).
 for hole in plan.holes:
     logger.warning(
@@ -128,7 +133,9 @@ for step in plan.steps:
         jit.cache_moved_aside(
             name=f"JIT caches of {step.engine.name} aside (stale)", config=config, engine=step.engine, snapshot=snapshot
         )
-# One at a time, in `after` order: each `systemctl start` returns when its engine serves.
+# One at a time, in `after` order: each `systemctl start` returns when its engine serves. A
+# changed engine whose start fails goes back to the settings it last served with, and the run
+# stops there; once it serves, what it serves is kept for the next time.
 for step in plan.steps:
     engines.engine_running(
         name=f"Engine {step.engine.name} serving",
@@ -138,6 +145,18 @@ for step in plan.steps:
         cold=step.cold,
         cold_start_s=step.cold_start_s,
         budget_s=config.readiness_budget_s,
+        rollback_script=config.paths.rollback if step.rolls_back else None,
+    )
+    engines.settings_kept(
+        name=f"Settings {step.engine.name} serves kept",
+        kept_dir=config.paths.kept(step.engine.name),
+        files=config.paths.engine_files(step.engine.name),
+        wanted=KeptSettings(
+            step.engine.name, int(time.time()), config.venv, config.checkpoint_dir(step.engine), step.settings
+        ),
+        current=step.kept,
+        previous=step.engine.name in snapshot.previous,
+        rolled_back=step.engine.name in snapshot.rollbacks,
     )
     jit.cache_keyed(
         name=f"JIT caches of {step.engine.name} keyed",

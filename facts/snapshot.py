@@ -19,7 +19,8 @@ from sparkform.hostrecord import (
     HostRecord,
     UntrustedValue,
 )
-from sparkform.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
+from sparkform.kept import KeptSettings, Rollback
+from sparkform.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER, KEPT_PREVIOUS, KEPT_RECORD, ROLLBACK_RECORD
 from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES, engine_states
 from sparkform.readback import REPO_AT, named_lines, pins, pins_command, shaped
 from sparkform.remote import plain_file, plain_files, section, split_sections
@@ -73,6 +74,8 @@ class HostSnapshot(FactBase):
     + cache_root: folder of the engines' JIT cache folders (and those moved aside)
     + cache_keys_dir: root's folder of the key each engine's caches were built under
     + record_path: the host record
+    + kept_root: root's folder of each engine's kept settings (kept.json, rolled-back.json, and
+      previous/kept.json)
 
     Every value read back is checked against the shape sparkform writes it in; one that does
     not match is listed in ``untrusted`` and left out, never used.
@@ -93,6 +96,7 @@ class HostSnapshot(FactBase):
         cache_root: str,
         cache_keys_dir: str,
         record_path: str,
+        kept_root: str,
     ) -> str:
         quoted_paths = " ".join(shlex.quote(p) for p in paths)
         sections = [
@@ -121,6 +125,11 @@ class HostSnapshot(FactBase):
             section("boot", "systemctl show --timestamp=unix -p UserspaceTimestamp --value"),
             section("cache_keys", plain_files(f"{shlex.quote(cache_keys_dir)}/*")),
             section("caches_aside", f"ls -d {shlex.quote(cache_root)}/*{STALE_MARK}*"),
+            section(
+                "kept",
+                plain_files(f"{shlex.quote(kept_root)}/*/{KEPT_RECORD} {shlex.quote(kept_root)}/*/{ROLLBACK_RECORD}"),
+            ),
+            section("kept_previous", plain_files(f"{shlex.quote(kept_root)}/*/{KEPT_PREVIOUS}/{KEPT_RECORD}")),
         ]
         return " ; ".join(sections)
 
@@ -195,4 +204,36 @@ class HostSnapshot(FactBase):
         for path in sections.get("caches_aside", []):
             if checked(CACHE_KEY_PATTERN, path.rsplit(STALE_MARK, 1)[-1], path, "a cache folder moved aside"):
                 snapshot.caches_aside.append(path)
+        _read_kept(sections.get("kept", []), snapshot, previous=False)
+        _read_kept(sections.get("kept_previous", []), snapshot, previous=True)
         return snapshot
+
+
+def _read_kept(lines: list[str], snapshot: Snapshot, previous: bool) -> None:
+    """Each engine's kept settings and rollback record, or (`previous`) the settings kept before
+    them, one JSON line each, by the engine's folder; a record of another shape, or one that
+    names another engine, is untrusted."""
+    readers = (
+        {KEPT_RECORD: (KeptSettings.from_json, snapshot.previous)}
+        if previous
+        else {
+            KEPT_RECORD: (KeptSettings.from_json, snapshot.kept),
+            ROLLBACK_RECORD: (Rollback.from_json, snapshot.rollbacks),
+        }
+    )
+    for line in lines:
+        path, _, text = line.partition(":")
+        folder, _, name = path.rpartition("/")
+        engine = folder.rsplit("/", 2)[-2 if previous else -1]
+        if not shaped((ENGINE_NAME_PATTERN, "an engine name"), engine, path, snapshot.untrusted) or name not in readers:
+            continue
+        parse, found = readers[name]
+        try:
+            value = parse(text)
+        except UntrustedValue as err:
+            snapshot.untrusted.append(f"{path}: {err}")
+            continue
+        if value.engine != engine:
+            snapshot.untrusted.append(f"{path} names engine {value.engine!r}, not {engine!r}")
+            continue
+        found[engine] = value

@@ -17,6 +17,7 @@ from pathlib import Path
 from sparkform import bootchain, hostrecord, layout
 from sparkform.engine import Engine
 from sparkform.hostrecord import EngineRecord, HostRecord, HostVersions
+from sparkform.kept import KeptSettings, settings_digest
 from sparkform.layout import FRONT_CONFIG, FRONT_DROP_IN
 from sparkform.parsers import EngineState
 from sparkform.render import (
@@ -108,6 +109,8 @@ def folders(config: HostConfig) -> list[Folder]:
         Folder(config.paths.engine_home, "750", engine_user, engine_user),
         Folder(config.paths.lock_dir, "755", engine_user, engine_user),
         Folder(layout.record_dir(config.state_dir), "755"),
+        # The settings kept for a rollback: root's alone, what root writes back into units.
+        Folder(layout.kept_root(config.state_dir), "700"),
         Folder(config.paths.cache_keys, "755"),
         Folder(config.venv_root, "755"),
         # Checkpoints belong to root: an engine can read its weights, never change them.
@@ -155,6 +158,7 @@ def snapshot_request(config: HostConfig) -> dict:
         cache_root=config.cache_root,
         cache_keys_dir=config.paths.cache_keys,
         record_path=config.paths.host_record,
+        kept_root=layout.kept_root(config.state_dir),
     )
 
 
@@ -228,6 +232,14 @@ class EngineStep:
     starts: bool  # it (re)starts in this run
     cold: bool  # that start rebuilds its JIT caches (stale, or never keyed on this host)
     cold_start_s: float | None  # its last cold start: the host record's, else the inventory's (None: never measured)
+    settings: str  # the digest of its unit, env and args files as this run renders them
+    kept: KeptSettings | None  # the settings it last served with, kept on the host (None: none yet)
+
+    @property
+    def rolls_back(self) -> bool:
+        """A failed start of this run puts it back on its kept settings: it starts on settings
+        other than those it last served with."""
+        return self.starts and self.kept is not None and self.kept.digest != self.settings
 
 
 @dataclass(frozen=True)
@@ -247,6 +259,7 @@ class ConvergePlan:
     guard_wanted: str  # the digest the guard must run with (its files)
     node_exporter_wanted: str  # the digest node_exporter must run with (its settings and drop-in)
     scrub_wanted: str  # the digest the scrub's timer must be armed with (its unit)
+    rollback_lines: list[str]  # engines back on their kept settings that this run renders the failed ones of
     record: HostRecord  # the host record as this run leaves it
 
     @property
@@ -270,6 +283,29 @@ def checkpoint_complete(config: HostConfig, engine: Engine, snapshot: Snapshot) 
     its manifest recorded (size and mtime); otherwise this run fetches (some of) it again."""
     current = snapshot.checkpoints.get(config.checkpoint_dir(engine))
     return current is not None and current.marker == config.commit(engine) and not current.drift
+
+
+def engine_settings_digest(config: HostConfig, engine: Engine, rendered: list[RenderedFile]) -> str:
+    """The settings_digest of the engine's unit, env and args files as rendered."""
+    contents = {f.path: f.content for f in rendered}
+    return settings_digest(*(contents[path] for path in config.paths.engine_files(engine.name)))
+
+
+def kept_checkpoints(snapshot: Snapshot) -> set[str]:
+    """Checkpoint folders some engine's kept settings (or those kept before them) load: cleanup
+    keeps them, so a rollback always finds its weights."""
+    return {kept.checkpoint for kept in [*snapshot.kept.values(), *snapshot.previous.values()]}
+
+
+def rollback_lines(config: HostConfig, snapshot: Snapshot, rendered: list[RenderedFile]) -> list[str]:
+    """One line per engine that went back to its kept settings from the very settings this run
+    renders again: until the inventory changes, a re-run says it repeats a change that failed."""
+    return [
+        snapshot.rollbacks[engine.name].line()
+        for engine in config.engines
+        if engine.name in snapshot.rollbacks
+        and snapshot.rollbacks[engine.name].failed == engine_settings_digest(config, engine, rendered)
+    ]
 
 
 def plan(config: HostConfig, snapshot: Snapshot) -> ConvergePlan:
@@ -319,6 +355,8 @@ def plan(config: HostConfig, snapshot: Snapshot) -> ConvergePlan:
                 starts(current, restart),
                 cold=stale or engine.name not in snapshot.cache_keys,
                 cold_start_s=last_cold[engine.name],
+                settings=engine_settings_digest(config, engine, rendered),
+                kept=snapshot.kept.get(engine.name),
             )
         )
 
@@ -343,5 +381,6 @@ def plan(config: HostConfig, snapshot: Snapshot) -> ConvergePlan:
         guard_wanted=digest(*(contents[path] for path in guard_files(config))),
         node_exporter_wanted=digest(*(f.content for f in node_exporter_files(config))),
         scrub_wanted=digest(contents[layout.unit_path(layout.SCRUB_TIMER)]),
+        rollback_lines=rollback_lines(config, snapshot, rendered),
         record=planned_record(config, live, snapshot.record, snapshot),
     )

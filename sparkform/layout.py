@@ -44,6 +44,14 @@ COMPLETE_MARKER = ".sparkform-complete"
 CHECKPOINT_MANIFEST = ".sparkform-manifest.json"
 VENV_LOCK = "sparkform-lock.txt"  # the lock a venv was installed from, inside that venv
 RECORD_NAME = "host-record.json"
+# In an engine's kept folder (kept_dir): what the kept settings are, and, after they were put
+# back, why (written by sparkform-rollback, dropped when the engine serves new settings).
+KEPT_RECORD = "kept.json"
+ROLLBACK_RECORD = "rolled-back.json"
+KEPT_FILES = ("unit", "env", "args")  # the kept copies, in the order of HostPaths.engine_files
+# In a kept folder: the settings kept before the last ones (the same files and KEPT_RECORD), what
+# `sparkform rollback` goes back to from a change that served but misbehaves.
+KEPT_PREVIOUS = "previous"
 
 
 def monitored_units_pattern() -> str:
@@ -119,6 +127,18 @@ def record_path(state_dir: str) -> str:
     return posixpath.join(record_dir(state_dir), RECORD_NAME)
 
 
+def kept_root(state_dir: str) -> str:
+    """Root's folder of the engines' kept folders (kept_dir)."""
+    return posixpath.join(record_dir(state_dir), "kept")
+
+
+def kept_dir(state_dir: str, engine_name: str) -> str:
+    """Root's copy (0700) of the settings the engine last served with: its unit, env and args
+    files as they were, and KEPT_RECORD (the date, venv, checkpoint folder and digest). A
+    deploy replaces it whole once the engine serves new settings; a rollback writes them back."""
+    return posixpath.join(kept_root(state_dir), engine_name)
+
+
 def applied_stamp(state_dir: str, service: str) -> str:
     """Root's record of the inputs `service` last (re)started or reloaded with: a run cut off
     between writing a file and the reload leaves it stale, so the next run still reloads."""
@@ -164,6 +184,12 @@ class HostPaths:
         return f"{self.lib_dir}/sparkform-scrub"
 
     @property
+    def rollback(self) -> str:
+        """Puts an engine back on its kept settings; run by the system's python3 (the deploy
+        after a failed start, `sparkform rollback` by hand)."""
+        return f"{self.lib_dir}/sparkform-rollback"
+
+    @property
     def engine_home(self) -> str:
         """The engine user's HOME: its own, inside root's state folder."""
         return f"{self.state_dir}/home"
@@ -188,6 +214,13 @@ class HostPaths:
     def engine_settings(self, engine_name: str) -> tuple[str, str]:
         """The engine's environment file and arguments file (read by the launch script)."""
         return f"{self.engines_dir}/{engine_name}.env", f"{self.engines_dir}/{engine_name}.args"
+
+    def engine_files(self, engine_name: str) -> tuple[str, str, str]:
+        """The files an engine runs with (unit, env, args): what a rollback puts back."""
+        return (unit_path(engine_unit(engine_name)), *self.engine_settings(engine_name))
+
+    def kept(self, engine_name: str) -> str:
+        return kept_dir(self.state_dir, engine_name)
 
     @property
     def secrets_dir(self) -> str:

@@ -24,13 +24,18 @@ from sparkform.layout import (
     FRONT_CONFIG,
     FRONT_DROP_IN,
     GUARD_UNIT,
+    KEPT_FILES,
+    KEPT_PREVIOUS,
+    KEPT_RECORD,
     NODE_EXPORTER_DEFAULTS,
     NODE_EXPORTER_DROP_IN,
     NODE_EXPORTER_PACKAGE,
     PROFILE_CAPS,
     RECOVER_UNIT,
+    ROLLBACK_RECORD,
     SCRUB_TIMER,
     SCRUB_UNIT,
+    kept_root,
     record_dir,
     unit_path,
 )
@@ -333,6 +338,26 @@ def node_exporter_files(config: HostConfig) -> list[RenderedFile]:
     ]
 
 
+def rollback_script(config: HostConfig) -> str:
+    """sparkform-rollback for this host: the files of each engine it can put back, and where they are kept."""
+    engines = {
+        engine.name: {"unit": engine.unit, "files": list(config.paths.engine_files(engine.name))}
+        for engine in config.engines
+    }
+    return template(
+        "sparkform-rollback.py.j2",
+        engines=json.dumps(engines, indent=4, sort_keys=True),
+        kept_root=kept_root(config.state_dir),
+        kept_files=json.dumps(list(KEPT_FILES)),
+        kept_record=KEPT_RECORD,
+        kept_previous=KEPT_PREVIOUS,
+        rollback_record=ROLLBACK_RECORD,
+        complete_marker=COMPLETE_MARKER,
+        guard=config.paths.guard,
+        target=ENGINES_TARGET,
+    )
+
+
 def template(name: str, **context) -> str:
     """templates/NAME rendered with `context`."""
     return _env.get_template(name).render(**context)
@@ -354,6 +379,8 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
         ),
         # Run by the system's python3 at the end of a converge.
         RenderedFile(paths.record, template("sparkform-record.py.j2"), "644"),
+        # Run by the system's python3 after a changed engine's failed start, or by hand.
+        RenderedFile(paths.rollback, rollback_script(config), "644"),
         RenderedFile(
             PROFILE_CAPS, template("profile-caps.sh.j2", config=config, caps=config.compile_caps.as_env()), "644"
         ),

@@ -158,7 +158,8 @@ class HostConfig(StrictModel):
     models_dir: str = Field("/var/lib/sparkform/models")
     """Checkpoints, one folder per repo@commit; `.pins/` records what each branch or tag resolved to."""
     keep_revisions: int | None = Field(None, ge=0)
-    """Old revisions of a repo kept after its engine serves a new one (newest first); None keeps them all."""
+    """Old revisions of a repo kept after its engine serves a new one (newest first), besides those the engines' kept
+    settings load (what a rollback goes back to); None keeps them all."""
     checkpoint_workers: int = Field(4, ge=1, le=32)
     """Files of a checkpoint downloaded at once (each hashed as it streams in); more fill a fast link, fewer spare a
     slow one."""

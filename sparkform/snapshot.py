@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sparkform.hostrecord import HostRecord
+from sparkform.kept import KeptSettings, Rollback
 from sparkform.parsers import EngineState
 
 
@@ -43,5 +44,8 @@ class Snapshot:
     caches_aside: list[str] = field(default_factory=list)  # cache folders moved aside, not yet rebuilt
     unit_files: dict[str, str] = field(default_factory=dict)  # engine unit file -> enabled, disabled, ...
     engines: dict[str, EngineState] = field(default_factory=dict)
+    kept: dict[str, KeptSettings] = field(default_factory=dict)  # engine -> the settings it last served with
+    previous: dict[str, KeptSettings] = field(default_factory=dict)  # engine -> those it served before them
+    rollbacks: dict[str, Rollback] = field(default_factory=dict)  # engine -> its kept settings were put back
     # What the host holds that sparkform never writes (file and value): root acts on none of it.
     untrusted: list[str] = field(default_factory=list)

@@ -8,7 +8,7 @@ import shlex
 from pyinfra import host
 from pyinfra.api import operation
 
-from sparkform.converge import checkpoint_complete
+from sparkform.converge import checkpoint_complete, kept_checkpoints
 from sparkform.engine import Engine
 from sparkform.layout import COMPLETE_MARKER
 from sparkform.render import checkpoint_fetch
@@ -70,10 +70,11 @@ def _fetch(config: HostConfig, engine: Engine, folder: str, drifted: bool):
 
 def stale_revisions(config: HostConfig, snapshot: Snapshot) -> list[str]:
     """Folders of older revisions of the repos the engines serve, beyond `keep_revisions`
-    (newest kept first); never a folder any engine (disabled ones too) is pinned to."""
+    (newest kept first); never a folder any engine (disabled ones too) is pinned to, nor one an
+    engine's kept settings load (a rollback needs it)."""
     if config.keep_revisions is None:
         return []
-    pinned = {config.checkpoint_dir(engine) for engine in config.engines}
+    pinned = {config.checkpoint_dir(engine) for engine in config.engines} | kept_checkpoints(snapshot)
     stale = []
     for prefix in sorted({f"{config.models_dir}/{e.checkpoint.folder_prefix}" for e in config.engines}):
         older = sorted(

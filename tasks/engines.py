@@ -9,6 +9,8 @@ from pyinfra.api import operation
 
 from sparkform.converge import starts
 from sparkform.engine import Engine
+from sparkform.kept import KeptSettings
+from sparkform.layout import KEPT_FILES, KEPT_PREVIOUS, KEPT_RECORD
 from sparkform.parsers import EngineState
 from tasks.progress import ProgressCommand, printf_line, start_format, ticking
 
@@ -17,12 +19,15 @@ JOURNAL_LINES = 30
 FAILURE_REASON_PATTERN = r"(Error|error:|exceeds|refus|sparkform-|Failed with result|start request repeated)"
 
 
-def _explained(command: str, unit: str) -> str:
-    """Run a systemctl command; on failure print why from the unit's journal since then, and fail."""
-    journal = f"journalctl -u {shlex.quote(unit)} --since @$since --no-pager -o cat"
+def _explained(command: str, unit: str, rollback: str | None = None) -> str:
+    """Run a systemctl command; on failure print why from the unit's journal since then, hand
+    those lines to `rollback` (a command reading them on stdin) when there is one, and fail."""
+    journal = f'journalctl -u {shlex.quote(unit)} --since "@$since" --no-pager -o cat'
+    back = f"printf '%s\\n' \"$why\" | {rollback} >&2; " if rollback else ""
     return (
-        f"since=$(date +%s); {command} || {{ rc=$?; echo 'sparkform: {unit} failed to start; "
-        f"its journal:' >&2; {journal} | grep -E '{FAILURE_REASON_PATTERN}' | tail -n {JOURNAL_LINES} >&2; exit $rc; }}"
+        f"since=$(date +%s); {command} || {{ rc=$?; why=$({journal} | grep -E '{FAILURE_REASON_PATTERN}' "
+        f"| tail -n {JOURNAL_LINES}); echo 'sparkform: {unit} failed to start; its journal:' >&2; "
+        f"printf '%s\\n' \"$why\" >&2; {back}exit $rc; }}"
     )
 
 
@@ -41,7 +46,13 @@ def daemon_reload(needed: bool):
 
 @operation()
 def engine_running(
-    engine: Engine, current: EngineState | None, restart: bool, cold: bool, cold_start_s: float | None, budget_s: int
+    engine: Engine,
+    current: EngineState | None,
+    restart: bool,
+    cold: bool,
+    cold_start_s: float | None,
+    budget_s: int,
+    rollback_script: str | None = None,
 ):
     """
     Enable an engine at boot and have it serving; `systemctl` returns only once the readiness
@@ -55,6 +66,8 @@ def engine_running(
     + cold: that start rebuilds its JIT caches
     + cold_start_s: its last cold start in seconds, from the host record or the inventory (None: never measured)
     + budget_s: the readiness helper's budget (readiness_budget_s)
+    + rollback_script: sparkform-rollback, when a failed start puts the engine back on the
+      settings it last served with (EngineStep.rolls_back); the run fails all the same
     """
     changed = False
     if current is None or current.unit_file_state != "enabled":
@@ -68,10 +81,66 @@ def engine_running(
         progress = printf_line(start_format(engine.name, cold, cold_start_s, budget_s), "$elapsed")
         start = ticking(f"systemctl {verb} {shlex.quote(engine.unit)}", progress)
         serving = printf_line(f"{engine.name}: serving after %d s", '"$(($(date +%s) - since))"')
-        yield ProgressCommand(f"{_explained(start, engine.unit)}; {serving}")
+        rollback = (
+            f"python3 {shlex.quote(rollback_script)} {shlex.quote(engine.name)} --by deploy"
+            if rollback_script
+            else None
+        )
+        yield ProgressCommand(f"{_explained(start, engine.unit, rollback)}; {serving}")
         changed = True
     if not changed:
         host.noop(f"{engine.unit} is enabled and {current.active_state}")
+
+
+@operation()
+def settings_kept(
+    kept_dir: str,
+    files: tuple[str, str, str],
+    wanted: KeptSettings,
+    current: KeptSettings | None,
+    previous: bool,
+    rolled_back: bool,
+):
+    """
+    Keep a copy of the settings the engine serves (its unit, env and args files) with what they
+    use, once its start served, and the settings kept before them in `previous/` (what
+    `sparkform rollback` goes back to from a change that served): root's folder, replaced whole
+    (a new folder, then renames), so a cut-off run leaves the previous copy. Drops a rollback
+    record with it: the engine serves the inventory's settings again.
+
+    + kept_dir: the engine's kept folder (layout.kept_dir)
+    + files: its unit, env and args files (HostPaths.engine_files)
+    + wanted: what they are: the digest as rendered, the venv and the checkpoint folder
+    + current: what the host keeps now (None: nothing)
+    + previous: the host keeps settings from before `current` too
+    + rolled_back: the host holds a rollback record for the engine
+    """
+    same = current is not None and (current.digest, current.venv, current.checkpoint) == (
+        wanted.digest,
+        wanted.venv,
+        wanted.checkpoint,
+    )
+    if same and not rolled_back:
+        host.noop(f"{kept_dir} keeps the settings {wanted.engine} serves")
+        return
+    root, _, engine = kept_dir.rpartition("/")
+    target = shlex.quote(kept_dir)
+    # Dot names: the snapshot fact reads every engine's folder (kept_root/*), never these.
+    old, temp = shlex.quote(f"{root}/.{engine}.old"), shlex.quote(f"{root}/.{engine}.XXXXXX")
+    copies = [f'cp -- {shlex.quote(path)} "$temp"/{name}' for path, name in zip(files, KEPT_FILES, strict=True)]
+    if current is not None and current.digest != wanted.digest:
+        # What served until now becomes the settings before these.
+        kept = " ".join(shlex.quote(f"{kept_dir}/{name}") for name in (*KEPT_FILES, KEPT_RECORD))
+        copies += [f'mkdir "$temp"/{KEPT_PREVIOUS}', f'cp -- {kept} "$temp"/{KEPT_PREVIOUS}/']
+    elif previous:
+        copies.append(f'cp -R -- {shlex.quote(f"{kept_dir}/{KEPT_PREVIOUS}")} "$temp"/{KEPT_PREVIOUS}')
+    yield (
+        f"{{ [ -d {shlex.quote(root)} ] || mkdir -m 700 {shlex.quote(root)}; }} "
+        f"&& temp=$(mktemp -d {temp}) && {' && '.join(copies)} "
+        f'&& printf \'%s\' {shlex.quote(wanted.to_json())} > "$temp"/{KEPT_RECORD} && chmod -R go-rwx "$temp" '
+        f'&& rm -rf -- {old} && {{ [ ! -e {target} ] || mv -T -- {target} {old}; }} && mv -T -- "$temp" {target} '
+        f"&& rm -rf -- {old}"
+    )
 
 
 @operation()

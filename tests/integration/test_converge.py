@@ -101,6 +101,7 @@ def test_dry_diff_shows_only_the_edited_file_and_changes_nothing(box, tmp_path):
     assert changed_operations(inventory) == [
         f"File {args_file}",
         "Engine q38 serving",
+        "Settings q38 serves kept",
         "sparkform-engines.target reached",
         "Host record",
     ]
@@ -476,9 +477,10 @@ def test_moved_branch_changes_nothing_and_a_new_pin_replaces_the_old_revision_on
     assert after["vllm-nemotron.service"] == before["vllm-nemotron.service"]
     assert after["vllm-q38.service"] != before["vllm-q38.service"]
     assert checkpoint_dir(box, "q38").endswith(f"@{moved}")
-    # keep_revisions 0: the old folder (and the pin naming it) went, after q38 served the new one.
-    assert ssh(box, f"test -e {first_dir}", check=False).returncode == 1
-    assert ssh(box, "grep -rl " + first + f" {DEFAULT_FOLDERS['models_dir']}/.pins", check=False).stdout == ""
+    # keep_revisions 0, yet the old folder stays, complete: the settings kept before the new ones
+    # load it (what `sparkform rollback` goes back to).
+    assert ssh(box, f"test -f {first_dir}/.sparkform-complete", check=False).returncode == 0
+    assert first_dir in ssh(box, f"cat {PATHS.kept('q38')}/previous/kept.json").stdout
     out = result.stdout + result.stderr
     assert out.index("Remove old checkpoint revisions") > out.index("Engine q38 serving")
     verified = verify(inventory=new_pin)

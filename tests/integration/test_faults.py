@@ -21,6 +21,7 @@ from deploy_helpers import (
     PATHS,
     ROOT,
     SANDBOX_INVENTORY,
+    changed_operations,
     checkpoint_dir,
     edited_inventory,
     journal_times,
@@ -35,8 +36,10 @@ from deploy_helpers import (
 )
 
 from sparkform import layout
+from sparkform.inventory import load_inventory
 from sparkform.locks import lock_id
-from sparkform.sandbox import machine
+from sparkform.sandbox import machine, stage
+from sparkform.sandbox.alerts import read_alerts
 from sparkform.sandbox.fakehub import FakeHub
 from sparkform.sandbox.wheelhouse import LOCK
 
@@ -65,6 +68,11 @@ def running_on_host(box: machine.Sandbox, pattern: str) -> bool:
 def hand_run(box: machine.Sandbox, engine: str, env: str = "") -> subprocess.CompletedProcess:
     """The launch script from a shell with no caps in its environment (`sudo -u vllm ...`)."""
     return ssh(box, f"sudo -u vllm env -i PATH=/usr/bin:/bin {env} {LAUNCH} {engine}", check=False)
+
+
+def alerts(box: machine.Sandbox) -> list[dict]:
+    """What the sandbox's alert receiver got, oldest first."""
+    return [entry["alert"] for entry in read_alerts(stage.alerts_file(box.runtime_dir))]
 
 
 def converge_back(box: machine.Sandbox) -> None:
@@ -281,6 +289,9 @@ def test_engine_core_killed_at_run_time_exits_0_and_systemd_restarts_it(box):
 
 def test_engine_that_dies_at_every_start_stops_at_the_start_limit_and_the_deploy_says_why(box, tmp_path):
     nemotron_pid = main_pids(box)["vllm-nemotron.service"]
+    # Nothing kept to go back to (a host before its first serving start): the start limit, not
+    # a rollback, ends the crash loop.
+    ssh(box, f"rm -rf {PATHS.kept('q38')}")
     since = ssh(box, "date +%s.%N").stdout.strip()
     result = pyinfra(edited_inventory(tmp_path, {"q38": {"kv_cache_memory_bytes": 1024}}), "-y")
     output = result.stdout + result.stderr
@@ -305,6 +316,85 @@ def test_engine_that_dies_at_every_start_stops_at_the_start_limit_and_the_deploy
     assert all(0 <= report - death <= 2 for death, report in zip(deaths, reports, strict=True))
     assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
     converge_back(box)
+
+
+# --- a change that cannot start goes back (docs/incidents.md#upgrade-strands-the-box) ------------------
+
+NEWER_FLAG = "--flag-of-a-newer-vllm"  # a flag the sandbox's vLLM refuses at start
+
+
+def q38_files(box: machine.Sandbox) -> str:
+    return ssh(box, f"sha256sum {' '.join(PATHS.engine_files('q38'))}").stdout
+
+
+def test_a_change_q38_cannot_start_on_goes_back_to_the_settings_it_last_served_with(box, tmp_path):
+    """A flag this vLLM rejects: the deploy fails naming it, q38 serves again on its previous
+    settings within one more start, nemotron is untouched, a human is told, and the next dry-run
+    names the change while the inventory still holds it."""
+    nemotron_pid = main_pids(box)["vllm-nemotron.service"]
+    served = q38_files(box)
+    since = ssh(box, "date +%s").stdout.strip()
+    told = len(alerts(box))
+    (host,) = load_inventory(SANDBOX_INVENTORY)
+    (q38,) = [e for e in host.config.engines if e.name == "q38"]
+    failing = edited_inventory(tmp_path, {"q38": {"extra_args": [*q38.extra_args, NEWER_FLAG]}})
+
+    result = pyinfra(failing, "-y")
+
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "vllm-q38.service failed to start; its journal:" in output
+    assert re.search(rf"error: .*{NEWER_FLAG}", output), output[-4000:]
+    assert "sparkform-rollback: q38 serves again on its settings of" in output, output[-4000:]
+    assert serving(box, "vllm-q38.service") and q38_files(box) == served
+    starts = journal_times(box, r"sparkform-launch: starting q38", ("vllm-q38.service",), since)
+    assert len(starts) == 2, starts  # the one that failed, then one on the kept settings
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
+    assert unit_properties(box, layout.ENGINES_TARGET, "ActiveState")["ActiveState"] == "active"
+    rolled_back = [a for a in alerts(box)[told:] if a["event"] == "rolled-back"]
+    assert [a["engine"] for a in rolled_back] == ["q38"] and NEWER_FLAG in rolled_back[0]["message"]
+
+    dry = pyinfra(failing, "--dry")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert re.search(
+        rf"q38 runs its previous settings since \d{{4}}-\d\d-\d\d \d\d:\d\d UTC: .*{NEWER_FLAG}",
+        dry.stdout + dry.stderr,
+    ), (dry.stdout + dry.stderr)[-3000:]
+    # The inventory as checked in is what q38 runs: nothing restarts, the rollback record goes.
+    changed = changed_operations(SANDBOX_INVENTORY)
+    assert "Settings q38 serves kept" in changed and not [op for op in changed if op.startswith(("File", "Engine"))]
+    converge_back(box)
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
+    assert changed_operations(SANDBOX_INVENTORY) == []
+
+
+def test_sparkform_rollback_puts_back_a_change_that_started_and_the_next_dry_run_names_it(box, tmp_path):
+    """A change that starts but misbehaves, rolled back by hand: the settings before it serve
+    again, nemotron is untouched, the output says which settings, the next dry-run names the change."""
+    nemotron_pid = main_pids(box)["vllm-nemotron.service"]
+    served = q38_files(box)
+    change = edited_inventory(tmp_path, {"q38": {"max_num_seqs": 2}})
+    assert pyinfra(change, "-y").returncode == 0
+    assert q38_files(box) != served
+
+    result = subprocess.run(
+        [str(BIN / "sparkform"), "rollback", str(change), "--engine", "q38", "--reason", "answers slower"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "sparkform-rollback: q38 serves again on its settings of" in result.stdout
+    assert serving(box, "vllm-q38.service") and q38_files(box) == served
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
+    dry = pyinfra(change, "--dry")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "q38 runs its previous settings since " in dry.stdout + dry.stderr
+    assert ": answers slower" in dry.stdout + dry.stderr
+    converge_back(box)
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
+    assert changed_operations(SANDBOX_INVENTORY) == []
 
 
 def test_unusable_checkpoint_fails_the_start_and_is_never_reported_active(box):

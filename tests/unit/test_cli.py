@@ -554,6 +554,7 @@ def test_render_writes_every_file_with_its_mode(tmp_path):
             "usr/local/lib/sparkform/sparkform-wait-ready",
             "usr/local/lib/sparkform/sparkform-checkpoint",
             "usr/local/lib/sparkform/sparkform-record",
+            "usr/local/lib/sparkform/sparkform-rollback",
             "etc/profile.d/sparkform-caps.sh",
             "etc/systemd/system/sparkform-engines.target",
             "etc/systemd/system/vllm-nemotron.service",

@@ -11,6 +11,7 @@ from sparkform import converge, layout
 from sparkform.bootchain import after_units
 from sparkform.converge import plan
 from sparkform.inventory import load_host
+from sparkform.kept import KeptSettings, Rollback
 from sparkform.parsers import EngineState
 from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
 
@@ -234,3 +235,53 @@ def test_an_engine_whose_checkpoint_is_fetched_again_restarts_alone_and_warm():
         steps = {s.engine.name: s for s in plan(cfg, snapshot).steps}
         assert (steps["fast"].restart, steps["fast"].starts, steps["fast"].cold) == (True, True, False)
         assert (steps["slow"].restart, steps["slow"].starts) == (False, False)
+
+
+def kept_as_converged(cfg, snapshot: Snapshot) -> Snapshot:
+    """`snapshot` with each enabled engine's settings of `cfg` kept, as the deploy keeps them once
+    the engine served them."""
+    fresh = plan(cfg, snapshot)
+    kept = {
+        step.engine.name: KeptSettings(step.engine.name, 1000, cfg.venv, cfg.checkpoint_dir(step.engine), step.settings)
+        for step in fresh.steps
+    }
+    return dataclasses.replace(snapshot, kept=kept)
+
+
+def test_a_changed_engine_with_kept_settings_goes_back_to_them_if_its_start_fails():
+    cfg = config()
+    snapshot = kept_as_converged(cfg, converged(cfg))
+    steps = {s.engine.name: s for s in plan(cfg, snapshot).steps}
+    assert not steps["slow"].rolls_back and not steps["slow"].starts  # nothing changed, nothing starts
+    edited = config(engines=engine_data("slow", extra_args=["--max-num-seqs", "4"]))
+    steps = {s.engine.name: s for s in plan(edited, snapshot).steps}
+    assert steps["slow"].rolls_back and steps["slow"].settings != snapshot.kept["slow"].digest
+    assert not steps["fast"].rolls_back  # the neighbour does not start
+    # Down on the very settings it last served with: a failed start has nothing to go back to.
+    unit = layout.engine_unit("fast")
+    snapshot.engines[unit] = dataclasses.replace(snapshot.engines[unit], active_state="failed", main_pid=0)
+    steps = {s.engine.name: s for s in plan(cfg, snapshot).steps}
+    assert steps["fast"].starts and not steps["fast"].rolls_back
+
+
+def test_an_engine_without_kept_settings_has_nothing_to_go_back_to():
+    cfg = config()
+    edited = config(engines=engine_data("slow", extra_args=["--max-num-seqs", "4"]))
+    steps = {s.engine.name: s for s in plan(edited, converged(cfg)).steps}
+    assert steps["slow"].starts and not steps["slow"].rolls_back
+
+
+def test_the_dry_run_says_an_engine_runs_its_previous_settings_until_the_inventory_changes():
+    cfg = config()
+    snapshot = kept_as_converged(cfg, converged(cfg))
+    failing = config(engines=engine_data("slow", extra_args=["--no-such-flag"]))
+    failed = {s.engine.name: s.settings for s in plan(failing, snapshot).steps}["slow"]
+    reason = "error: unrecognized arguments: --no-such-flag"
+    snapshot = dataclasses.replace(snapshot, rollbacks={"slow": Rollback("slow", 1764575600, "deploy", reason, failed)})
+    assert plan(failing, snapshot).rollback_lines == [
+        f"slow runs its previous settings since 2025-12-01 07:53 UTC: {reason}"
+    ]
+    # The owner changed it again (or back): the rollback is history, the run says nothing of it.
+    retried = config(engines=engine_data("slow", extra_args=["--max-num-seqs", "4"]))
+    assert plan(retried, snapshot).rollback_lines == []
+    assert plan(cfg, snapshot).rollback_lines == []

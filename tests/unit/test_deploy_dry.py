@@ -5,11 +5,16 @@ the deploy loads, validates, gathers its one fact and plans each task, without a
 The full converge runs against the sandbox.
 """
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 from local_deploy import FAST_COMMIT, local_inventory, publish
+
+from sparkform import converge
+from sparkform.inventory import load_inventory
+from sparkform.render import render_host
 
 ROOT = Path(__file__).resolve().parents[2]
 PYINFRA = Path(sys.executable).with_name("pyinfra")
@@ -104,3 +109,24 @@ local = hosts({{"@local": {{
     plan_line = next(line for line in (result.stdout + result.stderr).splitlines() if "Wheelhouse on the host" in line)
     assert "1 (@local)" in plan_line
     assert not (tmp_path / "wh").exists()
+
+
+def test_dry_run_names_a_change_that_went_back_while_the_inventory_still_renders_it(tmp_path, hub):
+    """The host holds a rollback record of the very settings this inventory renders for fast:
+    the run says so first (and plans to keep what each engine serves once it serves)."""
+    publish(hub, tmp_path, "v1")
+    inventory = local_inventory(tmp_path, endpoint=hub.url)
+    (local,) = load_inventory(inventory)
+    (fast,) = [e for e in local.config.engines if e.name == "fast"]
+    failed = converge.engine_settings_digest(local.config, fast, render_host(local.config))
+    kept = Path(local.config.paths.kept("fast"))
+    kept.mkdir(parents=True)
+    reason = "ValueError: unrecognized arguments: --bogus"
+    record = {"engine": "fast", "at": 1764572000, "by": "deploy", "reason": reason, "failed": failed}
+    (kept / "rolled-back.json").write_text(json.dumps(record) + "\n")
+    result = _pyinfra(str(inventory), "deploy.py", "--dry")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout + result.stderr
+    assert f"fast runs its previous settings since 2025-12-01 06:53 UTC: {reason}" in out
+    assert "slow runs its previous" not in out
+    assert "Settings fast serves kept" in out and "Settings slow serves kept" in out

@@ -26,6 +26,7 @@ import tasks
 from sparkform import converge, layout
 from sparkform.hostrecord import EngineRecord, HostRecord, HostVersions
 from sparkform.inventory import load_host
+from sparkform.kept import KeptSettings
 from sparkform.layout import cache_keys_dir, record_path
 from sparkform.parsers import EngineState
 from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
@@ -155,6 +156,12 @@ GUARD = dict(
 )
 SCRUB = dict(unit="sparkform-scrub.timer", wanted="new", stamp="/var/lib/sparkform/record/applied-scrub")
 
+# What the fast engine serves, as the deploy keeps it.
+KEPT = KeptSettings("fast", 1764572000, CONFIG.venv, FAST_FOLDER, "a" * 32)
+KEPT_DIR = CONFIG.paths.kept("fast")
+FAST_FILES = CONFIG.paths.engine_files("fast")
+BEFORE = dataclasses.replace(KEPT, since=KEPT.since - 86400, digest="b" * 32)  # what it served before
+
 # What engine_running hears of the start it may make: warm, its cold start never measured.
 START = dict(cold=False, cold_start_s=None, budget_s=CONFIG.readiness_budget_s)
 
@@ -260,6 +267,28 @@ TABLE = {
             ),
         ),
     ),
+    "checkpoints: a folder the kept settings of an engine load stays, beyond keep_revisions": (
+        checkpoints.old_revisions_removed,
+        dict(
+            config=KEEP_ONE,
+            snapshot=snapshot(
+                checkpoints=REVISIONS, pins=PINS, kept={"fast": dataclasses.replace(KEPT, checkpoint=FAST_OLDEST)}
+            ),
+        ),
+        [],
+        None,
+    ),
+    "checkpoints: a folder the settings kept before the last ones load stays too": (
+        checkpoints.old_revisions_removed,
+        dict(
+            config=KEEP_ONE,
+            snapshot=snapshot(
+                checkpoints=REVISIONS, pins=PINS, previous={"fast": dataclasses.replace(KEPT, checkpoint=FAST_OLDEST)}
+            ),
+        ),
+        [],
+        None,
+    ),
     "checkpoints: every old revision stays without keep_revisions": (
         checkpoints.old_revisions_removed,
         dict(config=CONFIG, snapshot=snapshot(checkpoints=REVISIONS, pins=PINS)),
@@ -303,6 +332,71 @@ TABLE = {
         dict(engine=FAST, current=unit(), restart=True, **START),
         ["systemctl restart vllm-fast.service"],
         dict(engine=FAST, current=unit(), restart=False, **START),
+    ),
+    "engine: a changed one whose start fails goes back to the settings it last served with": (
+        engines.engine_running,
+        dict(engine=FAST, current=unit(), restart=True, rollback_script=CONFIG.paths.rollback, **START),
+        [
+            "systemctl restart vllm-fast.service",
+            "|| { rc=$?; why=$(journalctl -u vllm-fast.service",
+            f"printf '%s\\n' \"$why\" | python3 {CONFIG.paths.rollback} fast --by deploy >&2; exit $rc; }}",
+        ],
+        dict(engine=FAST, current=unit(), restart=False, rollback_script=None, **START),
+    ),
+    "settings: keep those the engine serves, a new copy renamed in place": (
+        engines.settings_kept,
+        dict(
+            kept_dir=KEPT_DIR,
+            files=CONFIG.paths.engine_files("fast"),
+            wanted=KEPT,
+            current=None,
+            previous=False,
+            rolled_back=False,
+        ),
+        [
+            f"temp=$(mktemp -d {CONFIG.state_dir}/record/kept/.fast.XXXXXX)",
+            'cp -- /etc/systemd/system/vllm-fast.service "$temp"/unit',
+            f'cp -- {CONFIG.config_dir}/engines/fast.env "$temp"/env',
+            f'cp -- {CONFIG.config_dir}/engines/fast.args "$temp"/args',
+            '"$temp"/kept.json',
+            f'mv -T -- "$temp" {KEPT_DIR}',
+        ],
+        dict(
+            kept_dir=KEPT_DIR,
+            files=CONFIG.paths.engine_files("fast"),
+            wanted=KEPT,
+            current=KEPT,
+            previous=False,
+            rolled_back=False,
+        ),
+    ),
+    "settings: new ones served, those kept until now become the previous ones": (
+        engines.settings_kept,
+        dict(kept_dir=KEPT_DIR, files=FAST_FILES, wanted=KEPT, current=BEFORE, previous=True, rolled_back=False),
+        [
+            'mkdir "$temp"/previous',
+            f'cp -- {KEPT_DIR}/unit {KEPT_DIR}/env {KEPT_DIR}/args {KEPT_DIR}/kept.json "$temp"/previous/',
+            f'mv -T -- "$temp" {KEPT_DIR}',
+        ],
+        dict(kept_dir=KEPT_DIR, files=FAST_FILES, wanted=KEPT, current=KEPT, previous=True, rolled_back=False),
+    ),
+    "settings: kept again once the engine serves the inventory's settings after a rollback": (
+        engines.settings_kept,
+        dict(kept_dir=KEPT_DIR, files=FAST_FILES, wanted=KEPT, current=KEPT, previous=True, rolled_back=True),
+        [
+            f'cp -R -- {KEPT_DIR}/previous "$temp"/previous',
+            f"mv -T -- {KEPT_DIR} {CONFIG.state_dir}/record/kept/.fast.old",
+            f'mv -T -- "$temp" {KEPT_DIR}',
+        ],
+        dict(
+            kept_dir=KEPT_DIR,
+            files=CONFIG.paths.engine_files("fast"),
+            # The same settings kept at another time: nothing to copy again.
+            wanted=dataclasses.replace(KEPT, since=KEPT.since + 60),
+            current=KEPT,
+            previous=True,
+            rolled_back=False,
+        ),
     ),
     "engine: remove one that left the inventory": (
         engines.engine_removed,

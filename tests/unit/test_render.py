@@ -149,6 +149,7 @@ def test_rendered_file_list_and_modes(seed_files):
     host_files = [
         "/usr/local/lib/sparkform/sparkform-checkpoint",
         "/usr/local/lib/sparkform/sparkform-record",
+        "/usr/local/lib/sparkform/sparkform-rollback",
         "/etc/profile.d/sparkform-caps.sh",
         "/etc/systemd/system/sparkform-engines.target",
         "/etc/nginx/conf.d/sparkform.conf",
@@ -706,7 +707,7 @@ def test_no_secret_in_any_rendered_file(seed_data, tmp_path):
         os.chmod(tmp_path / name, 0o600)
     seed_data.update(hf_token_file=str(tmp_path / "hf"), api_key_file=str(tmp_path / "key"))
     files = render_host(load_host("spark", seed_data).config)
-    assert len(files) == 22
+    assert len(files) == 23
     for file in files:
         assert token not in file.content and key not in file.content, file.path
         assert "SECRET" not in file.content, file.path

@@ -11,6 +11,7 @@ import pytest
 from samples import SPARK_VERSIONS
 
 from facts.snapshot import CHECKPOINT_SCAN, HostSnapshot
+from sparkform.kept import KeptSettings, Rollback
 from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES
 from sparkform.remote import SECTION
 from sparkform.snapshot import CheckpointFolder, RemoteFile
@@ -32,6 +33,8 @@ SECTIONS = (
     "boot",
     "cache_keys",
     "caches_aside",
+    "kept",
+    "kept_previous",
 )
 CAPTURED = f"""{SECTION}packages
 python3 installed
@@ -160,6 +163,7 @@ def test_command_is_one_shell_line_that_never_fails_the_host():
         cache_root="/c",
         cache_keys_dir="/r/cache-keys",
         record_path="/r/host-record.json",
+        kept_root="/r/kept",
     )
     for section in SECTIONS:
         assert f"echo {SECTION}{section};" in command
@@ -264,6 +268,7 @@ def test_the_command_follows_no_link_where_root_reads_back_a_file(tmp_path):
         cache_root=str(tmp_path / "c"),
         cache_keys_dir=str(keys),
         record_path=str(record),
+        kept_root=str(tmp_path / "kept"),
     )
     output = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout
     assert "SECRET" not in output
@@ -272,3 +277,71 @@ def test_the_command_follows_no_link_where_root_reads_back_a_file(tmp_path):
     assert snapshot.record is None and snapshot.markers == {}
     linked = sorted(entry.split(" is a symbolic link")[0] for entry in snapshot.untrusted)
     assert linked == sorted(str(p) for p in (pins / "a--b@v2", keys / "q38", record, marker))
+
+
+KEPT = KeptSettings("q38", 1764572000, "/opt/sparkform/venvs/vllm-0.27.1", "/m/a--b@" + "1" * 40, "0" * 32)
+PREVIOUS = dataclasses.replace(KEPT, since=1764500000, checkpoint="/m/a--b@" + "2" * 40, digest="1" * 32)
+ROLLED_BACK = {
+    "engine": "q38",
+    "at": 1764575600,
+    "by": "deploy",
+    "reason": "error: unrecognized arguments: --x",
+    "failed": "f" * 32,
+}
+
+
+def kept_snapshot(tmp_path, files: dict[str, str]):
+    """The snapshot of a host whose kept folder (under tmp_path) holds `files` (relative path ->
+    text), read by the fact's own command in a real shell."""
+    root = tmp_path / "kept"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    command = HostSnapshot().command(
+        packages=["coreutils"],
+        users=["root"],
+        paths=[str(tmp_path)],
+        markers=[],
+        units=["none.service"],
+        unit_glob=str(tmp_path / "none-*.service"),
+        models_dir=str(tmp_path / "m"),
+        pins_dir=str(tmp_path / "pins"),
+        cache_root=str(tmp_path / "c"),
+        cache_keys_dir=str(tmp_path / "keys"),
+        record_path=str(tmp_path / "record"),
+        kept_root=str(root),
+    )
+    output = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout
+    return HostSnapshot().process(output.splitlines())
+
+
+def test_kept_settings_and_a_rollback_are_read_back(tmp_path):
+    snapshot = kept_snapshot(
+        tmp_path,
+        {
+            "q38/kept.json": KEPT.to_json(),
+            "q38/rolled-back.json": json.dumps(ROLLED_BACK) + "\n",
+            "q38/unit": "[Unit]\n",
+        },
+    )
+    assert snapshot.untrusted == []
+    assert snapshot.kept == {"q38": KEPT}
+    assert snapshot.rollbacks == {"q38": Rollback(**ROLLED_BACK)}
+
+
+@pytest.mark.parametrize(
+    "name, text, why",
+    [
+        ("q38/kept.json", KEPT.to_json().replace("/opt/", "/opt/$(id)/"), "venv"),
+        ("nemotron/kept.json", KEPT.to_json(), "names engine 'q38'"),
+        ("q38/rolled-back.json", json.dumps({**ROLLED_BACK, "reason": "a\u001b[2Jb"}), "reason"),
+        ("q38/rolled-back.json", json.dumps({**ROLLED_BACK, "by": "guard"}), "by 'guard'"),
+        ("q38/rolled-back.json", json.dumps({**ROLLED_BACK, "at": True}), "at True"),
+        ("Q38/kept.json", KEPT.to_json(), "an engine name"),
+        ("nemotron/previous/kept.json", KEPT.to_json(), "names engine 'q38'"),
+    ],
+)
+def test_a_kept_record_of_another_shape_is_untrusted_and_left_out(tmp_path, name, text, why):
+    snapshot = kept_snapshot(tmp_path, {name: text})
+    assert snapshot.kept == {} and snapshot.rollbacks == {}
+    assert len(snapshot.untrusted) == 1 and why in snapshot.untrusted[0], snapshot.untrusted

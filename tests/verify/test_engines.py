@@ -10,10 +10,13 @@ import pytest
 
 from sparkform import bootchain
 from sparkform.hostrecord import HostRecord
+from sparkform.kept import KeptSettings, settings_digest
 from sparkform.layout import (
     CHECKPOINT_MANIFEST,
     COMPLETE_MARKER,
     ENGINES_TARGET,
+    KEPT_FILES,
+    KEPT_RECORD,
     SCRUB_TIMER,
     UNIT_PREFIX,
     cache_keys_dir,
@@ -169,6 +172,19 @@ def test_host_record_is_roots_and_keys_each_engines_caches(remote, config):
         key_file = remote.file(f"{cache_keys_dir(config.state_dir)}/{engine.name}")
         assert (key_file.user, key_file.mode) == ("root", 0o644), engine.name
         assert key_file.content_string.strip() == written.engines[engine.name].cache_key, engine.name
+
+
+def test_each_engine_keeps_the_settings_it_serves(remote, engine, config):
+    """What a failed change goes back to (README: rollback): root's alone, the very files the
+    engine runs with, on the venv and checkpoint it serves."""
+    folder = config.paths.kept(engine.name)
+    kept_dir = remote.file(folder)
+    assert kept_dir.is_directory and (kept_dir.user, kept_dir.mode) == ("root", 0o700), folder
+    kept = KeptSettings.from_json(remote.file(f"{folder}/{KEPT_RECORD}").content_string)
+    running = [remote.file(path).content_string for path in config.paths.engine_files(engine.name)]
+    copies = [remote.file(f"{folder}/{name}").content_string for name in KEPT_FILES]
+    assert copies == running and kept.digest == settings_digest(*running), folder
+    assert (kept.venv, kept.checkpoint) == (config.venv, config.checkpoint_dir(engine)), folder
 
 
 def test_root_reads_back_only_from_root_only_folders(remote, config):
