@@ -334,33 +334,42 @@ def judge_over_window(row: Contract, window: int, max_tokens: int, reply: Reply)
     )
 
 
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
 def judge_reasoning(max_tokens: int, reply: Reply) -> Finding:
     """With a reasoning parser the reasoning comes out of max_tokens: completion_tokens (reasoning
     and answer) never exceeds it, and usage counts the reasoning inside it."""
     check = "reasoning"
-    if reply.status != 200:
-        return Finding(check, "fail", f"a chat of max_tokens {max_tokens}: {_error(reply)}")
     body = reply.json()
+    if reply.status != 200 or not isinstance(body, dict):
+        return Finding(check, "fail", f"a chat of max_tokens {max_tokens}: {_error(reply)}")
     _, completion, reason = _usage(reply)
-    usage = body.get("usage") or {}
-    details = usage.get("completion_tokens_details") if isinstance(usage.get("completion_tokens_details"), dict) else {}
-    reasoning = _int(details.get("reasoning_tokens"))
-    message = (body.get("choices") or [{}])[0].get("message") or {}
-    reasoning_text = message.get("reasoning") or message.get("reasoning_content") or ""
-    answer_text = message.get("content") or ""
+    usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+    details = usage.get("completion_tokens_details")
+    reasoning = _int(details.get("reasoning_tokens")) if isinstance(details, dict) else None
+    choices = body.get("choices") if isinstance(body.get("choices"), list) and body.get("choices") else [{}]
+    message = choices[0].get("message") if isinstance(choices[0], dict) else None
+    message = message if isinstance(message, dict) else {}
+    reasoning_text = _text(message.get("reasoning")) or _text(message.get("reasoning_content"))
+    answer_text = _text(message.get("content"))
     observed = {
         "max_tokens": max_tokens,
         "completion_tokens": completion,
         "reasoning_tokens": reasoning,
         "finish_reason": reason,
-        "reasoning_chars": len(reasoning_text) if isinstance(reasoning_text, str) else None,
-        "answer_chars": len(answer_text) if isinstance(answer_text, str) else None,
+        "reasoning_chars": len(reasoning_text),
+        "answer_chars": len(answer_text),
     }
     if completion is None or completion > max_tokens:
         return Finding(check, "fail", f"completion_tokens {completion} with max_tokens {max_tokens}", observed)
     if reasoning is not None and reasoning > completion:
         return Finding(
-            check, "fail", f"reasoning_tokens {reasoning} above completion_tokens {completion}: spent beside max_tokens"
+            check,
+            "fail",
+            f"reasoning_tokens {reasoning} above completion_tokens {completion}: spent beside max_tokens",
+            observed,
         )
     if not reasoning and not reasoning_text:
         return Finding(
@@ -369,11 +378,11 @@ def judge_reasoning(max_tokens: int, reply: Reply) -> Finding:
     spent = (
         f"{reasoning} reasoning tokens" if reasoning is not None else f"{len(reasoning_text)} characters of reasoning"
     )
+    answer = f"{len(answer_text)} characters of answer" if answer_text else "the answer is empty"
     return Finding(
         check,
         "pass",
-        f"{completion} of max_tokens {max_tokens} spent, {spent} among them ({len(answer_text)} characters of "
-        f"answer), finish_reason {reason}",
+        f"{completion} of max_tokens {max_tokens} spent, {spent} among them ({answer}), finish_reason {reason}",
         observed,
     )
 

@@ -286,3 +286,17 @@ def test_the_command_exits_3_naming_host_and_engine_when_the_host_does_not_answe
         "sparkform contract: no-such-sandbox-not-up q38: /version: the host does not answer over SSH"
     )
     assert result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("body", ["not json", "[]", '{"usage": "x", "choices": [1]}', '{"choices": [{"message": 7}]}'])
+def test_a_garbled_answer_fails_every_judge_and_raises_nothing(body):
+    host = load_host("h", {"engines": [{"name": "e", "port": 8000, "checkpoint": {"repo": "o/r", "revision": "main"}}]})
+    reply = Reply(200, body)
+    findings = [
+        judge_window(host.config.engines[0], reply),
+        judge_tokenize(reply, reply),
+        judge_over_window(contract_for("0.32.0"), 2048, 33, reply),
+        judge_over_window(contract_for("0.31.0"), 2048, 33, reply),
+        judge_reasoning(16, reply),
+    ]
+    assert [finding.result for finding in findings] == ["fail"] * len(findings), [f.detail for f in findings]
