@@ -80,6 +80,9 @@ sandbox = hosts(
                     "port": 8012,
                     "checkpoint": {"repo": "sparkform-test/tiny-qwen3", "revision": "main"},
                     "served_names": ["nemotron"],
+                    # The tiny checkpoints' config.json (sparkform/sandbox/models.py): the planner's
+                    # prediction beside each start's pool in the KV ledger.
+                    "model_config_path": "model_configs/tiny-qwen3.json",
                     "reasoning_parser": "nemotron_v3",
                     "priority": 1,  # the memory guard stops q38 first
                 },
@@ -89,6 +92,7 @@ sandbox = hosts(
                     "port": 8011,
                     "checkpoint": {"repo": "sparkform-test/tiny-llama", "revision": "main"},
                     "served_names": ["q38", "vision"],
+                    "model_config_path": "model_configs/tiny-llama.json",
                     "generation_config": "vllm",
                     "after": ["nemotron"],
                 },
