@@ -27,7 +27,11 @@ _KV_AVAILABLE_RE = re.compile(r"Available KV cache memory:\s*(?P<gib>\d+(?:\.\d+
 # Printed once per API server start; lets a new boot drop a stale "Available" figure left
 # by a boot that died before it logged its pool.
 KV_BOOT_MARKER = "vLLM API server version"
-VLLM_VERSION_RE = re.compile(KV_BOOT_MARKER + r" (?P<version>[0-9]+\.[0-9]+[0-9A-Za-z.+-]{0,40})")
+# The version a start runs: the API server's line (<= 0.29), or the EngineCore's "Initializing a V1
+# LLM engine (v0.32.0) with config" (0.32 prints its version only there and in an ASCII banner).
+VLLM_VERSION_RE = re.compile(
+    r"(?:" + KV_BOOT_MARKER + r" |Initializing a V1 LLM engine \(v)(?P<version>[0-9]+\.[0-9]+[0-9A-Za-z.+-]{0,40})"
+)
 # The patterns the host's own KV ledger (sparkform-guard, which cannot import sparkform) reads one
 # start's journal with: the same as parse_kv_pool's, rendered into the script.
 KV_LOG_PATTERNS = {

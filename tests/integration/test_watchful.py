@@ -390,7 +390,7 @@ def ledger_rows() -> list[dict]:
     return host["rows"]
 
 
-def test_each_start_that_served_is_a_ledger_row_with_what_the_engine_printed_and_plan_uses_it(box):
+def test_each_start_that_served_is_a_ledger_row_with_what_the_engine_printed_and_plan_uses_it(box, tmp_path):
     before = ledger_rows()
     for name in NAMES.values():  # the converge's starts (and any restart since) each left a row
         assert any(row["engine"] == name for row in before), before
@@ -432,6 +432,10 @@ def test_each_start_that_served_is_a_ledger_row_with_what_the_engine_printed_and
             f"{r['time'].replace('T', ' ')[:16]} UTC" in plan.stdout
         ), plan.stdout
     assert "KV from kv_cache_memory_bytes; tokens/GiB from measured" in plan.stdout, plan.stdout
+    # Offline, from what `sparkform ledger --json` wrote: the same plan.
+    saved = tmp_path / "ledger.jsonl"
+    saved.write_text(sparkform("ledger", "--json").stdout)
+    assert sparkform("plan", "--ledger", str(saved)).stdout == plan.stdout
 
 
 def test_after_automatic_restarts_a_dry_run_changes_nothing(box):
