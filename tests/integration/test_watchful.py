@@ -425,12 +425,18 @@ def test_each_start_that_served_is_a_ledger_row_with_what_the_engine_printed_and
     # The sandbox's engines carry no `measured` figures: plan --from-host takes the newest rows.
     plan = sparkform("plan", "--from-host")
     assert plan.returncode == 0, plan.stderr
-    newest = {r["engine"]: r for r in rows}
-    for name, r in newest.items():
-        assert (
+    # The newest row of each engine with the inventory's vLLM (a row written by a sparkform before
+    # 0.32's version was read names none, on a sandbox reused from then).
+    newest = {r["engine"]: r for r in rows if r["vllm"] == "0.32.0"}
+    assert newest["q38"] == row
+    for name in NAMES.values():
+        expected = (
             f"{name}: measured figures from the ledger of {box.name}: the start of "
-            f"{r['time'].replace('T', ' ')[:16]} UTC" in plan.stdout
-        ), plan.stdout
+            f"{newest[name]['time'].replace('T', ' ')[:16]} UTC"
+            if name in newest
+            else f"{name}: no row of the ledger matches its settings"
+        )
+        assert expected in plan.stdout, plan.stdout
     assert "KV from kv_cache_memory_bytes; tokens/GiB from measured" in plan.stdout, plan.stdout
     # Offline, from what `sparkform ledger --json` wrote: the same plan.
     saved = tmp_path / "ledger.jsonl"
