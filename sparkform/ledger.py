@@ -35,8 +35,10 @@ MAX_GIB = 100_000.0
 
 _TIME = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z$"
 _VERSION = r"^[0-9]+\.[0-9]+[0-9A-Za-z.+-]{0,40}$"
-_CHECKPOINT = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}@[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-_DTYPE = r"^[a-z0-9_]{1,32}$"
+# What sparkform-guard takes from an args file too (rendered into it): a checkpoint folder's name
+# (owner--name@commit) and a KV dtype.
+CHECKPOINT_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}@[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+KV_DTYPE_PATTERN = r"[a-z0-9_]{1,32}"
 _SOURCE = r"^[A-Za-z0-9 .,;:()_+/-]{1,200}$"
 
 
@@ -78,13 +80,13 @@ class LedgerRow(_Checked):
     engine: str = Field(pattern=NAME_PATTERN)
     vllm: str | None = Field(None, pattern=_VERSION)
     """The version the API server printed at this start."""
-    checkpoint: str = Field(pattern=_CHECKPOINT)
+    checkpoint: str = Field(pattern=f"^{CHECKPOINT_PATTERN}$")
     """The checkpoint folder it served (owner--name@commit)."""
     max_model_len: int = Field(gt=0, le=MAX_TOKENS)
     gpu_memory_utilization: float | None = Field(None, gt=0, le=0.95)
     """None when kv_cache_memory_bytes pins the pool (the utilization is not passed then)."""
     kv_cache_memory_bytes: int | None = Field(None, gt=0, le=int(MAX_GIB * GIB))
-    kv_cache_dtype: str = Field(pattern=_DTYPE)
+    kv_cache_dtype: str = Field(pattern=f"^{KV_DTYPE_PATTERN}$")
     measured: PrintedPool
     predicted: PredictedPool | None = None
     """None when the engine started on settings other than the deploy's (a rollback's kept ones)."""

@@ -409,6 +409,8 @@ def render_host(config: HostConfig, model_configs: Mapping[str, dict] | None = N
                 guard_config=guard_config,
                 message_id=ALERT_MESSAGE_ID,
                 kv_patterns={name: repr(pattern) for name, pattern in KV_LOG_PATTERNS.items()},
+                checkpoint_pattern=repr(ledger.CHECKPOINT_PATTERN),
+                kv_dtype_pattern=repr(ledger.KV_DTYPE_PATTERN),
             ),
             "644",
         ),
