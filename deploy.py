@@ -31,9 +31,10 @@ from sparkform.render import prerequisite_packages
 from tasks import checkpoints, engines, files, front, guard, host_record, jit, monitoring, scrub, system, venv
 
 try:
-    config = host_from_data(host.name, host.data.dict()).config
+    inventory_host = host_from_data(host.name, host.data.dict())
 except InventoryError as err:
     exit_invalid(err, f"data of host {host.name}")
+config = inventory_host.config
 
 request = converge.snapshot_request(config)
 snapshot = host.get_fact(HostSnapshot, **request)
@@ -46,7 +47,7 @@ try:
     config = config.pinned(resolve_pins(host.name, config, snapshot.pins))
 except InventoryError as err:
     exit_invalid(err, f"data of host {host.name}")
-plan = converge.plan(config, snapshot)
+plan = converge.plan(config, snapshot, inventory_host.model_configs)
 
 for line in plan.drift_lines:
     logger.warning(f"[{host.name}] since the last converge: {line}")

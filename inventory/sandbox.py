@@ -17,6 +17,8 @@ from sparkform.sandbox.wheelhouse import LOCK
 
 NAME = os.environ.get("SPARKFORM_SANDBOX", "sandbox")
 MIB = 2**20
+# Absolute: an inventory that edits this one (runpy) lives in another folder.
+MODEL_CONFIGS = Path(__file__).resolve().parent / "model_configs"
 # The sandbox shares this machine's kernel, so its memory is this machine's.
 MEMORY_GIB = parse_meminfo(Path("/proc/meminfo").read_text().splitlines())["mem_total_gib"]
 
@@ -80,6 +82,9 @@ sandbox = hosts(
                     "port": 8012,
                     "checkpoint": {"repo": "sparkform-test/tiny-qwen3", "revision": "main"},
                     "served_names": ["nemotron"],
+                    # The tiny checkpoints' config.json (sparkform/sandbox/models.py): the planner's
+                    # prediction beside each start's pool in the KV ledger.
+                    "model_config_path": str(MODEL_CONFIGS / "tiny-qwen3.json"),
                     "reasoning_parser": "nemotron_v3",
                     "priority": 1,  # the memory guard stops q38 first
                 },
@@ -89,6 +94,7 @@ sandbox = hosts(
                     "port": 8011,
                     "checkpoint": {"repo": "sparkform-test/tiny-llama", "revision": "main"},
                     "served_names": ["q38", "vision"],
+                    "model_config_path": str(MODEL_CONFIGS / "tiny-llama.json"),
                     "generation_config": "vllm",
                     "after": ["nemotron"],
                 },

@@ -1,8 +1,8 @@
 """`sparkform`: plan, render, verify, show the status and the logs of hosts; lock vLLM; run the local sandbox.
 
-`plan` (unless --resolve), `fields`, `deploy-path` and `render --offline` never connect (`render`
-asks each host which commit its branches and tags are pinned to); `verify`, `rebuild`, `status`,
-`logs`, `rollback` and `contract` validate the inventory before they connect; `lock` asks the
+`plan` (unless --resolve or --from-host), `fields`, `deploy-path` and `render --offline` never connect
+(`render` asks each host which commit its branches and tags are pinned to); `verify`, `rebuild`,
+`status`, `ledger`, `logs`, `rollback` and `contract` validate the inventory before they connect; `lock` asks the
 package indexes.
 Exit codes: 0 success; 2 the inventory is invalid (each problem printed with host, engine,
 field, value and fix); 1 any other error (e.g. the inventory file is missing).
@@ -21,7 +21,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparkform import contract_command, hostpins, locks, logs, monitoring, planner, rollback, ssh, status_command
+from sparkform import (
+    contract_command,
+    hostpins,
+    ledger,
+    ledger_command,
+    locks,
+    logs,
+    monitoring,
+    planner,
+    rollback,
+    ssh,
+    status_command,
+)
 from sparkform.bundle import DEPLOY, VERIFY_SUITE
 from sparkform.engine import Checkpoint, Engine, Measured
 from sparkform.hostrecord import HostRecord, UntrustedValue
@@ -35,14 +47,31 @@ from sparkform.schema import CompileCaps, HostConfig, Monitoring, Scrub
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    """Exit code: 0; 1 a ledger asked for could not be read (the plan is printed without it)."""
     hosts = load_inventory(args.inventory)
     if args.resolve:
         hosts = [Host(h.name, h.config.pinned(resolve_pins(h.name, h.config, {})), h.model_configs) for h in hosts]
+    notes: dict[str, list[str]] = {h.name: [] for h in hosts}
+    unread = False
+    if args.from_host or args.ledger:
+        try:
+            ledgers = (
+                {entry.host: entry for entry in ledger_command.read_hosts(args.inventory, hosts)}
+                if args.from_host
+                else ledger_command.load_file(args.ledger)
+            )
+        except ValueError as err:
+            print(f"sparkform plan: {err}", file=sys.stderr)
+            return 1
+        hosts, notes, unread = _planned_with_ledgers(hosts, ledgers)
     plans = [planner.plan(host) for host in hosts]
     if args.json:
         print(
             json.dumps(
-                [{**p.as_dict(), "checkpoints": _checkpoints(h.config)} for p, h in zip(plans, hosts, strict=True)],
+                [
+                    {**p.as_dict(), "checkpoints": _checkpoints(h.config), "ledger": notes[h.name]}
+                    for p, h in zip(plans, hosts, strict=True)
+                ],
                 indent=2,
             )
         )
@@ -50,11 +79,42 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(
             "\n\n".join(
                 planner.format_plan(p)
+                + "".join(f"\n  {line}" for line in notes[h.name])
                 + "".join(f"\n  checkpoint of {name}: {line}" for name, line in _checkpoints(h.config).items())
                 for p, h in zip(plans, hosts, strict=True)
             )
         )
-    return 0
+    return 1 if unread else 0
+
+
+def _planned_with_ledgers(
+    hosts: list[Host], ledgers: dict[str, ledger_command.HostLedger]
+) -> tuple[list[Host], dict[str, list[str]], bool]:
+    """Each host with the newest matching ledger row as the figures of every engine that has no
+    `measured` ones; the lines that say which row each took (or why none), and whether a host's
+    ledger could not be read."""
+    planned, notes, unread = [], {}, False
+    for host in hosts:
+        found = ledgers.get(host.name)
+        if found is None or found.error:
+            unread = True
+            why = found.error if found else "not in the file"
+            planned.append(host)
+            notes[host.name] = [f"ledger of {host.name} not read ({why}): planned with the inventory's figures"]
+            continue
+        with_rows, used = ledger.with_ledger(host, found.rows)
+        taken = {u.engine for u in used}
+        lines = [u.line(host.name) for u in used]
+        lines += [
+            f"{e.name}: no row of the ledger matches its settings (checkpoint repo, window, KV dtype, KV bytes, "
+            f"vLLM {host.config.vllm_version})"
+            for e in host.config.engines
+            if e.name not in taken and not ledger.has_measured(e)
+        ]
+        lines += [f"ledger left out (untrusted): {line}" for line in found.untrusted]
+        planned.append(with_rows)
+        notes[host.name] = lines
+    return planned, notes, unread
 
 
 def _checkpoints(config: HostConfig) -> dict[str, str]:
@@ -113,7 +173,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
                 config = hostpins.pinned(config, answer)
                 if line := hostpins.written_instead(host.name, config, answer):
                     print(line, file=sys.stderr)
-            planned += [(root / file.path.lstrip("/"), file) for file in render_host(config)]
+            planned += [(root / file.path.lstrip("/"), file) for file in render_host(config, host.model_configs)]
     for target, file in planned:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(file.content)
@@ -314,6 +374,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="ask the hub which commit each branch or tag names now (connects to hf_endpoint)",
     )
+    measured = plan.add_mutually_exclusive_group()
+    measured.add_argument(
+        "--from-host",
+        action="store_true",
+        help="read each host's KV pool ledger over SSH: an engine without `measured` figures plans with the newest "
+        "start whose settings match",
+    )
+    measured.add_argument(
+        "--ledger", type=Path, metavar="FILE", help="the same, offline, from a file `sparkform ledger --json` wrote"
+    )
     plan.set_defaults(run=_cmd_plan)
     render = sub.add_parser("render", help="write every file a deploy would put on the hosts into a folder")
     render.add_argument("inventory", type=Path)
@@ -334,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.add_parser(sub)
     status_command.add_parser(sub)
     contract_command.add_parser(sub)
+    ledger_command.add_parser(sub)
     rollback.add_parser(sub)
     rebuild = sub.add_parser("rebuild", help="after a reboot: wait for the hosts, converge, print engine start times")
     rebuild.add_argument("inventory", type=Path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -308,9 +309,10 @@ def rollback_lines(config: HostConfig, snapshot: Snapshot, rendered: list[Render
     ]
 
 
-def plan(config: HostConfig, snapshot: Snapshot) -> ConvergePlan:
-    """Everything one converge of `config` (its pins resolved) does to the host in `snapshot`."""
-    rendered = render_host(config)
+def plan(config: HostConfig, snapshot: Snapshot, model_configs: Mapping[str, dict] | None = None) -> ConvergePlan:
+    """Everything one converge of `config` (its pins resolved) does to the host in `snapshot`
+    (`model_configs`: the checkpoints' config.json by engine, for the KV ledger's prediction)."""
+    rendered = render_host(config, model_configs)
     changed = {f.path for f in rendered if differs(f.content, snapshot.paths.get(f.path))}
     order = bootchain.start_order(config)
     live = hostrecord.parse_live_versions(snapshot.live_versions, f"{config.vllm_package}-{config.vllm_version}")

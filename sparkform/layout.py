@@ -44,6 +44,10 @@ COMPLETE_MARKER = ".sparkform-complete"
 CHECKPOINT_MANIFEST = ".sparkform-manifest.json"
 VENV_LOCK = "sparkform-lock.txt"  # the lock a venv was installed from, inside that venv
 RECORD_NAME = "host-record.json"
+# In the record folder: one JSON line per engine start that served, with the KV pool vLLM printed
+# and the planner's prediction (sparkform-guard served appends it; `sparkform ledger` reads it).
+KV_LEDGER_NAME = "kv-ledger.jsonl"
+KV_LEDGER_ROWS = 1000  # the rows kept: the oldest go first
 # In an engine's kept folder (kept_dir): what the kept settings are, and, after they were put
 # back, why (written by sparkform-rollback, dropped when the engine serves new settings).
 KEPT_RECORD = "kept.json"
@@ -125,6 +129,11 @@ def cache_keys_dir(state_dir: str) -> str:
 def record_path(state_dir: str) -> str:
     """Where the host record lives on the host."""
     return posixpath.join(record_dir(state_dir), RECORD_NAME)
+
+
+def kv_ledger_path(state_dir: str) -> str:
+    """The KV pool ledger on the host (root's, 0644)."""
+    return posixpath.join(record_dir(state_dir), KV_LEDGER_NAME)
 
 
 def kept_root(state_dir: str) -> str:
@@ -248,6 +257,10 @@ class HostPaths:
     @property
     def host_record(self) -> str:
         return record_path(self.state_dir)
+
+    @property
+    def kv_ledger(self) -> str:
+        return kv_ledger_path(self.state_dir)
 
     @property
     def cache_keys(self) -> str:

@@ -27,6 +27,19 @@ _KV_AVAILABLE_RE = re.compile(r"Available KV cache memory:\s*(?P<gib>\d+(?:\.\d+
 # Printed once per API server start; lets a new boot drop a stale "Available" figure left
 # by a boot that died before it logged its pool.
 KV_BOOT_MARKER = "vLLM API server version"
+# The version a start runs: the API server's line (<= 0.29), or the EngineCore's "Initializing a V1
+# LLM engine (v0.32.0) with config" (0.32 prints its version only there and in an ASCII banner).
+VLLM_VERSION_RE = re.compile(
+    r"(?:" + KV_BOOT_MARKER + r" |Initializing a V1 LLM engine \(v)(?P<version>[0-9]+\.[0-9]+[0-9A-Za-z.+-]{0,40})"
+)
+# The patterns the host's own KV ledger (sparkform-guard, which cannot import sparkform) reads one
+# start's journal with: the same as parse_kv_pool's, rendered into the script.
+KV_LOG_PATTERNS = {
+    "version": VLLM_VERSION_RE.pattern,
+    "available": _KV_AVAILABLE_RE.pattern,
+    "size": _KV_SIZE_RE.pattern,
+    "concurrency": _KV_CONCURRENCY_RE.pattern,
+}
 
 _CUDA_VERSION_RE = re.compile(r"CUDA Version:\s*(?P<version>\d+(?:\.\d+)*)")
 _COMPUTE_CAP_RE = re.compile(r"^\d+\.\d+$")
@@ -118,6 +131,12 @@ def parse_kv_pool(lines: list[str]) -> KvPool | None:
     if complete:
         return complete[-1]
     return pools[-1] if pools else None
+
+
+def parse_vllm_version(lines: list[str]) -> str | None:
+    """The vLLM version the latest API server start in a log printed, or None."""
+    versions = [match["version"] for line in lines if (match := VLLM_VERSION_RE.search(line))]
+    return versions[-1] if versions else None
 
 
 # --- /proc/meminfo -------------------------------------------------------------------------------

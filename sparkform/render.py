@@ -10,11 +10,12 @@ import ipaddress
 import json
 import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import jinja2
 
-from sparkform import bootchain, layout
+from sparkform import bootchain, layout, ledger
 from sparkform.bundle import TEMPLATES
 from sparkform.engine import Engine
 from sparkform.layout import (
@@ -27,6 +28,7 @@ from sparkform.layout import (
     KEPT_FILES,
     KEPT_PREVIOUS,
     KEPT_RECORD,
+    KV_LEDGER_ROWS,
     NODE_EXPORTER_DEFAULTS,
     NODE_EXPORTER_DROP_IN,
     NODE_EXPORTER_PACKAGE,
@@ -39,7 +41,9 @@ from sparkform.layout import (
     record_dir,
     unit_path,
 )
+from sparkform.model import Host
 from sparkform.modelconfig import GIB
+from sparkform.parsers import KV_LOG_PATTERNS
 from sparkform.schema import HostConfig
 from sparkform.shapes import CONTROL_CHARACTERS
 
@@ -201,8 +205,11 @@ def guard_files(config: HostConfig) -> tuple[str, str, str, str]:
     return config.paths.guard_config, config.paths.guard, unit_path(GUARD_UNIT), unit_path(RECOVER_UNIT)
 
 
-def guard_settings(config: HostConfig) -> dict:
-    """What sparkform-guard knows about the host (no secret: the webhook URL stays in its file)."""
+def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None = None) -> dict:
+    """What sparkform-guard knows about the host (no secret: the webhook URL stays in its file).
+    `model_configs` (engine -> config.json, the inventory's model_config_path) feed the planner's
+    prediction that each start's KV ledger row carries."""
+    host = Host("", config, dict(model_configs or {}))
     return {
         # need_gib: the MemAvailable the launch script wants before it starts the engine.
         "engines": [
@@ -213,6 +220,7 @@ def guard_settings(config: HostConfig) -> dict:
                 "names": e.names,
                 "priority": e.priority,
                 "need_gib": round(min_available_kib(config, e) / 2**20, 2),
+                "ledger": ledger.guard_ledger(host, e),
             }
             for e in config.enabled_engines
         ],
@@ -221,6 +229,8 @@ def guard_settings(config: HostConfig) -> dict:
         "alert_command": config.alert_command,
         "textfile": config.monitoring.guard_textfile if config.monitoring.enabled else None,
         "gpu_textfile": config.monitoring.gpu_textfile if config.monitoring.enabled else None,
+        "kv_ledger": config.paths.kv_ledger,
+        "kv_ledger_rows": KV_LEDGER_ROWS,
         **{
             key: getattr(config, key)
             for key in (
@@ -363,8 +373,9 @@ def template(name: str, **context) -> str:
     return _env.get_template(name).render(**context)
 
 
-def render_host(config: HostConfig) -> list[RenderedFile]:
-    """Every file sparkform puts on the host, with its path and mode."""
+def render_host(config: HostConfig, model_configs: Mapping[str, dict] | None = None) -> list[RenderedFile]:
+    """Every file sparkform puts on the host, with its path and mode (`model_configs`: the
+    checkpoints' config.json by engine, for the KV ledger's prediction in guard.json)."""
     paths = config.paths
     files = [
         RenderedFile(
@@ -393,10 +404,17 @@ def render_host(config: HostConfig) -> list[RenderedFile]:
     files += [
         RenderedFile(
             guard_script,
-            template("sparkform-guard.py.j2", guard_config=guard_config, message_id=ALERT_MESSAGE_ID),
+            template(
+                "sparkform-guard.py.j2",
+                guard_config=guard_config,
+                message_id=ALERT_MESSAGE_ID,
+                kv_patterns={name: repr(pattern) for name, pattern in KV_LOG_PATTERNS.items()},
+                checkpoint_pattern=repr(ledger.CHECKPOINT_PATTERN),
+                kv_dtype_pattern=repr(ledger.KV_DTYPE_PATTERN),
+            ),
             "644",
         ),
-        RenderedFile(guard_config, json.dumps(guard_settings(config), indent=2) + "\n", "644"),
+        RenderedFile(guard_config, json.dumps(guard_settings(config, model_configs), indent=2) + "\n", "644"),
         RenderedFile(
             guard_unit,
             template(

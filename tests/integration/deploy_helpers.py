@@ -52,10 +52,15 @@ def verify(*options: str, inventory: Path = SANDBOX_INVENTORY) -> subprocess.Com
     )
 
 
-def status(*options: str, inventory: Path = SANDBOX_INVENTORY) -> subprocess.CompletedProcess:
+def sparkform(command: str, *options: str, inventory: Path = SANDBOX_INVENTORY) -> subprocess.CompletedProcess:
+    """`sparkform COMMAND INVENTORY OPTIONS...`, as a user runs it."""
     return subprocess.run(
-        [str(BIN / "sparkform"), "status", str(inventory), *options], capture_output=True, text=True, timeout=300
+        [str(BIN / "sparkform"), command, str(inventory), *options], capture_output=True, text=True, timeout=300
     )
+
+
+def status(*options: str, inventory: Path = SANDBOX_INVENTORY) -> subprocess.CompletedProcess:
+    return sparkform("status", *options, inventory=inventory)
 
 
 def ssh(box: machine.Sandbox, command: str, check: bool = True) -> subprocess.CompletedProcess:

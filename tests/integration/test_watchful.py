@@ -2,7 +2,8 @@
 real engines, the real systemd and the guard. Both engines crashing at once, again and again; a
 hung API server or EngineCore; a crash beside a hang; an engine that cannot serve; memory taken
 outside the engines' cgroups; a byte that rots in a served shard (the scrub's). Each ends with
-both serving, without a human, and with the alerts the receiver on this machine got.
+both serving, without a human, and with the alerts the receiver on this machine got. And every
+start that served is a row of the host's KV pool ledger, with what the engine printed.
 
 The sandbox is shared with other modules that leave it converged; tests run in file order and
 each leaves the pair serving.
@@ -28,6 +29,7 @@ from deploy_helpers import (
     main_pids,
     pyinfra,
     serving,
+    sparkform,
     ssh,
     status,
     unit_properties,
@@ -35,6 +37,7 @@ from deploy_helpers import (
 )
 
 from sparkform.layout import SCRUB_UNIT
+from sparkform.parsers import parse_kv_pool, parse_vllm_version
 from sparkform.render import ALERT_MESSAGE_ID
 from sparkform.sandbox import stage
 from sparkform.sandbox.alerts import read_alerts
@@ -375,6 +378,70 @@ def test_a_byte_flipped_in_a_served_shard_is_found_by_the_scrub_fetched_again_an
     assert launched > fetched
     # The scrub's fetch wrote the manifest again: nothing is left for a deploy to do.
     assert changed_operations(SANDBOX_INVENTORY) == []
+
+
+def ledger_rows() -> list[dict]:
+    """`sparkform ledger --json`'s rows of the sandbox (its one host), oldest first."""
+    result = sparkform("ledger", "--json")
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stdout.splitlines()
+    host = json.loads(line)
+    assert host["error"] is None and host["untrusted"] == [], host
+    return host["rows"]
+
+
+def test_each_start_that_served_is_a_ledger_row_with_what_the_engine_printed_and_plan_uses_it(box, tmp_path):
+    before = ledger_rows()
+    for name in NAMES.values():  # the converge's starts (and any restart since) each left a row
+        assert any(row["engine"] == name for row in before), before
+    since = now(box)
+    ssh(box, f"kill -9 {main_pids(box)['vllm-q38.service']}")  # systemd starts it again (Restart=always)
+    both_serve_again(box, RESTART_S + sum(start_seconds(box).values()) + 60, since)
+    assert len(journal_times(box, "sparkform-wait-ready: port .* serves", ("vllm-q38.service",), since)) == 1
+
+    rows = ledger_rows()  # written by the start itself (ExecStartPost=), before the unit was active
+    assert rows[: len(before)] == before
+    (row,) = rows[len(before) :]  # one start, one row: q38's
+    # What the engine printed at that start, read from the journal by time and parsed here.
+    lines = ssh(box, f"journalctl -u vllm-q38.service --since @{since} --no-pager -o cat").stdout.splitlines()
+    pool = parse_kv_pool(lines)
+    assert row["engine"] == "q38" and row["vllm"] == parse_vllm_version(lines), row
+    assert row["measured"] == {
+        "device": pool.device,
+        "tokens": pool.tokens,
+        "window": pool.max_model_len,
+        "concurrency": pool.concurrency,
+        "kv_gib": pool.available_gib,
+    }
+    assert (row["max_model_len"], row["kv_cache_memory_bytes"]) == (2048, 256 * 2**20)
+    # The planner's prediction for the same settings, from the tiny checkpoint's config.json.
+    predicted = row["predicted"]
+    assert predicted["source"] == "KV from kv_cache_memory_bytes; tokens/GiB from config.json", predicted
+    assert abs(predicted["tokens"] - pool.tokens) <= 0.02 * pool.tokens, (predicted, pool)
+
+    table = sparkform("ledger", "--engine", "q38").stdout
+    assert f"{pool.tokens:,}" in table and f"{predicted['tokens']:,}" in table and " %" in table, table
+
+    # The sandbox's engines carry no `measured` figures: plan --from-host takes the newest rows.
+    plan = sparkform("plan", "--from-host")
+    assert plan.returncode == 0, plan.stderr
+    # The newest row of each engine with the inventory's vLLM (a row written by a sparkform before
+    # 0.32's version was read names none, on a sandbox reused from then).
+    newest = {r["engine"]: r for r in rows if r["vllm"] == "0.32.0"}
+    assert newest["q38"] == row
+    for name in NAMES.values():
+        expected = (
+            f"{name}: measured figures from the ledger of {box.name}: the start of "
+            f"{newest[name]['time'].replace('T', ' ')[:16]} UTC"
+            if name in newest
+            else f"{name}: no row of the ledger matches its settings"
+        )
+        assert expected in plan.stdout, plan.stdout
+    assert "KV from kv_cache_memory_bytes; tokens/GiB from measured" in plan.stdout, plan.stdout
+    # Offline, from what `sparkform ledger --json` wrote: the same plan.
+    saved = tmp_path / "ledger.jsonl"
+    saved.write_text(sparkform("ledger", "--json").stdout)
+    assert sparkform("plan", "--ledger", str(saved)).stdout == plan.stdout
 
 
 def test_after_automatic_restarts_a_dry_run_changes_nothing(box):

@@ -19,6 +19,7 @@ from sparkform.parsers import (
     parse_meminfo,
     parse_nvidia_smi_csv,
     parse_systemctl_show,
+    parse_vllm_version,
 )
 
 CAPTURED = Path(__file__).resolve().parent.parent / "fixtures" / "captured"
@@ -122,6 +123,20 @@ def test_kv_pool_on_a_grep_filtered_journal():
     assert parse_kv_pool(lines) == KvPool(
         device="GPU", tokens=2_703_604, max_model_len=262_144, concurrency=10.31, available_gib=8.26
     )
+
+
+def test_vllm_version_of_the_latest_start_in_either_form():
+    # <= 0.29: the API server's line; 0.32 (the sandbox's journal, verbatim up to the config): only
+    # its ASCII banner and the EngineCore's first line, which is what counts.
+    older = "INFO 08-20 09:14:02 [api_server.py:2012] vLLM API server version 0.29.0"
+    banner = "(APIServer pid=1059) INFO 12-01 09:15:45 [api_utils.py:347]  ▄▄ ▄█ █     █     █ ▀▄▀ █  version 0.31.9"
+    engine = (
+        "(EngineCore pid=1259) INFO 12-01 09:16:03 [core.py:133] Initializing a V1 LLM engine (v0.32.0) with "
+        "config: model='/var/lib/sparkform/models/sparkform-test--tiny-llama@afb0a669', speculative_config=None"
+    )
+    assert parse_vllm_version([older, banner, engine]) == "0.32.0"
+    assert parse_vllm_version([older, banner]) == "0.29.0"
+    assert parse_vllm_version([banner]) is None
 
 
 def test_kv_pool_does_not_carry_available_memory_across_boots():
