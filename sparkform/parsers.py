@@ -24,8 +24,8 @@ _KV_CONCURRENCY_RE = re.compile(
     r"(?P<concurrency>\d[\d,]*(?:\.\d+)?)x"
 )
 _KV_AVAILABLE_RE = re.compile(r"Available KV cache memory:\s*(?P<gib>\d+(?:\.\d+)?) GiB")
-# Printed once per API server start; lets a new boot drop a stale "Available" figure left
-# by a boot that died before it logged its pool.
+# Printed once per start (with the version, VLLM_VERSION_RE): lets a new boot drop a stale
+# "Available" figure left by a boot that died before it logged its pool.
 KV_BOOT_MARKER = "vLLM API server version"
 # The version a start runs: the API server's line (<= 0.29), or the EngineCore's "Initializing a V1
 # LLM engine (v0.32.0) with config" (0.32 prints its version only there and in an ASCII banner).
@@ -102,7 +102,7 @@ def parse_kv_pool(lines: list[str]) -> KvPool | None:
     pools: list[KvPool] = []
     pending_available_gib: float | None = None
     for line in lines:
-        if KV_BOOT_MARKER in line:
+        if VLLM_VERSION_RE.search(line):  # a new start: what an earlier one printed is stale
             pending_available_gib = None
         available = _KV_AVAILABLE_RE.search(line)
         if available:

@@ -329,3 +329,25 @@ def test_values_serialize_for_the_pyinfra_cli():
     states = engine_states(captured("systemctl-show-two-units.txt"))
     encoded = json.loads(json.dumps(states, default=to_json))
     assert encoded["vllm-qwen38.service"]["load_state"] == "not-found"
+
+
+@pytest.mark.parametrize(
+    "start_line",
+    [
+        "INFO 08-20 09:15:30 [api_server.py:1805] vLLM API server version 0.29.0",  # <= 0.29
+        "(EngineCore pid=1807) INFO 12-01 09:18:01 [core.py:97] Initializing a V1 LLM engine (v0.32.0) with config: ",
+    ],
+)
+def test_kv_pool_drops_the_available_memory_of_a_start_that_died_before_its_pool(start_line):
+    """A start that printed its available memory and died: the next start's pool (a device that
+    prints no such line) does not take that stale figure."""
+    lines = [
+        start_line,
+        "INFO 08-20 09:15:40 [gpu_worker.py:298] Available KV cache memory: 8.26 GiB",
+        start_line,
+        "INFO 08-20 09:16:41 [kv_cache_utils.py:1087] CPU KV cache size: 65,536 tokens, "
+        "Maximum concurrency for 2,048 tokens per request: 32.00x",
+    ]
+    pool = parse_kv_pool(lines)
+    assert pool is not None and pool.tokens == 65_536 and pool.available_gib is None
+    assert parse_kv_pool([lines[0], lines[1], lines[3]]).available_gib == 8.26  # one start: its own figure
