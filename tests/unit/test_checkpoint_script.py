@@ -317,6 +317,21 @@ def test_a_downloaded_file_is_never_read_back(script, hub, tmp_path):
         assert entry["sha256"] == hashlib.sha256((served / entry["path"]).read_bytes()).hexdigest()
 
 
+def test_a_fetched_shard_leaves_no_page_in_the_page_cache(script, hub, tmp_path):
+    """Its bytes go from the read buffer to the disk (O_DIRECT), all but its last block: a 40 GB
+    checkpoint neither crowds the page cache nor pays for new page-cache pages as it streams in."""
+    folder = tmp_path / "ckpt"
+    result = fetch(script, hub, folder)
+    assert result.returncode == 0, result.stderr
+    resident = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", str(folder / SHARD)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert int(resident) <= 4096, resident
+
+
 def test_a_file_git_stores_is_compared_by_its_blob_id_not_its_size_alone(script, hub, tmp_path):
     folder = tmp_path / "ckpt"
     assert fetch(script, hub, folder).returncode == 0
