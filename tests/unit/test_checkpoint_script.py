@@ -4,6 +4,7 @@ full disk with the numbers, and writes the manifest and the marker only when all
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -190,6 +191,20 @@ def test_progress_lines_give_bytes_rate_and_time_left(checkpoint_module):
     # A path the hub names is printed escaped when it holds anything but plain characters.
     assert m.shown("sub/model-1.safetensors") == "sub/model-1.safetensors"
     assert m.shown("evil\x1b[2Jname") == "'evil\\x1b[2Jname'"
+
+
+def test_a_direct_write_the_filesystem_refuses_goes_through_the_page_cache(checkpoint_module, tmp_path):
+    """A direct write the filesystem refuses (EINVAL: here a buffer off the alignment it wants) is
+    written all the same: O_DIRECT goes off for the rest of the file."""
+    m = checkpoint_module
+    path = tmp_path / "part"
+    data = os.urandom(3 * 4096)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "wb", buffering=0) as handle:
+        m.direct_writes(handle, True)
+        assert fcntl.fcntl(handle, fcntl.F_GETFL) & os.O_DIRECT  # tmp_path's filesystem has O_DIRECT
+        m.write_all(handle, memoryview(data)[1:])  # not on a memory boundary the kernel takes: EINVAL
+        assert not fcntl.fcntl(handle, fcntl.F_GETFL) & os.O_DIRECT
+    assert path.read_bytes() == data[1:]
 
 
 def test_each_fetched_file_gets_a_line_and_nothing_else_is_printed(script, hub, tmp_path):
