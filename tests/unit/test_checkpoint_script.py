@@ -4,6 +4,7 @@ full disk with the numbers, and writes the manifest and the marker only when all
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -192,6 +193,20 @@ def test_progress_lines_give_bytes_rate_and_time_left(checkpoint_module):
     assert m.shown("evil\x1b[2Jname") == "'evil\\x1b[2Jname'"
 
 
+def test_a_direct_write_the_filesystem_refuses_goes_through_the_page_cache(checkpoint_module, tmp_path):
+    """A direct write the filesystem refuses (EINVAL: here a buffer off the alignment it wants) is
+    written all the same: O_DIRECT goes off for the rest of the file."""
+    m = checkpoint_module
+    path = tmp_path / "part"
+    data = os.urandom(3 * 4096)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "wb", buffering=0) as handle:
+        m.direct_writes(handle, True)
+        assert fcntl.fcntl(handle, fcntl.F_GETFL) & os.O_DIRECT  # tmp_path's filesystem has O_DIRECT
+        m.write_all(handle, memoryview(data)[1:])  # not on a memory boundary the kernel takes: EINVAL
+        assert not fcntl.fcntl(handle, fcntl.F_GETFL) & os.O_DIRECT
+    assert path.read_bytes() == data[1:]
+
+
 def test_each_fetched_file_gets_a_line_and_nothing_else_is_printed(script, hub, tmp_path):
     folder = tmp_path / "ckpt"
     result = fetch(script, hub, folder)
@@ -315,6 +330,21 @@ def test_a_downloaded_file_is_never_read_back(script, hub, tmp_path):
     served = hub.repo_dir(QWEN) / hub.resolve(QWEN, "main")
     for entry in manifest["files"]:
         assert entry["sha256"] == hashlib.sha256((served / entry["path"]).read_bytes()).hexdigest()
+
+
+def test_a_fetched_shard_leaves_no_page_in_the_page_cache(script, hub, tmp_path):
+    """Its bytes go from the read buffer to the disk (O_DIRECT), all but its last block: a 40 GB
+    checkpoint neither crowds the page cache nor pays for new page-cache pages as it streams in."""
+    folder = tmp_path / "ckpt"
+    result = fetch(script, hub, folder)
+    assert result.returncode == 0, result.stderr
+    resident = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", str(folder / SHARD)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert int(resident) <= 4096, resident
 
 
 def test_a_file_git_stores_is_compared_by_its_blob_id_not_its_size_alone(script, hub, tmp_path):
