@@ -2,7 +2,7 @@
 
 `plan` (unless --resolve), `fields`, `deploy-path` and `render --offline` never connect (`render`
 asks each host which commit its branches and tags are pinned to); `verify`, `rebuild`, `status`,
-`logs` and `rollback` validate the inventory before they connect; `lock` asks the package indexes.
+`logs`, `rollback` and `bench` validate the inventory before they connect; `lock` asks the package indexes.
 Exit codes: 0 success; 2 the inventory is invalid (each problem printed with host, engine,
 field, value and fix); 1 any other error (e.g. the inventory file is missing).
 """
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparkform import hostpins, locks, logs, monitoring, planner, rollback, ssh, status_command
+from sparkform import bench_command, hostpins, locks, logs, monitoring, planner, rollback, ssh, status_command
 from sparkform.bundle import DEPLOY, VERIFY_SUITE
 from sparkform.engine import Checkpoint, Engine, Measured
 from sparkform.hostrecord import HostRecord, UntrustedValue
@@ -333,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.add_parser(sub)
     status_command.add_parser(sub)
     rollback.add_parser(sub)
+    bench_command.add_parser(sub)
     rebuild = sub.add_parser("rebuild", help="after a reboot: wait for the hosts, converge, print engine start times")
     rebuild.add_argument("inventory", type=Path)
     rebuild.add_argument("--wait", type=float, default=900.0, help="seconds to wait for each host's SSH (default 900)")

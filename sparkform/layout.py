@@ -44,6 +44,8 @@ COMPLETE_MARKER = ".sparkform-complete"
 CHECKPOINT_MANIFEST = ".sparkform-manifest.json"
 VENV_LOCK = "sparkform-lock.txt"  # the lock a venv was installed from, inside that venv
 RECORD_NAME = "host-record.json"
+# `sparkform bench`'s ledger in the record folder: one JSON line per bench, appended by root.
+BENCH_LEDGER = "bench-ledger.jsonl"
 # In an engine's kept folder (kept_dir): what the kept settings are, and, after they were put
 # back, why (written by sparkform-rollback, dropped when the engine serves new settings).
 KEPT_RECORD = "kept.json"
@@ -252,6 +254,11 @@ class HostPaths:
     @property
     def cache_keys(self) -> str:
         return cache_keys_dir(self.state_dir)
+
+    @property
+    def bench_ledger(self) -> str:
+        """`sparkform bench`'s dated rows, root's (in the record folder)."""
+        return posixpath.join(record_dir(self.state_dir), BENCH_LEDGER)
 
     def stamp(self, service: str) -> str:
         return applied_stamp(self.state_dir, service)
