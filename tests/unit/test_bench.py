@@ -56,14 +56,7 @@ def host(tmp_path_factory):
 
 def phase_output(name: str, rc: str, result: str, log: str = "") -> str:
     return "\n".join(
-        [
-            f"@@sparkform:rc:{name}",
-            rc,
-            f"@@sparkform:result:{name}",
-            result,
-            f"@@sparkform:log:{name}",
-            log,
-        ]
+        [f"@@sparkform:rc:{name}", rc, f"@@sparkform:result:{name}", result, f"@@sparkform:log:{name}", log]
     )
 
 
@@ -87,7 +80,7 @@ def test_a_result_of_vllm_bench_serve_reads_as_decode_tokens_per_s_and_ttft():
 @pytest.mark.parametrize(
     "rc, result, said",
     [
-        ("124 1.0 121.0", "", "sandbox: engine q38, phase together: the generator did not finish within --timeout 120 s"),
+        ("124 1.0 121.0", "", "sandbox: engine q38, phase together: the generator did not finish within --timeout 120"),
         ("137 1.0 126.0", "", "did not finish within --timeout 120 s"),
         ("1 1.0 3.0", "", "sandbox: engine q38, phase together: the generator failed (exit 1)\n  | ConnectionRefused"),
         ("", "", "the generator left no exit code"),
