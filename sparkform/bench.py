@@ -171,24 +171,32 @@ def generator_command(config: HostConfig, engine: Engine, tokenizer: str, settin
 def phase_command(
     config: HostConfig, engines: list[Engine], tokenizers: dict[str, str], settings: Settings, phase_seed: int
 ) -> str:
-    """The generators of one phase, started at once in a fresh folder of the engine user's and
-    waited for; then, per engine, its exit code with its start and end (unix time), its result
-    and the end of its output, each in a section. The folder is removed at the end."""
-    lines = ["dir=$(mktemp -d)", "trap 'rm -rf \"$dir\"' EXIT", f'chown {shlex.quote(config.engine_user)} "$dir"']
+    """The generators of one phase, started at once and waited for; then, per engine, its exit
+    code with its start and end (unix time), its result and the end of its output, each in a
+    section. Two fresh folders, removed at the end: the engine user's ("$dir": the generators'
+    HOME, caches and results, read back as that user) and root's ("$own": exit codes and output),
+    so root never opens a path the engine user could have made a link."""
+    user = shlex.quote(config.engine_user)
+    lines = [
+        "dir=$(mktemp -d) && own=$(mktemp -d) || exit 1",
+        """trap 'rm -rf "$dir" "$own"' EXIT""",
+        f'chown {user} "$dir"',
+    ]
     for engine in engines:
         name = engine.name
         run = generator_command(config, engine, tokenizers[name], settings, phase_seed)
         lines.append(
-            f'( start=$(date +%s.%N); {run} > "$dir/{name}.log" 2>&1; '
-            f'echo "$? $start $(date +%s.%N)" > "$dir/{name}.rc" ) &'
+            f'( start=$(date +%s.%N); {run} > "$own/{name}.log" 2>&1; '
+            f'echo "$? $start $(date +%s.%N)" > "$own/{name}.rc" ) &'
         )
     lines.append("wait")
     for engine in engines:
         name = engine.name
         lines += [
-            section(f"rc:{name}", f'cat "$dir/{name}.rc"'),
-            section(f"result:{name}", f'cat "$dir/{name}.json" && echo'),  # json.dump ends without a newline
-            section(f"log:{name}", f'tail -n {LOG_LINES} "$dir/{name}.log"'),
+            section(f"rc:{name}", f'cat "$own/{name}.rc"'),
+            # json.dump ends without a newline.
+            section(f"result:{name}", f'runuser -u {user} -- cat "$dir/{name}.json" && echo'),
+            section(f"log:{name}", f'tail -n {LOG_LINES} "$own/{name}.log"'),
         ]
     return "\n".join(lines)
 

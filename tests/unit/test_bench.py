@@ -231,6 +231,12 @@ def test_the_phase_runs_every_generator_at_once_as_the_engine_user_and_passes_sh
     shellcheck(script)
     starts = [line for line in script.splitlines() if line.endswith(" &")]
     assert len(starts) == len(engines) and script.splitlines()[len(starts) + 3] == "wait"
+    # Root writes and reads only in its own folder; the engine user's is read as the engine user.
+    assert '> "$dir' not in script and '>> "$dir' not in script
+    for line in script.splitlines():
+        for read in ("cat ", "tail "):
+            if f'{read}"$dir' in line:
+                assert f'runuser -u {host.config.engine_user} -- {read}"$dir' in line, line
     one = generator_command(host.config, engines[0], folders[engines[0].name], SETTINGS, 7)
     words = shlex.split(one.replace('"$dir"', "DIR"))
     assert words[:4] == ["runuser", "-u", host.config.engine_user, "--"]
