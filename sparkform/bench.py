@@ -142,9 +142,9 @@ def generator_command(config: HostConfig, engine: Engine, tokenizer: str, settin
         tokenizer,
         "--dataset-name",
         "random",
-        "--input-len",
+        "--random-input-len",  # the random dataset's own option, older than --input-len
         str(settings.input_len),
-        "--output-len",
+        "--random-output-len",
         str(settings.output_len),
         "--ignore-eos",
         "--temperature",

@@ -243,7 +243,7 @@ def test_the_phase_runs_every_generator_at_once_as_the_engine_user_and_passes_sh
     options = dict(zip(words, words[1:], strict=False))
     assert options["--port"] == str(host.config.internal_port(engines[0])) and options["--host"] == "127.0.0.1"
     assert options["--tokenizer"] == f"/models/{engines[0].name} with space"
-    assert options["--input-len"] == "32" and options["--output-len"] == "16" and "--ignore-eos" in words
+    assert options["--random-input-len"] == "32" and options["--random-output-len"] == "16" and "--ignore-eos" in words
     assert options["--num-prompts"] == "2" and options["--max-concurrency"] == "1" and options["--seed"] == "7"
     assert options["120"] == f"{host.config.venv}/bin/python"  # /usr/bin/timeout ... 120 PYTHON
     # The engines behind the front need no key: none is read, none is passed.
