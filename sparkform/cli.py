@@ -2,7 +2,8 @@
 
 `plan` (unless --resolve), `fields`, `deploy-path` and `render --offline` never connect (`render`
 asks each host which commit its branches and tags are pinned to); `verify`, `rebuild`, `status`,
-`logs`, `rollback` and `bench` validate the inventory before they connect; `lock` asks the package indexes.
+`logs`, `rollback`, `contract` and `bench` validate the inventory before they connect; `lock` asks the
+package indexes.
 Exit codes: 0 success; 2 the inventory is invalid (each problem printed with host, engine,
 field, value and fix); 1 any other error (e.g. the inventory file is missing).
 """
@@ -20,7 +21,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparkform import bench_command, hostpins, locks, logs, monitoring, planner, rollback, ssh, status_command
+from sparkform import (
+    bench_command,
+    contract_command,
+    hostpins,
+    locks,
+    logs,
+    monitoring,
+    planner,
+    rollback,
+    ssh,
+    status_command,
+)
 from sparkform.bundle import DEPLOY, VERIFY_SUITE
 from sparkform.engine import Checkpoint, Engine, Measured
 from sparkform.hostrecord import HostRecord, UntrustedValue
@@ -332,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     sandbox_command.add_parser(sub)
     logs.add_parser(sub)
     status_command.add_parser(sub)
+    contract_command.add_parser(sub)
     rollback.add_parser(sub)
     bench_command.add_parser(sub)
     rebuild = sub.add_parser("rebuild", help="after a reboot: wait for the hosts, converge, print engine start times")

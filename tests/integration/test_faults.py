@@ -9,8 +9,10 @@ leaves the pair converged and serving.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
+import shutil
 import subprocess
 import time
 
@@ -321,6 +323,7 @@ def test_engine_that_dies_at_every_start_stops_at_the_start_limit_and_the_deploy
 # --- a change that cannot start goes back (docs/incidents.md#upgrade-strands-the-box) ------------------
 
 NEWER_FLAG = "--flag-of-a-newer-vllm"  # a flag the sandbox's vLLM refuses at start
+UNLOADABLE = "SparkformUnknownForCausalLM"  # an architecture no vLLM registers
 
 
 def q38_files(box: machine.Sandbox) -> str:
@@ -392,6 +395,42 @@ def test_sparkform_rollback_puts_back_a_change_that_started_and_the_next_dry_run
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert "q38 runs its previous settings since " in dry.stdout + dry.stderr
     assert ": answers slower" in dry.stdout + dry.stderr
+    converge_back(box)
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
+    assert changed_operations(SANDBOX_INVENTORY) == []
+
+
+def test_a_checkpoint_revision_that_verifies_but_cannot_load_goes_back_and_keeps_the_old_folder(box, tmp_path):
+    """A new pin whose every byte verifies but whose config.json names an architecture this vLLM
+    cannot load: the deploy fails naming it, q38 serves again from the revision it last served
+    with, whose folder is still there, and nemotron is untouched."""
+    hub = FakeHub(box.runtime_dir / "hub")
+    repo = "sparkform-test/tiny-llama"  # q38's
+    nemotron_pid = main_pids(box)["vllm-nemotron.service"]
+    served_dir = checkpoint_dir(box, "q38")
+    served = q38_files(box)
+    files = tmp_path / "unloadable"
+    shutil.copytree(hub.repo_dir(repo) / served_dir.rsplit("@", 1)[1], files)
+    config = json.loads((files / "config.json").read_text())
+    config["architectures"] = [UNLOADABLE]
+    (files / "config.json").write_text(json.dumps(config))
+    unloadable = hub.add_repo(repo, files, branch="unloadable")  # main stays where it is
+    pinned = edited_inventory(tmp_path, {"q38": {"checkpoint": {"repo": repo, "revision": unloadable}}})
+
+    result = pyinfra(pinned, "-y")
+
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "vllm-q38.service failed to start; its journal:" in output
+    assert UNLOADABLE in output, output[-4000:]
+    assert "sparkform-rollback: q38 serves again on its settings of" in output, output[-4000:]
+    assert serving(box, "vllm-q38.service") and q38_files(box) == served
+    assert checkpoint_dir(box, "q38") == served_dir
+    assert ssh(box, f"test -f {served_dir}/.sparkform-complete", check=False).returncode == 0
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
+    dry = pyinfra(pinned, "--dry")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "q38 runs its previous settings since " in dry.stdout + dry.stderr
     converge_back(box)
     assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
     assert changed_operations(SANDBOX_INVENTORY) == []

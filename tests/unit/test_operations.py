@@ -12,6 +12,7 @@ import dataclasses
 import importlib
 import pkgutil
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -529,3 +530,35 @@ def test_every_operation_in_tasks_has_a_row():
     covered = {f"{operation.__module__}.{operation.__name__}" for operation, *_ in TABLE.values()}
     assert covered <= operations, covered - operations  # the search finds what the table holds
     assert not operations - covered, f"operations without a row in TABLE: {sorted(operations - covered)}"
+
+
+CAPTURED = Path(__file__).parent.parent / "fixtures" / "captured"
+
+
+@pytest.mark.parametrize(
+    ("journal", "why", "noise"),
+    [
+        # vLLM's argument parser refuses a flag of a newer vLLM.
+        ("vllm-0.32-cpu-journal-unknown-flag.log", "error: unrecognized arguments: --flag-of-a-newer-vllm", "--help"),
+        # A checkpoint whose config.json names an architecture this vLLM does not know: the
+        # reason is on pydantic's line after the exception's.
+        (
+            "vllm-0.32-cpu-journal-unknown-architecture.log",
+            "Model architectures ['SparkformUnknownForCausalLM'] are not supported",
+            "non-default args",
+        ),
+    ],
+)
+def test_the_why_lines_of_a_failed_start_name_its_reason_and_leave_the_noise(journal, why, noise):
+    captured = (CAPTURED / journal).read_text()
+    lines = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {engines.WHY_LINES_FILTER}"],
+        input=captured,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert any(why in line for line in lines), lines
+    assert "sparkform-wait-ready: engine main process" in "\n".join(lines)
+    assert not [line for line in lines if noise in line or line.startswith(("Stopping", "Starting", "Stopped"))]
+    assert len(lines) <= engines.JOURNAL_LINES and all(len(line) <= engines.WHY_LINE_CHARS for line in lines)

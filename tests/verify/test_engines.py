@@ -9,6 +9,7 @@ import re
 import pytest
 
 from sparkform import bootchain
+from sparkform.contract_command import KEY_FROM_SNIPPET, key_header
 from sparkform.hostrecord import HostRecord
 from sparkform.kept import KeptSettings, settings_digest
 from sparkform.layout import (
@@ -38,22 +39,13 @@ def _seconds(systemd_timespan: str) -> float:
     return total
 
 
-# The key as the front's snippet holds it: set $sparkform_api_key "KEY";
-KEY_FROM_SNIPPET = r's/^set [$]sparkform_api_key "\(.*\)";$/\1/p'
-
-
 def _curl(
     remote, config, engine, path: str, data: dict | None = None, key: bool = True, status_only: bool = False
 ) -> str:
     """Ask the engine through the front, from the host itself, as a client would; the API key
     (if any) is read from the front's snippet there and handed to curl on a pipe, never in argv."""
     body = f"-H 'Content-Type: application/json' -d '{json.dumps(data)}'" if data else ""
-    header = (
-        f"--config <(printf 'header = \"Authorization: Bearer %s\"\\n' "
-        f"\"$(sed -n '{KEY_FROM_SNIPPET}' {config.paths.front_key} 2>/dev/null)\")"
-        if key
-        else ""
-    )
+    header = key_header(config.paths.front_key) if key else ""
     address = config.front_local_address
     url = f"http://{'[' + address + ']' if ':' in address else address}:{engine.port}{path}"
     output = "-s -o /dev/null -w '%{http_code}'" if status_only else "-fsS"
