@@ -2,7 +2,7 @@
 
 `plan` (unless --resolve or --from-host), `fields`, `deploy-path` and `render --offline` never connect
 (`render` asks each host which commit its branches and tags are pinned to); `verify`, `rebuild`,
-`status`, `ledger`, `logs`, `rollback` and `contract` validate the inventory before they connect; `lock` asks the
+`status`, `ledger`, `logs`, `rollback`, `contract` and `bench` validate the inventory before they connect; `lock` asks the
 package indexes.
 Exit codes: 0 success; 2 the inventory is invalid (each problem printed with host, engine,
 field, value and fix); 1 any other error (e.g. the inventory file is missing).
@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from sparkform import (
+    bench_command,
     contract_command,
     hostpins,
     ledger,
@@ -406,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     contract_command.add_parser(sub)
     ledger_command.add_parser(sub)
     rollback.add_parser(sub)
+    bench_command.add_parser(sub)
     rebuild = sub.add_parser("rebuild", help="after a reboot: wait for the hosts, converge, print engine start times")
     rebuild.add_argument("inventory", type=Path)
     rebuild.add_argument("--wait", type=float, default=900.0, help="seconds to wait for each host's SSH (default 900)")

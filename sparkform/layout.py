@@ -48,6 +48,8 @@ RECORD_NAME = "host-record.json"
 # and the planner's prediction (sparkform-guard served appends it; `sparkform ledger` reads it).
 KV_LEDGER_NAME = "kv-ledger.jsonl"
 KV_LEDGER_ROWS = 1000  # the rows kept: the oldest go first
+# `sparkform bench`'s ledger in the record folder: one JSON line per bench, appended by root.
+BENCH_LEDGER_NAME = "bench-ledger.jsonl"
 # In an engine's kept folder (kept_dir): what the kept settings are, and, after they were put
 # back, why (written by sparkform-rollback, dropped when the engine serves new settings).
 KEPT_RECORD = "kept.json"
@@ -265,6 +267,11 @@ class HostPaths:
     @property
     def cache_keys(self) -> str:
         return cache_keys_dir(self.state_dir)
+
+    @property
+    def bench_ledger(self) -> str:
+        """`sparkform bench`'s dated rows, root's (in the record folder)."""
+        return posixpath.join(record_dir(self.state_dir), BENCH_LEDGER_NAME)
 
     def stamp(self, service: str) -> str:
         return applied_stamp(self.state_dir, service)

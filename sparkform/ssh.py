@@ -40,10 +40,17 @@ def write_config(host_name: str, data: dict[str, Any], folder: Path) -> Path:
     return path
 
 
-def run(config: Path, host_name: str, command: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Run `command` on the host; the result carries its exit code and output (255: no connection)."""
+def run(
+    config: Path, host_name: str, command: str, timeout: float = 60, stdin: str | None = None
+) -> subprocess.CompletedProcess:
+    """Run `command` on the host, `stdin` on its standard input; the result carries its exit code
+    and output (255: no connection)."""
     return subprocess.run(
-        ["ssh", "-F", str(config), alias(host_name), command], capture_output=True, text=True, timeout=timeout
+        ["ssh", "-F", str(config), alias(host_name), command],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=stdin,
     )
 
 
