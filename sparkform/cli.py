@@ -2,8 +2,8 @@
 
 `plan` (unless --resolve or --from-host), `fields`, `deploy-path` and `render --offline` never connect
 (`render` asks each host which commit its branches and tags are pinned to); `verify`, `rebuild`,
-`status`, `ledger`, `logs`, `rollback`, `contract` and `bench` validate the inventory before they connect; `lock` asks the
-package indexes.
+`status`, `ledger`, `logs`, `rollback`, `contract` and `bench` validate the inventory before they
+connect; `lock` asks the package indexes.
 Exit codes: 0 success; 2 the inventory is invalid (each problem printed with host, engine,
 field, value and fix); 1 any other error (e.g. the inventory file is missing).
 """
