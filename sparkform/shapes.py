@@ -84,6 +84,8 @@ OWNED_FLAGS = {
         "sparkform's: one rank per node of the engine's `nodes`; set nodes, master_port and the hosts' node_address",
     ),
 }
+# vLLM's short spellings of OWNED_FLAGS (aliases its parser defines).
+SHORT_OWNED_FLAGS = {"-tp": "--tensor-parallel-size"}
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
 # A systemd calendar event (OnCalendar=), as systemd.time(7) writes one: a shorthand, or
 # [weekdays] [date] [time] [zone], each a word of its own.
@@ -143,8 +145,10 @@ def checked_managed_folder(value: str) -> str:
 
 def owned_flag(arg: str) -> str | None:
     """The OWNED_FLAGS entry an argument sets, in any spelling vLLM's parser accepts (`_` for `-`,
-    an unambiguous abbreviation: `--api_k=x` is `--api-key`), or None."""
+    an unambiguous abbreviation: `--api_k=x` is `--api-key`; a short alias: `-tp`), or None."""
     flag = arg.split("=", 1)[0]
+    if flag in SHORT_OWNED_FLAGS:
+        return SHORT_OWNED_FLAGS[flag]
     if not flag.startswith("--"):
         return None
     flag = "--" + flag[2:].replace("_", "-")

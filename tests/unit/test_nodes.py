@@ -171,6 +171,7 @@ INVALID = [
     ("a-node-twice", big_on(nodes=["spark-a", "spark-a"]), "spark-a", "nodes", ["names a host twice"]),
     ("headless-in-args", big_on(extra_args=["--headless"]), "spark-b", "extra_args", ["set nodes, master_port"]),
     ("node-rank-in-args", big_on(extra_args=["--node_rank=1"]), "spark-a", "extra_args", ["--node-rank"]),
+    ("short-tp-in-args", big_on(extra_args=["-tp=2"]), "spark-a", "extra_args", ["-tp (read as --tensor-parallel"]),
 ]
 
 
