@@ -27,6 +27,7 @@ from sparkform.hub import resolve_pins
 from sparkform.inventory import exit_invalid, exit_untrusted, host_from_data
 from sparkform.kept import KeptSettings
 from sparkform.model import InventoryError
+from sparkform.nodes import not_deployable
 from sparkform.render import prerequisite_packages
 from tasks import checkpoints, engines, files, front, guard, host_record, jit, monitoring, scrub, system, venv
 
@@ -35,6 +36,8 @@ try:
 except InventoryError as err:
     exit_invalid(err, f"data of host {host.name}")
 config = inventory_host.config
+if refused := not_deployable(host.name, config):
+    exit_invalid(InventoryError(refused), f"data of host {host.name}")
 
 request = converge.snapshot_request(config)
 snapshot = host.get_fact(HostSnapshot, **request)

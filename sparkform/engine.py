@@ -11,6 +11,7 @@ from pydantic import Field, field_validator
 from sparkform.layout import engine_unit
 from sparkform.shapes import (
     CONTROL_CHARACTERS,
+    HOST_NAME,
     IMAGE_REQUEST_MIB,
     INCLUDE_PATTERN,
     KNOWN_KV_CACHE_DTYPES,
@@ -102,6 +103,13 @@ class Engine(StrictModel):
     """False stops and disables the unit; no `after` edge may point at it."""
     after: list[str] = Field(default_factory=list)
     """Engines that must be ready before this one starts (the boot chain)."""
+    nodes: list[str] = Field(default_factory=list)
+    """Hosts of the inventory this engine spans, tensor-parallel with one rank per host (a Spark's one GPU), the
+    first the head (rank 0, serves the API); give every node the same engine table (the group's data). Empty: this
+    host alone (docs/two-sparks.md)."""
+    master_port: int = Field(29501, ge=1024, le=65535)
+    """Port on the head's `node_address` where the ranks of a spanning engine meet (`--master-port`); free on every
+    node."""
     served_names: list[str] = Field(default_factory=list)
     """`--served-model-name` values; defaults to the engine name."""
     multimodal: bool = Field(False)
@@ -180,6 +188,18 @@ class Engine(StrictModel):
                 raise ValueError(f"{name!r} is not an engine name")
         return names
 
+    @field_validator("nodes")
+    @classmethod
+    def _nodes_shape(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not HOST_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not a host name of the inventory")
+        if len(set(names)) != len(names):
+            raise ValueError(f"{names} names a host twice: each rank needs a host of its own")
+        if len(names) == 1:
+            raise ValueError(f"{names} is one host: leave nodes empty for an engine of this host alone")
+        return names
+
     @field_validator("quantization")
     @classmethod
     def _known_quantization(cls, value: str | None) -> str | None:
@@ -215,6 +235,16 @@ class Engine(StrictModel):
     @property
     def unit(self) -> str:
         return engine_unit(self.name)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """One rank per node; 1 for an engine of one host."""
+        return max(len(self.nodes), 1)
+
+    @property
+    def head(self) -> str | None:
+        """The node of rank 0, which serves the API; None for an engine of one host."""
+        return self.nodes[0] if self.nodes else None
 
     @property
     def names(self) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import runpy
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -16,6 +17,7 @@ from pydantic import ValidationError
 
 from sparkform import modelconfig
 from sparkform.model import Host, InventoryError, Problem
+from sparkform.nodes import span_problems
 from sparkform.schema import HostConfig
 from sparkform.shapes import owned_flag
 from sparkform.validate import host_problems
@@ -169,14 +171,10 @@ def exit_untrusted(host: str, findings: list[str]) -> NoReturn:
 def hosts(data_by_host: dict[str, dict[str, Any]], inventory_file: str) -> list[tuple[str, dict[str, Any]]]:
     """The pyinfra host list for `data_by_host`, validated: exits 2 listing every problem."""
     base_dir = Path(inventory_file).resolve().parent
-    problems = []
-    for name, data in data_by_host.items():
-        try:
-            load_host(name, data, base_dir)
-        except InventoryError as err:
-            problems += err.problems
-    if problems:
-        exit_invalid(InventoryError(problems), inventory_file)
+    try:
+        _load_all(data_by_host, lambda name, data: load_host(name, data, base_dir))
+    except InventoryError as err:
+        exit_invalid(err, inventory_file)
     return [(name, {**data, BASE_DIR_KEY: str(base_dir)}) for name, data in data_by_host.items()]
 
 
@@ -215,12 +213,19 @@ def load_inventory(path: Path) -> list[Host]:
                 )
             ]
         )
+    return _load_all(found, host_from_data)
+
+
+def _load_all(data_by_host: dict[str, dict[str, Any]], load: Callable[[str, dict[str, Any]], Host]) -> list[Host]:
+    """Every host loaded by `load`, then the engines that span hosts checked across them; raise
+    InventoryError with every problem of every host."""
     loaded, problems = [], []
-    for name, data in found.items():
+    for name, data in data_by_host.items():
         try:
-            loaded.append(host_from_data(name, data))
+            loaded.append(load(name, data))
         except InventoryError as err:
             problems += err.problems
+    problems += span_problems(loaded, data_by_host)
     if problems:
         raise InventoryError(problems)
     return loaded

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,12 +85,23 @@ class KvGeometry:
     state_bytes_per_layer: int | None = None  # one sequence's Mamba/linear-attention state
 
     def bytes_per_token(self, kv_dtype_bytes: float) -> float:
-        # K and V of every full-attention layer (tensor parallel 1, as on a Spark).
+        # K and V of every full-attention layer (tensor parallel 1, as on one Spark; `rank` for more).
         return self.kv_layers * self.kv_heads * 2 * self.head_dim * kv_dtype_bytes
 
     def tokens_per_gib(self, kv_dtype_bytes: float) -> float:
         """Per-token KV alone: exact for attention-only models, an upper bound for hybrids."""
         return GIB / self.bytes_per_token(kv_dtype_bytes)
+
+    def rank(self, tensor_parallel: int) -> KvGeometry:
+        """What one of `tensor_parallel` ranks caches: its share of the KV heads (a head is copied
+        to every rank when there are fewer heads than ranks) and of each state."""
+        if tensor_parallel == 1:
+            return self
+        return replace(
+            self,
+            kv_heads=-(-self.kv_heads // tensor_parallel),
+            state_bytes_per_layer=self.state_bytes_per_layer and -(-self.state_bytes_per_layer // tensor_parallel),
+        )
 
     @property
     def is_hybrid(self) -> bool:

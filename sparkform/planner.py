@@ -8,16 +8,27 @@ model, so an even split starves one engine; the recommended split equalises conc
 engine's window instead (docs/incidents.md#even-split). From config.json the pool follows vLLM's
 paging (modelconfig.KvLayout): whole blocks, and on a hybrid one state block per request, which
 is why its tokens per GiB grow with the window (docs/incidents.md#kv-pool-ledger).
+
+An engine that spans hosts (engines[].nodes) is planned on each of its nodes: one tensor-parallel
+rank holds weights / TP and its part of the KV pool (its share of the KV heads and states) plus
+the workspace, within that host's share; its tokens per GiB count the whole engine's tokens per
+GiB of one rank's pool, so the pool and the concurrency are the engine's (docs/two-sparks.md).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from sparkform import modelconfig
 from sparkform.engine import Engine
 from sparkform.model import Host, Problem
 from sparkform.modelconfig import GIB, KvLayout
+
+# The schema's bound on gpu_memory_utilization.
+MAX_UTILIZATION = next(
+    bound.le for bound in Engine.model_fields["gpu_memory_utilization"].metadata if hasattr(bound, "le")
+)
 
 
 @dataclass(frozen=True)
@@ -34,7 +45,8 @@ class EnginePlan:
     max_model_len: int
     max_num_seqs: int
     state_blocks: int | None  # hybrids: sequences the pool can hold state for
-    layout: KvLayout | None  # vLLM's paging from config.json, when the tokens come from it
+    layout: KvLayout | None  # vLLM's paging of one rank, from config.json, when the tokens come from it
+    tensor_parallel: int = 1  # ranks, one per node; the figures above are this node's
 
     @property
     def pool_tokens(self) -> int | None:
@@ -96,7 +108,7 @@ def _layout(host: Host, engine: Engine) -> KvLayout | None:
     if config is None:
         return None
     kv_bytes = modelconfig.kv_dtype_bytes(engine.kv_cache_dtype, config)
-    return modelconfig.geometry(config).layout(kv_bytes, engine.max_model_len)
+    return modelconfig.geometry(config).rank(engine.tensor_parallel_size).layout(kv_bytes, engine.max_model_len)
 
 
 def _tokens_per_gib(host: Host, engine: Engine, layout: KvLayout | None) -> tuple[float | None, str]:
@@ -108,12 +120,19 @@ def _tokens_per_gib(host: Host, engine: Engine, layout: KvLayout | None) -> tupl
     if config is None:
         return None, "unknown: set model_config_path or measured"
     # A hybrid without its state's dimensions: per-token KV alone, which ignores the state blocks.
-    per_gib = modelconfig.geometry(config).tokens_per_gib(modelconfig.kv_dtype_bytes(engine.kv_cache_dtype, config))
+    geometry = modelconfig.geometry(config).rank(engine.tensor_parallel_size)
+    per_gib = geometry.tokens_per_gib(modelconfig.kv_dtype_bytes(engine.kv_cache_dtype, config))
     return per_gib, "config.json (upper bound: no state dimensions)"
 
 
+def node_weights_gib(engine: Engine) -> float | None:
+    """The weights one node holds: all of them on one host, weights / TP for each rank."""
+    return None if engine.weights_gib is None else engine.weights_gib / engine.tensor_parallel_size
+
+
 def _kv_gib(engine: Engine, share_gib: float) -> tuple[float | None, float | None, str]:
-    """(kv_gib, non_kv_gib, source) for an engine at its configured share."""
+    """(kv_gib, non_kv_gib, source) for an engine at its configured share, on one of its nodes
+    (a measured figure is one rank's, as each rank's boot log prints it)."""
     if engine.kv_cache_memory_bytes:
         return engine.kv_cache_memory_bytes / GIB, None, "kv_cache_memory_bytes"
     measured = engine.measured
@@ -127,8 +146,9 @@ def _kv_gib(engine: Engine, share_gib: float) -> tuple[float | None, float | Non
             else f"measured at {measured_util:.2f}, re-derived"
         )
         return max(share_gib - non_kv, 0.0), non_kv, source
-    if engine.weights_gib is not None:
-        non_kv = engine.weights_gib + engine.non_kv_overhead_gib
+    weights = node_weights_gib(engine)
+    if weights is not None:
+        non_kv = weights + engine.non_kv_overhead_gib
         return max(share_gib - non_kv, 0.0), non_kv, "share - weights - overhead"
     return None, None, "unknown: set weights_gib or measured.kv_cache_gib"
 
@@ -146,7 +166,7 @@ def engine_plan(host: Host, engine: Engine) -> EnginePlan:
         engine.name,
         engine.gpu_memory_utilization,
         share,
-        engine.weights_gib,
+        node_weights_gib(engine),
         non_kv,
         kv_gib,
         kv_source,
@@ -156,6 +176,7 @@ def engine_plan(host: Host, engine: Engine) -> EnginePlan:
         engine.max_num_seqs,
         state_blocks,
         paging,
+        engine.tensor_parallel_size,
     )
 
 
@@ -180,6 +201,49 @@ def state_block_problems(host: Host) -> list[Problem]:
                 )
             )
     return problems
+
+
+def node_memory_problems(host: Host) -> list[Problem]:
+    """A rank of an engine that spans hosts must hold its part of the weights, its workspace and
+    (when pinned) its KV pool within this node's share: a node over it fails the engine on every
+    node, after both cold starts. (An engine of one host keeps its old rule: the plan shows an empty
+    pool.)"""
+    problems = []
+    for engine in host.config.enabled_engines:
+        if not engine.nodes:
+            continue
+        node = engine_plan(host, engine)
+        pinned = engine.kv_cache_memory_bytes / GIB if engine.kv_cache_memory_bytes else 0.0
+        non_kv = node.non_kv_gib
+        if non_kv is None and node.weights_gib is not None:  # a pinned pool: the plan left the weights out
+            non_kv = node.weights_gib + engine.non_kv_overhead_gib
+        if non_kv is None or non_kv + pinned <= node.share_gib + 1e-9:
+            continue
+        need = non_kv + pinned
+        parts = f"{non_kv:.2f} GiB of weights and workspace" + (
+            f" + {pinned:.2f} GiB of pinned KV pool" if pinned else ""
+        )
+        if node.weights_gib is not None:
+            parts += f" (weights {engine.weights_gib:.2f} GiB / {node.tensor_parallel} nodes = {node.weights_gib:.2f})"
+        total = host.config.memory_total_gib
+        problems.append(
+            Problem(
+                host.name,
+                "gpu_memory_utilization",
+                engine.gpu_memory_utilization,
+                f"this node's rank needs {parts}, over its share of {engine.gpu_memory_utilization:.2f} x "
+                f"{total:.1f} GiB = {node.share_gib:.2f} GiB",
+                _node_fix(math.ceil(need / total * 100) / 100),
+                engine.name,
+            )
+        )
+    return problems
+
+
+def _node_fix(utilization: float) -> str:
+    if utilization <= MAX_UTILIZATION:
+        return f"raise gpu_memory_utilization to at least {utilization:.2f} on every node, or span more nodes"
+    return f"a rank would need {utilization:.2f} of this node (at most {MAX_UTILIZATION}): span more nodes"
 
 
 def recommend_split(plans: list[EnginePlan], total_gib: float) -> tuple[Split | None, str]:
@@ -273,7 +337,12 @@ def format_plan(result: Plan) -> str:
         if e.layout is not None:
             block, per_request = e.layout.block_tokens, e.layout.blocks_per_request
             paging = f" (blocks of {block:,} tokens, {per_request:,} per full-window request)"
-        lines.append(f"  {e.name}: KV from {e.kv_source}; tokens/GiB from {e.tokens_source}{paging}{blocks}")
+        ranks = (
+            ""
+            if e.tensor_parallel == 1
+            else f"; this node is one of {e.tensor_parallel} tensor-parallel ranks (its GiB, the engine's tokens)"
+        )
+        lines.append(f"  {e.name}: KV from {e.kv_source}; tokens/GiB from {e.tokens_source}{paging}{blocks}{ranks}")
     if result.split:
         parts = ", ".join(
             f"{name} {util:.2f} ({result.split.concurrency[name]:.2f}x)"

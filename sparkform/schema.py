@@ -18,6 +18,8 @@ from sparkform.engine import Engine
 from sparkform.layout import GPU_TEXTFILE, GUARD_TEXTFILE, RECORD_TEXTFILE, HostPaths
 from sparkform.shapes import (
     COMMIT_ID,
+    HCA_NAME,
+    INTERFACE_NAME,
     PYINFRA_KEY_PREFIXES,
     PYINFRA_KEYS,
     SHARED_USERS,
@@ -185,6 +187,21 @@ class HostConfig(StrictModel):
     node_exporter when `monitoring` is on."""
     front_read_timeout_s: int = Field(3600, ge=10)
     """How long the front waits for an engine's next bytes; a long non-streamed generation must finish within it."""
+    # The ranks' network, for an engine that spans hosts (engines[].nodes): per host, so group data can hold what the
+    # pair shares (the interface, the HCAs) and host data what differs (the address).
+    node_interface: str | None = Field(None)
+    """Interface the ranks of a spanning engine talk over (the ConnectX-7 port, e.g. enp1s0f1np1; `ip -br link`);
+    required on every node; unused by engines of one host."""
+    node_address: str | None = Field(None)
+    """This host's address on node_interface: the rank's VLLM_HOST_IP, and on the head the workers' `--master-addr`
+    (required there); None on a worker takes the interface's one address."""
+    nccl_socket_ifname: str | None = Field(None)
+    """NCCL_SOCKET_IFNAME (NCCL's bootstrap and socket traffic); None takes node_interface."""
+    gloo_socket_ifname: str | None = Field(None)
+    """GLOO_SOCKET_IFNAME (torch's gloo groups); None takes node_interface."""
+    nccl_ib_hca: list[str] = Field(default_factory=list)
+    """NCCL_IB_HCA: the RDMA devices of the ConnectX-7 pair (`ibdev2netdev`, e.g. rocep1s0f1, roceP2p1s0f1), so
+    NCCL's data runs over RoCE; empty leaves NCCL's choice."""
     # The engines' user, CUDA and the compile caps
     engine_user: str = Field("vllm", pattern="^[a-z_][a-z0-9_-]{0,31}$")
     """System user the engines run as: a user of its own, never root or another service's."""
@@ -279,6 +296,33 @@ class HostConfig(StrictModel):
     @classmethod
     def _an_address(cls, value: str) -> str:
         return checked_address(value)
+
+    @field_validator("node_interface", "nccl_socket_ifname", "gloo_socket_ifname")
+    @classmethod
+    def _interface(cls, value: str | None) -> str | None:
+        if value is not None and not INTERFACE_NAME.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is not an interface name (at most 15 letters, digits and . _ -, as `ip -br link` shows)"
+            )
+        return value
+
+    @field_validator("node_address")
+    @classmethod
+    def _node_address(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        address = ipaddress.ip_address(checked_address(value))
+        if address.is_loopback or address.is_unspecified:
+            raise ValueError(f"{value!r} is not an address the other nodes reach: give this host's address on the link")
+        return str(address)
+
+    @field_validator("nccl_ib_hca")
+    @classmethod
+    def _hcas(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if not HCA_NAME.fullmatch(value):
+                raise ValueError(f"{value!r} is not an RDMA device name (as `ibdev2netdev` shows, e.g. rocep1s0f1)")
+        return values
 
     @field_validator("metrics_allow")
     @classmethod

@@ -12,6 +12,11 @@ import re
 from pydantic import BaseModel, ConfigDict
 
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
+HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")  # a host of the inventory, as an engine's nodes name it
+# A network interface as the kernel names one (at most 15 characters: IFNAMSIZ - 1).
+INTERFACE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,14}")
+# An RDMA device for NCCL_IB_HCA, with its port when given (`rocep1s0f1`, `mlx5_0:1`).
+HCA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}(:[0-9]{1,2})?")
 COMMIT_ID = re.compile(r"[0-9a-f]{40}")  # a revision that is already a commit
 # What a bearer token may hold (RFC 6750's b64token): the front compares it inside a quoted
 # nginx string, where these characters need no escaping.
@@ -74,7 +79,13 @@ OWNED_FLAGS = {
         "runs the checkpoint's own Python code in the engine: set trust_remote_code: true if you mean it"
     ),
     "--allowed-local-media-path": "lets any request read the engine's files: not through extra_args",
+    **dict.fromkeys(
+        ("--tensor-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless"),
+        "sparkform's: one rank per node of the engine's `nodes`; set nodes, master_port and the hosts' node_address",
+    ),
 }
+# vLLM's short spellings of OWNED_FLAGS (aliases its parser defines).
+SHORT_OWNED_FLAGS = {"-tp": "--tensor-parallel-size"}
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
 # A systemd calendar event (OnCalendar=), as systemd.time(7) writes one: a shorthand, or
 # [weekdays] [date] [time] [zone], each a word of its own.
@@ -134,8 +145,10 @@ def checked_managed_folder(value: str) -> str:
 
 def owned_flag(arg: str) -> str | None:
     """The OWNED_FLAGS entry an argument sets, in any spelling vLLM's parser accepts (`_` for `-`,
-    an unambiguous abbreviation: `--api_k=x` is `--api-key`), or None."""
+    an unambiguous abbreviation: `--api_k=x` is `--api-key`; a short alias: `-tp`), or None."""
     flag = arg.split("=", 1)[0]
+    if flag in SHORT_OWNED_FLAGS:
+        return SHORT_OWNED_FLAGS[flag]
     if not flag.startswith("--"):
         return None
     flag = "--" + flag[2:].replace("_", "-")

@@ -12,9 +12,11 @@ import re
 from pathlib import Path
 
 from sparkform import bootchain, locks, modelconfig
+from sparkform.engine import Engine
 from sparkform.model import Host, Problem
-from sparkform.planner import state_block_problems
-from sparkform.shapes import API_KEY_MIN_LENGTH, API_KEY_PATTERN
+from sparkform.planner import node_memory_problems, state_block_problems
+from sparkform.schema import HostConfig
+from sparkform.shapes import API_KEY_MIN_LENGTH, API_KEY_PATTERN, COMMIT_ID
 
 SECRET_FILE_FIELDS = ("hf_token_file", "api_key_file", "alert_webhook_file")
 WEBHOOK_URL = re.compile(r"https?://[^\s\x00-\x1f]+")  # one URL, nothing a shell or header could split
@@ -38,7 +40,9 @@ def host_problems(host: Host) -> list[Problem]:
         _secret_files,
         _wheelhouse,
         _lock,
+        _spanning,
         state_block_problems,
+        node_memory_problems,
     ):
         problems += rule(host)
     return problems
@@ -423,3 +427,88 @@ def _lock(host: Host) -> list[Problem]:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         return [Problem(host.name, "lock_file", cfg.lock, "; ".join(problems[:3]) + more, fix)]
     return []
+
+
+def _spanning(host: Host) -> list[Problem]:
+    """What this host needs for each engine that spans hosts (engines[].nodes): to be one of its
+    nodes, the interface its rank talks over, on the head the address the workers meet at, one
+    commit of the checkpoint for every rank, and the master port free here. The rules across the
+    nodes are sparkform/nodes.py's."""
+    cfg = host.config
+    problems = []
+    for engine in cfg.engines:
+        if not engine.nodes:
+            continue
+        if host.name not in engine.nodes:
+            problems.append(
+                Problem(
+                    host.name,
+                    "nodes",
+                    engine.nodes,
+                    "this host holds the engine but is none of its nodes",
+                    f"add {host.name} to nodes, or take the engine off this host (keep a pair's engines in the data "
+                    "of the group the pair shares)",
+                    engine.name,
+                )
+            )
+            continue
+        if cfg.node_interface is None:
+            problems.append(
+                Problem(
+                    host.name,
+                    "node_interface",
+                    None,
+                    f"the engine spans {', '.join(engine.nodes)}: without the interface its ranks talk over, NCCL "
+                    "and gloo pick one themselves (often the 10 GbE port, not the ConnectX-7)",
+                    "set node_interface to this host's ConnectX-7 interface (`ip -br link`), e.g. enp1s0f1np1",
+                    engine.name,
+                )
+            )
+        if engine.head == host.name and cfg.node_address is None:
+            problems.append(
+                Problem(
+                    host.name,
+                    "node_address",
+                    None,
+                    "this host is the engine's head (rank 0): its workers meet it at this address (--master-addr)",
+                    "set node_address to this host's address on node_interface",
+                    engine.name,
+                )
+            )
+        if not COMMIT_ID.fullmatch(engine.checkpoint.revision):
+            problems.append(
+                Problem(
+                    host.name,
+                    "checkpoint.revision",
+                    engine.checkpoint.revision,
+                    "a branch or tag is resolved by each host on its own, so the ranks could load two commits",
+                    "pin the commit id (`sparkform plan --resolve` names the one the branch names now)",
+                    engine.name,
+                )
+            )
+        taken = _ports_in_use(cfg, engine)
+        if engine.master_port in taken:
+            problems.append(
+                Problem(
+                    host.name,
+                    "master_port",
+                    engine.master_port,
+                    f"{taken[engine.master_port]} uses this port on this host",
+                    "give master_port a port no other service of this host uses",
+                    engine.name,
+                )
+            )
+    return problems
+
+
+def _ports_in_use(cfg: HostConfig, spanning: Engine) -> dict[int, str]:
+    """Every port this host serves on, but `spanning`'s master port: port -> what uses it."""
+    taken = {}
+    if cfg.monitoring.enabled:
+        taken[cfg.monitoring.port] = "node_exporter"
+    for engine in cfg.engines:
+        taken[engine.port] = f"engine {engine.name}'s port"
+        taken[cfg.internal_port(engine)] = f"engine {engine.name}'s internal port"
+        if engine.nodes and engine is not spanning:
+            taken[engine.master_port] = f"engine {engine.name}'s master_port"
+    return taken
