@@ -19,15 +19,16 @@ HERE = str(Path(__file__).resolve().parent)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from pyinfra import host, logger
+from pyinfra import host, inventory, logger
 
+from facts.node_link import NodeLink
 from facts.snapshot import HostSnapshot
-from sparkform import converge, layout
+from sparkform import converge, layout, nodes
 from sparkform.hub import resolve_pins
 from sparkform.inventory import exit_invalid, exit_untrusted, host_from_data
 from sparkform.kept import KeptSettings
 from sparkform.model import InventoryError
-from sparkform.nodes import not_deployable
+from sparkform.nodes import span_problems
 from sparkform.render import prerequisite_packages
 from tasks import checkpoints, engines, files, front, guard, host_record, jit, monitoring, scrub, system, venv
 
@@ -36,8 +37,29 @@ try:
 except InventoryError as err:
     exit_invalid(err, f"data of host {host.name}")
 config = inventory_host.config
-if refused := not_deployable(host.name, config):
-    exit_invalid(InventoryError(refused), f"data of host {host.name}")
+# An engine across hosts: the rules across its nodes on the data pyinfra merged (group data
+# included), then where its ranks meet, read off this node's link before any change.
+if spanning := [engine for engine in config.enabled_engines if engine.nodes]:
+    peers = {
+        name: host_from_data(name, inventory.get_host(name).data.dict())
+        for name in {node for engine in spanning for node in engine.nodes}
+        if inventory.get_host(name) is not None
+    }
+    if problems := span_problems(list(peers.values()), [peer.name for peer in inventory]):
+        exit_invalid(InventoryError(problems), f"across the nodes of {host.name}")
+    head = next((engine for engine in spanning if config.is_worker(engine)), None)
+    link = host.get_fact(
+        NodeLink,
+        interface=config.node_interface,
+        venv=config.venv,
+        head=(nodes.head_address(head, {n: p.config for n, p in peers.items()}), head.master_port) if head else None,
+    )
+    for line in nodes.preflight_lines(host.name, config, link):
+        logger.info(line)
+    spans, problems = nodes.spans(host.name, config, {n: p.config for n, p in peers.items()}, link)
+    if problems:
+        exit_invalid(InventoryError(problems), f"of host {host.name} (preflight)")
+    config = config.spanned(spans)
 
 request = converge.snapshot_request(config)
 snapshot = host.get_fact(HostSnapshot, **request)
@@ -137,10 +159,19 @@ for step in plan.steps:
         jit.cache_moved_aside(
             name=f"JIT caches of {step.engine.name} aside (stale)", config=config, engine=step.engine, snapshot=snapshot
         )
+# The ranks this host runs for heads elsewhere, before any head starts (pyinfra runs each
+# operation on every host before the next): a head's start returns only once its ranks joined.
+for step in plan.worker_steps:
+    engines.rank_running(
+        name=f"Engine {step.engine.name}: rank {config.rank(step.engine)} running",
+        engine=step.engine,
+        current=step.current,
+        restart=step.restart,
+    )
 # One at a time, in `after` order: each `systemctl start` returns when its engine serves. A
 # changed engine whose start fails goes back to the settings it last served with, and the run
 # stops there; once it serves, what it serves is kept for the next time.
-for step in plan.steps:
+for step in plan.served_steps:
     engines.engine_running(
         name=f"Engine {step.engine.name} serving",
         engine=step.engine,
@@ -170,12 +201,22 @@ for step in plan.steps:
         snapshot=snapshot,
         rebuilt=step.stale,
     )
+# A rank's caches are valid once its head served (the operation above, on the head's host).
+for step in plan.worker_steps:
+    jit.cache_keyed(
+        name=f"JIT caches of {step.engine.name} keyed",
+        config=config,
+        engine=step.engine,
+        key=plan.cache_key,
+        snapshot=snapshot,
+        rebuilt=step.stale,
+    )
 # The front last: an engine that moved behind it has freed the port nginx takes over. nginx and
 # the guard restart (or reload) when the files they run with differ from what they last loaded.
 front.front_serving(
     name="Front (nginx) serving",
     address=config.listen_address,
-    ports=[step.engine.port for step in plan.steps],
+    ports=[step.engine.port for step in plan.served_steps],
     current=snapshot.engines.get(layout.FRONT_UNIT),
     applied=snapshot.markers.get(config.paths.stamp("nginx")),
     stamp=config.paths.stamp("nginx"),

@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         print("sparkform contract: name the inventory (sparkform contract INVENTORY)", file=sys.stderr)
         return 2
     hosts = [h for h in load_inventory(args.inventory) if args.host in (None, h.name)]
-    targets = [(h, e) for h in hosts for e in h.config.enabled_engines if args.engine in (None, e.name)]
+    targets = [(h, e) for h in hosts for e in h.config.served_engines if args.engine in (None, e.name)]
     if not targets:
         wanted = " ".join(
             f"{flag} {value!r}" for flag, value in (("--host", args.host), ("--engine", args.engine)) if value

@@ -274,6 +274,16 @@ class ConvergePlan:
         return [f for f in self.rendered if f.engine is not None]
 
     @property
+    def served_steps(self) -> list[EngineStep]:
+        """The steps of engines whose API this host serves, in start order."""
+        return [step for step in self.steps if not self.config.is_worker(step.engine)]
+
+    @property
+    def worker_steps(self) -> list[EngineStep]:
+        """The steps of the ranks this host runs headless for a head elsewhere."""
+        return [step for step in self.steps if self.config.is_worker(step.engine)]
+
+    @property
     def started(self) -> dict[str, bool]:
         """Engine -> whether its start in this run rebuilds its caches (cold)."""
         return {step.engine.name: step.cold for step in self.steps if step.starts}

@@ -4,6 +4,7 @@ and every setting of its `vllm serve`."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import Field, field_validator
@@ -257,3 +258,12 @@ class Engine(StrictModel):
             return self.max_request_mib
         window = -(-self.max_model_len * REQUEST_BYTES_PER_TOKEN // 2**20) + 1
         return window + (IMAGE_REQUEST_MIB if self.multimodal else 0)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where the ranks of an engine that spans hosts meet, as the deploy read it off the nodes."""
+
+    master_address: str  # the head's node_address: every rank's --master-addr
+    address: str  # this node's address on its node_interface: its rank's VLLM_HOST_IP
+    network: str  # the link's network (CIDR): the only addresses beside loopback a rank may reach

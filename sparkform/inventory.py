@@ -114,7 +114,7 @@ def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Ho
         },
     }
     try:
-        config = HostConfig.model_validate(data)
+        config = HostConfig.model_validate(data).named(name)
     except ValidationError as err:
         raise InventoryError(_pydantic_problems(name, data, err) + _host_key_problems(name, data, base_dir)) from None
     model_configs, problems = _model_configs(name, config, base_dir)

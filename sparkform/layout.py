@@ -170,6 +170,11 @@ class HostPaths:
         return f"{self.lib_dir}/sparkform-launch"
 
     @property
+    def vllm_cli(self) -> str:
+        """vLLM's own `vllm serve` CLI for the ranks of an engine across hosts; run by the venv's python."""
+        return f"{self.lib_dir}/sparkform-vllm-serve"
+
+    @property
     def wait_ready(self) -> str:
         """The readiness helper, the engines' ExecStartPost."""
         return f"{self.lib_dir}/sparkform-wait-ready"

@@ -51,7 +51,7 @@ def target(name: str, config: HostConfig, host_address: str) -> Target:
     return Target(
         name=name,
         node=f"{reach(config.monitoring.listen_address, host_address)}:{config.monitoring.port}",
-        engines=[(e.name, f"{front}:{e.port}") for e in config.enabled_engines],
+        engines=[(e.name, f"{front}:{e.port}") for e in config.served_engines],
         units="|".join(layout.engine_unit(e.name).replace(".", "[.]") for e in config.enabled_engines),
         burst=config.start_limit_burst,
         restarts_before_limit=max(config.start_limit_burst - 1, 1),

@@ -10,13 +10,18 @@ node that differs from the engine's head, or the head when it names a host the i
 
 from __future__ import annotations
 
+import ipaddress
+import re
+import shlex
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 
 from sparkform import locks
-from sparkform.engine import Engine
+from sparkform.engine import Engine, Span
 from sparkform.model import Host, Problem
 from sparkform.schema import HostConfig
 
@@ -66,23 +71,6 @@ def span_problems(hosts: list[Host], names: Iterable[str]) -> list[Problem]:
                 )
             addresses.setdefault(address, node)
     return problems
-
-
-def not_deployable(host: str, config: HostConfig) -> list[Problem]:
-    """The deploy's refusal of an engine across hosts until the units that run one exist
-    (docs/two-sparks.md): converged today, each node would serve it alone."""
-    return [
-        Problem(
-            host,
-            "nodes",
-            engine.nodes,
-            "the deploy runs no engine across hosts yet (validated and planned only): each node would serve it alone",
-            "leave nodes out of inventories you converge until the multi-node units land (docs/two-sparks.md)",
-            engine.name,
-        )
-        for engine in config.engines
-        if engine.nodes
-    ]
 
 
 def _spanning_engines(hosts: list[Host]) -> list[tuple[Host, Engine]]:
@@ -155,3 +143,182 @@ def _lock_difference(reference: Host, engine: Engine, node: Host) -> list[Proble
             engine.name,
         )
     ]
+
+
+# --- at deploy: where this node's ranks meet, and the preflight ----------------------------------
+
+LINK_ADDRESS = re.compile(r"[0-9a-fA-F.:]{2,45}/[0-9]{1,3}")  # `ip -o addr` of the interface, with its prefix
+NCCL_LIBRARY = re.compile(r"/[A-Za-z0-9._/+-]{1,400}/libnccl\.so[0-9.]*")
+NCCL_DIST = re.compile(r"nvidia_nccl[A-Za-z0-9_]*-([0-9][A-Za-z0-9.+]{0,40})\.dist-info")
+HEAD_REACH = ("open", "refused", "unreachable")
+
+
+@dataclass(frozen=True)
+class NodeLink:
+    """What the NodeLink fact read on a node: its rank interface, the NCCL in its venv, whether it
+    reaches the head's master port. Every value matched a pattern; what did not is in `untrusted`."""
+
+    interface: str
+    present: bool = False
+    addresses: tuple[str, ...] = ()  # address/prefix, as `ip -o addr` lists them
+    mtu: int | None = None
+    nccl_libraries: tuple[str, ...] = ()
+    nccl_versions: tuple[str, ...] = ()
+    head: str | None = None  # "open", "refused" (a host answered: nothing listens yet) or "unreachable"
+    untrusted: tuple[str, ...] = ()
+
+
+def node_link_command(interface: str, venv: str, head: tuple[str, int] | None) -> str:
+    """The shell that reads a node's link (one line per value) for the NodeLink fact."""
+    quoted, sys_path, venv_path = shlex.quote(interface), shlex.quote(f"/sys/class/net/{interface}"), shlex.quote(venv)
+    lines = [
+        f"if [ -e {sys_path} ]; then echo present; echo mtu $(cat {sys_path}/mtu);",
+        f"ip -o addr show dev {quoted} scope global | awk '{{print \"address\", $4}}'; else echo absent; fi;",
+        f"find {venv_path} -name 'libnccl.so*' -type f -printf 'nccl %p\\n' 2>/dev/null;",
+        f"find {venv_path}/lib -maxdepth 3 -name 'nvidia_nccl*.dist-info' -printf 'nccl_dist %f\\n' 2>/dev/null;",
+    ]
+    if head is not None:
+        target = shlex.quote(f"/dev/tcp/{head[0]}/{head[1]}")
+        lines.append(
+            f"why=$(timeout 3 bash -c 'exec 3<>\"$1\"' _ {target} 2>&1); case $? in 0) echo head open;; "
+            "124) echo head unreachable;; *) case $why in *refused*) echo head refused;; *) echo head unreachable;; "
+            "esac;; esac;"
+        )
+    return " ".join(lines) + " true"
+
+
+def parse_node_link(interface: str, lines: list[str]) -> NodeLink:
+    """The NodeLink fact's lines, each value checked against its pattern."""
+    found: dict[str, Any] = {"present": False, "addresses": [], "nccl_libraries": [], "nccl_versions": []}
+    untrusted = []
+    for line in lines:
+        key, _, value = line.strip().partition(" ")
+        if key in ("present", "absent") and not value:
+            found["present"] = key == "present"
+        elif key == "mtu" and value.isdigit() and len(value) <= 6:
+            found["mtu"] = int(value)
+        elif key == "address" and LINK_ADDRESS.fullmatch(value) and _interface_address(value):
+            found["addresses"].append(value)
+        elif key == "nccl" and NCCL_LIBRARY.fullmatch(value) and ".." not in value:
+            found["nccl_libraries"].append(value)
+        elif key == "nccl_dist" and (match := NCCL_DIST.fullmatch(value)):
+            found["nccl_versions"].append(match.group(1))
+        elif key == "head" and value in HEAD_REACH:
+            found["head"] = value
+        elif line.strip():
+            untrusted.append(line.strip()[:200])
+    return NodeLink(
+        interface,
+        found["present"],
+        tuple(found["addresses"]),
+        found.get("mtu"),
+        tuple(found["nccl_libraries"]),
+        tuple(found["nccl_versions"]),
+        found.get("head"),
+        tuple(untrusted),
+    )
+
+
+def _interface_address(text: str) -> ipaddress.IPv4Interface | ipaddress.IPv6Interface | None:
+    try:
+        return ipaddress.ip_interface(text)
+    except ValueError:
+        return None
+
+
+def head_address(engine: Engine, peers: dict[str, HostConfig]) -> str | None:
+    """The head's node_address, from the head's own data (where the workers' --master-addr is set)."""
+    head = peers.get(engine.head or "")
+    return None if head is None else head.node_address
+
+
+def spans(
+    host: str, config: HostConfig, peers: dict[str, HostConfig], link: NodeLink
+) -> tuple[dict[str, Span], list[Problem]]:
+    """Where each spanning engine of `host` meets, from the head's data and this node's link; the
+    preflight's problems instead when the link cannot carry the ranks."""
+    engines = [engine for engine in config.enabled_engines if engine.nodes]
+    if not engines:
+        return {}, []
+    interface = config.node_interface or ""
+    problems = []
+    if not link.present:
+        problems.append(
+            Problem(
+                host,
+                "node_interface",
+                interface,
+                "no such interface on the host",
+                "set node_interface to the ConnectX-7 port as `ip -br link` on the host names it",
+            )
+        )
+    own = next(
+        (
+            ipaddress.ip_interface(text)
+            for text in link.addresses
+            if config.node_address in (None, str(ipaddress.ip_interface(text).ip))
+        ),
+        None,
+    )
+    if link.present and own is None:
+        problems.append(
+            Problem(
+                host,
+                "node_address" if config.node_address else "node_interface",
+                config.node_address or interface,
+                f"{interface} has {', '.join(link.addresses) or 'no address'}"
+                + (f", not {config.node_address}" if config.node_address else ""),
+                f"give {interface} its address on the link (e.g. with netplan or NetworkManager), "
+                "or set node_address to the one it has",
+            )
+        )
+    if len(link.nccl_versions) > 1:
+        problems.append(
+            Problem(
+                host,
+                "lock_file",
+                list(link.nccl_versions),
+                "the venv holds more than one NCCL: two libraries load at once and the ranks hang or crash",
+                "keep one nvidia-nccl package in the lock",
+            )
+        )
+    result = {}
+    for engine in engines:
+        master = head_address(engine, peers)
+        if master is None:
+            problems.append(
+                Problem(
+                    host,
+                    "node_address",
+                    None,
+                    f"the head {engine.head} has no node_address",
+                    f"set node_address on {engine.head}",
+                    engine.name,
+                )
+            )
+        elif own is not None:
+            result[engine.name] = Span(master, str(own.ip), str(own.network))
+    return result, problems
+
+
+def preflight_lines(host: str, config: HostConfig, link: NodeLink) -> list[str]:
+    """What the preflight saw on this node, for the log and the dry run."""
+    if not any(engine.nodes for engine in config.enabled_engines):
+        return []
+    state = "present" if link.present else "MISSING"
+    lines = [
+        f"[{host}] preflight: {link.interface} {state}, "
+        f"address {', '.join(link.addresses) or 'none'}, MTU {link.mtu if link.mtu is not None else '?'}"
+    ]
+    nccl = ", ".join(link.nccl_versions) or ("none" if not link.nccl_libraries else "unversioned")
+    lines.append(f"[{host}] preflight: NCCL in the venv: {nccl} ({len(link.nccl_libraries)} libnccl file(s))")
+    if link.head is not None:
+        reach = {
+            "open": "answers",
+            "refused": "reachable (nothing listens yet)",
+            "unreachable": "UNREACHABLE: check the cable, the addresses and the firewall",
+        }[link.head]
+        lines.append(f"[{host}] preflight: the head's master port {reach}")
+    if link.mtu is not None and link.mtu < 9000:
+        lines.append(f"[{host}] preflight: MTU {link.mtu} below the pair's jumbo frames (9000) slows the ranks")
+    return lines + [f"[{host}] preflight: untrusted line ignored: {line}" for line in link.untrusted]

@@ -143,7 +143,27 @@ def engine_environment(config: HostConfig, engine: Engine) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+        **(span_environment(config, engine) if engine.nodes else {}),
     }
+
+
+def span_environment(config: HostConfig, engine: Engine) -> dict[str, str]:
+    """A rank's network: its own address on the link, and the interfaces NCCL and gloo must take
+    (left to themselves they pick the first interface up, often the 10 GbE port)."""
+    span = config.span(engine)
+    interface = config.node_interface or ""
+    environment = {
+        "VLLM_HOST_IP": span.address,
+        # "=": this interface exactly, not every name it prefixes.
+        "NCCL_SOCKET_IFNAME": f"={config.nccl_socket_ifname or interface}",
+        "GLOO_SOCKET_IFNAME": config.gloo_socket_ifname or interface,
+    }
+    if config.nccl_ib_hca:
+        environment["NCCL_IB_HCA"] = "=" + ",".join(config.nccl_ib_hca)
+    if config.device == "cpu":
+        # vLLM's own command line (sparkform-vllm-serve) finds the CPU build's platform only so.
+        environment["VLLM_TARGET_DEVICE"] = "cpu"
+    return environment
 
 
 def engine_args(config: HostConfig, engine: Engine) -> list[str]:
@@ -187,7 +207,19 @@ def engine_args(config: HostConfig, engine: Engine) -> list[str]:
         args.append("--language-model-only")
     if engine.trust_remote_code:
         args.append("--trust-remote-code")
-    return args + engine.extra_args
+    return args + engine.extra_args + span_args(config, engine)
+
+
+def span_args(config: HostConfig, engine: Engine) -> list[str]:
+    """vLLM's native multi-node flags of this host's rank (none for an engine of one host): one
+    rank per node, tensor parallel across them; ranks > 0 run without an API (`--headless`)."""
+    if not engine.nodes:
+        return []
+    span = config.span(engine)
+    size = str(engine.tensor_parallel_size)
+    args = ["--tensor-parallel-size", size, "--nnodes", size, "--node-rank", str(config.rank(engine))]
+    args += ["--master-addr", span.master_address, "--master-port", str(engine.master_port)]
+    return args + (["--headless"] if config.is_worker(engine) else [])
 
 
 def min_available_kib(config: HostConfig, engine: Engine) -> int:
@@ -222,7 +254,7 @@ def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None 
                 "need_gib": round(min_available_kib(config, e) / 2**20, 2),
                 "ledger": ledger.guard_ledger(host, e),
             }
-            for e in config.enabled_engines
+            for e in config.served_engines
         ],
         "state_dir": record_dir(config.state_dir),
         "webhook_file": config.paths.alert_webhook if config.alert_webhook_file else None,
@@ -392,6 +424,12 @@ def render_host(config: HostConfig, model_configs: Mapping[str, dict] | None = N
         RenderedFile(paths.record, template("sparkform-record.py.j2"), "644"),
         # Run by the system's python3 after a changed engine's failed start, or by hand.
         RenderedFile(paths.rollback, rollback_script(config), "644"),
+        # Run by the venv's python for the ranks of an engine across hosts.
+        *(
+            [RenderedFile(paths.vllm_cli, template("sparkform-vllm-serve.py.j2"), "644")]
+            if any(engine.nodes for engine in config.engines)
+            else []
+        ),
         RenderedFile(
             PROFILE_CAPS, template("profile-caps.sh.j2", config=config, caps=config.compile_caps.as_env()), "644"
         ),

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from sparkform import locks
-from sparkform.engine import Engine
+from sparkform.engine import Engine, Span
 from sparkform.layout import GPU_TEXTFILE, GUARD_TEXTFILE, RECORD_TEXTFILE, HostPaths
 from sparkform.shapes import (
     COMMIT_ID,
@@ -271,6 +271,10 @@ class HostConfig(StrictModel):
     """The engines of this host, each a table of the fields below."""
     # Engine name -> the commit its branch or tag resolved to (set by `pinned`; not inventory data).
     _commits: dict[str, str] = PrivateAttr(default_factory=dict)
+    # This host's name in the inventory (set by `named`): its rank in an engine that spans hosts.
+    _node: str | None = PrivateAttr(None)
+    # Engine name -> where its ranks meet, as the deploy read it (set by `spanned`; not inventory data).
+    _spans: dict[str, Span] = PrivateAttr(default_factory=dict)
 
     @field_validator("venv_root", "state_dir", "models_dir", "cache_root", "lib_dir", "config_dir", "wheelhouse")
     @classmethod
@@ -369,6 +373,26 @@ class HostConfig(StrictModel):
         return [engine for engine in self.engines if engine.enabled]
 
     @property
+    def served_engines(self) -> list[Engine]:
+        """The enabled engines whose API this host serves: all but the ranks it runs `--headless` for a head
+        elsewhere (front, readiness, watchdog, contract and bench are the head's)."""
+        return [engine for engine in self.enabled_engines if not self.is_worker(engine)]
+
+    def rank(self, engine: Engine) -> int:
+        """This host's rank in `engine`: its place in engines[].nodes; 0 (the head) for an engine of one host."""
+        return engine.nodes.index(self._node) if self._node in engine.nodes else 0
+
+    def is_worker(self, engine: Engine) -> bool:
+        """This host runs a rank > 0 of `engine`: `--headless`, no API of its own."""
+        return self.rank(engine) > 0
+
+    def span(self, engine: Engine) -> Span:
+        """Where the ranks of a spanning engine meet (see `spanned`)."""
+        if engine.name not in self._spans:
+            raise LookupError(f"engine {engine.name} spans {engine.nodes}: its ranks' addresses are read at deploy")
+        return self._spans[engine.name]
+
+    @property
     def serves_lan(self) -> bool:
         return not ipaddress.ip_address(self.listen_address).is_loopback
 
@@ -409,6 +433,18 @@ class HostConfig(StrictModel):
         """A copy whose engines' branches and tags serve these commits (engine name -> commit)."""
         copy = self.model_copy(deep=True)
         copy._commits = {**self._commits, **commits}
+        return copy
+
+    def named(self, node: str) -> HostConfig:
+        """A copy that knows its host's name in the inventory (its rank in each spanning engine)."""
+        copy = self.model_copy(deep=True)
+        copy._node = node
+        return copy
+
+    def spanned(self, spans: dict[str, Span]) -> HostConfig:
+        """A copy whose spanning engines meet at these addresses (engine name -> Span)."""
+        copy = self.model_copy(deep=True)
+        copy._spans = {**self._spans, **spans}
         return copy
 
     def engine_cache_dir(self, engine: Engine) -> str:

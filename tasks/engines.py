@@ -101,6 +101,29 @@ def engine_running(
 
 
 @operation()
+def rank_running(engine: Engine, current: EngineState | None, restart: bool):
+    """
+    Enable a rank > 0 of an engine across hosts at boot and have it running. It has no API to
+    wait for: it waits for its head's master port itself, and the head's start (on the head's
+    host) returns once every rank joined and a completion ran through them.
+
+    + engine: the engine this host runs a headless rank of
+    + current: its unit's state from the HostSnapshot fact (None before the first deploy)
+    + restart: its unit, settings or arguments changed, so it must restart to pick them up
+    """
+    changed = False
+    if current is None or current.unit_file_state != "enabled":
+        yield f"systemctl enable {shlex.quote(engine.unit)}"
+        changed = True
+    if starts(current, restart):
+        yield f"systemctl reset-failed {shlex.quote(engine.unit)} 2>/dev/null || true"
+        yield f"systemctl {'restart' if restart else 'start'} {shlex.quote(engine.unit)}"
+        changed = True
+    if not changed:
+        host.noop(f"{engine.unit} is enabled and {current.active_state}")
+
+
+@operation()
 def settings_kept(
     kept_dir: str,
     files: tuple[str, str, str],

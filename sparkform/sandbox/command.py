@@ -27,7 +27,7 @@ def _howto(box) -> str:
         return "\n".join(lines)
     os.environ["SPARKFORM_SANDBOX"] = box.name  # the inventory points at this sandbox
     for target in load_inventory(SANDBOX_INVENTORY):
-        for engine in target.config.enabled_engines:
+        for engine in target.config.served_engines:
             body = json.dumps(
                 {"model": engine.names[0], "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}
             )

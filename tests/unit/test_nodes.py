@@ -11,14 +11,18 @@ problem on one line naming the host, the engine, the field and the fix.
 from __future__ import annotations
 
 import copy
+import json
+import socket
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from sparkform import cli, modelconfig, nodes, planner
+from sparkform import cli, layout, modelconfig, nodes, planner, render
 from sparkform import inventory as inventory_module
+from sparkform.engine import Span
 from sparkform.locks import LOCKS
 from sparkform.model import Host
 from sparkform.schema import HostConfig
@@ -288,12 +292,119 @@ def test_sparkform_plan_of_the_pair_plans_each_node_and_exits_2_on_a_mismatch(pa
     assert "  - spark-b: engine big: python = 'python3.12': spark-a has 'python3'" in capsys.readouterr().err
 
 
-def test_the_deploy_refuses_a_spanning_engine_until_its_units_exist(pair):
+LINK = "10.0.0.0/30"
+
+
+def rendered(config: HostConfig) -> dict[str, str]:
+    return {file.path: file.content for file in render.render_host(config)}
+
+
+def test_each_node_renders_its_rank_the_head_serving_and_the_worker_headless(pair):
     hosts = loaded(pair)
-    (refused,) = nodes.not_deployable("spark-b", hosts["spark-b"].config)
-    assert (refused.host, refused.engine, refused.field) == ("spark-b", "big", "nodes")
-    assert "each node would serve it alone" in str(refused)
-    assert nodes.not_deployable("spark-a", HostConfig.model_validate({})) == []
+    head = hosts["spark-a"].config.spanned({"big": Span("10.0.0.1", "10.0.0.1", LINK)})
+    worker = hosts["spark-b"].config.spanned({"big": Span("10.0.0.1", "10.0.0.2", LINK)})
+    on_head, on_worker = rendered(head), rendered(worker)
+    big = next(engine for engine in head.engines if engine.name == "big")
+    env_file, args_file = head.paths.engine_settings("big")
+    unit = layout.unit_path(big.unit)
+    flags = "--tensor-parallel-size\n2\n--nnodes\n2\n--node-rank\n{}\n--master-addr\n10.0.0.1\n--master-port\n29501\n"
+    assert flags.format(0) in on_head[args_file] and "--headless" not in on_head[args_file]
+    assert on_worker[args_file].endswith(flags.format(1) + "--headless\n")
+    # The head serves through its front and gates on a completion; the worker has neither.
+    assert "sparkform-wait-ready" in on_head[unit] and "sparkform-wait-ready" not in on_worker[unit]
+    assert "listen 10.0.0.1:8013" not in on_head[layout.FRONT_CONFIG]  # the front listens on the LAN address
+    assert ":8013" in on_head[layout.FRONT_CONFIG] and ":8013" not in on_worker[layout.FRONT_CONFIG]
+    guarded = {
+        name: [e["name"] for e in json.loads(files[head.paths.guard_config])["engines"]]
+        for name, files in (("head", on_head), ("worker", on_worker))
+    }
+    assert guarded == {"head": ["nemotron", "big"], "worker": []}
+    # Each rank's network: its own address, the interfaces exactly, the HCAs, the link allowed.
+    assert "VLLM_HOST_IP=10.0.0.1\n" in on_head[env_file] and "VLLM_HOST_IP=10.0.0.2\n" in on_worker[env_file]
+    assert "NCCL_SOCKET_IFNAME==enp1s0f1np1\n" in on_head[env_file]
+    assert "GLOO_SOCKET_IFNAME=enP2p1s0f1np1\n" in on_worker[env_file]
+    assert "NCCL_IB_HCA==rocep1s0f1,roceP2p1s0f1\n" in on_head[env_file]
+    assert "SPARKFORM_NODE_RANK=1\n" in on_worker[env_file]
+    assert f"IPAddressAllow=localhost {LINK}\n" in on_worker[unit] and "RemoveIPC=no" in on_worker[unit]
+    assert head.paths.vllm_cli in on_worker and head.paths.vllm_cli in on_head
+    # The engine of one host beside it renders as before: loopback only, no rank.
+    nemotron_env, nemotron_args = head.paths.engine_settings("nemotron")
+    assert "VLLM_HOST_IP=127.0.0.1\n" in on_head[nemotron_env] and "--nnodes" not in on_head[nemotron_args]
+    assert "IPAddressAllow=localhost\n" in on_head[layout.unit_path(layout.engine_unit("nemotron"))]
+
+
+def test_a_node_renders_nothing_before_the_deploy_read_its_link(pair):
+    with pytest.raises(LookupError, match="big spans"):
+        render.render_host(loaded(pair)["spark-b"].config)
+
+
+def test_a_host_without_a_spanning_engine_renders_no_multi_node_entry(seed_data):
+    config = inventory_module.load_host("spark", seed_data, MODEL_CONFIGS).config
+    assert config.paths.vllm_cli not in rendered(config)
+
+
+# --- the preflight: the NodeLink fact's shell run here, on this machine's loopback ---------------
+
+
+@pytest.fixture
+def venv_with_nccl(tmp_path: Path) -> Path:
+    site = tmp_path / "lib" / "python3.11" / "site-packages"
+    (site / "nvidia_nccl_cu12-2.27.3.dist-info").mkdir(parents=True)
+    (site / "nvidia" / "nccl" / "lib").mkdir(parents=True)
+    (site / "nvidia" / "nccl" / "lib" / "libnccl.so.2").write_bytes(b"")
+    return tmp_path
+
+
+def read_link(interface: str, venv: Path, head: tuple[str, int] | None = None) -> nodes.NodeLink:
+    output = subprocess.run(
+        ["sh", "-c", nodes.node_link_command(interface, str(venv), head)], capture_output=True, text=True, check=True
+    ).stdout
+    return nodes.parse_node_link(interface, output.splitlines())
+
+
+def test_the_preflight_reads_the_interface_the_nccl_and_whether_the_head_answers(venv_with_nccl):
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        refused_port = closed.getsockname()[1]
+    link = read_link("lo", venv_with_nccl, ("127.0.0.1", refused_port))
+    assert (link.present, link.mtu, link.addresses) == (True, 65536, ())  # loopback has no global address
+    assert link.nccl_versions == ("2.27.3",) and link.nccl_libraries[0].endswith("/libnccl.so.2")
+    assert link.head == "refused" and link.untrusted == ()
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        assert read_link("lo", venv_with_nccl, listening.getsockname()).head == "open"
+    assert read_link("sfnosuch0", venv_with_nccl).present is False
+
+
+def test_the_preflight_stops_a_node_whose_link_cannot_carry_its_rank(pair, venv_with_nccl):
+    hosts = loaded(pair)
+    peers = {name: host.config for name, host in hosts.items()}
+    worker = hosts["spark-b"].config
+    missing = nodes.spans("spark-b", worker, peers, read_link("sfnosuch0", venv_with_nccl))
+    assert missing[0] == {} and [(p.host, p.field) for p in missing[1]] == [("spark-b", "node_interface")]
+    assert "no such interface" in str(missing[1][0]) and "ip -br link" in str(missing[1][0])
+    # Up, but without the address the inventory names; two NCCL libraries in the venv.
+    link = nodes.parse_node_link(
+        "enP2p1s0f1np1",
+        [
+            "present",
+            "mtu 1500",
+            "address 10.0.0.6/30",
+            "nccl_dist nvidia_nccl_cu12-2.27.3.dist-info",
+            "nccl_dist nvidia_nccl_cu13-2.28.1.dist-info",
+            "address $(reboot)",
+        ],
+    )
+    assert link.untrusted == ("address $(reboot)",)
+    spans, problems = nodes.spans("spark-b", worker.model_copy(update={"node_address": "10.0.0.2"}), peers, link)
+    assert spans == {} and [p.field for p in problems] == ["node_address", "lock_file"]
+    assert "has 10.0.0.6/30, not 10.0.0.2" in str(problems[0])
+    lines = nodes.preflight_lines("spark-b", worker, link)
+    assert any("MTU 1500 below" in line for line in lines) and any("untrusted line" in line for line in lines)
+    # The interface's one address stands in for a worker's unset node_address.
+    good = nodes.parse_node_link("enP2p1s0f1np1", ["present", "mtu 9000", "address 10.0.0.2/30"])
+    assert nodes.spans("spark-b", worker, peers, good) == ({"big": Span("10.0.0.1", "10.0.0.2", LINK)}, [])
 
 
 # --- the planner's per-node split ----------------------------------------------------------------

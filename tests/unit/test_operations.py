@@ -344,6 +344,18 @@ TABLE = {
         ],
         dict(engine=FAST, current=unit(), restart=False, rollback_script=None, **START),
     ),
+    "rank: enable and start a headless rank, without waiting for an API": (
+        engines.rank_running,
+        dict(engine=FAST, current=None, restart=False),
+        ["systemctl enable vllm-fast.service", "systemctl start vllm-fast.service"],
+        dict(engine=FAST, current=unit(), restart=False),
+    ),
+    "rank: restart it when its files changed": (
+        engines.rank_running,
+        dict(engine=FAST, current=unit(), restart=True),
+        ["systemctl restart vllm-fast.service"],
+        dict(engine=FAST, current=unit(), restart=False),
+    ),
     "settings: keep those the engine serves, a new copy renamed in place": (
         engines.settings_kept,
         dict(

@@ -41,11 +41,15 @@ def _targets(config) -> list[Target]:
 
 
 def pytest_generate_tests(metafunc):
-    """Every test runs per host; a test that takes `engine` runs per enabled engine of each host."""
+    """Every test runs per host; a test that takes `engine` runs per engine whose API a host
+    serves, one that takes `rank` per rank a host runs headless for a head elsewhere."""
     targets = _targets(metafunc.config)
     if "engine" in metafunc.fixturenames:
-        cases = [(t, e) for t in targets for e in t.config.enabled_engines]
+        cases = [(t, e) for t in targets for e in t.config.served_engines]
         metafunc.parametrize(("target", "engine"), cases, ids=[f"{t}-{e.name}" for t, e in cases])
+    elif "rank" in metafunc.fixturenames:
+        cases = [(t, e) for t in targets for e in t.config.enabled_engines if t.config.is_worker(e)]
+        metafunc.parametrize(("target", "rank"), cases, ids=[f"{t}-{e.name}" for t, e in cases])
     elif "target" in metafunc.fixturenames:
         metafunc.parametrize("target", targets, ids=[str(t) for t in targets])
 

@@ -324,3 +324,21 @@ def test_no_secret_in_a_world_readable_file(remote, config):
             lines = leaks.stdout.split()
             assert lines[-1] == "0", f"the secret of {path} appears in the journal"
             assert lines[:-1] == [], f"world-readable files hold the secret of {path}: {lines[:-1]}"
+
+
+def test_a_rank_runs_headless_joined_to_its_head(remote, rank, config):
+    """A rank > 0 of an engine across hosts: enabled at boot, restarted always, vLLM running as
+    this node's rank without an API (no readiness helper of its own), connected to its head."""
+    service = remote.service(rank.unit)
+    assert service.is_enabled, f"{rank.unit} is not enabled at boot"
+    assert service.is_running, f"{rank.unit} is not running"
+    props = service.systemd_properties
+    assert props["Restart"] == "always", "a rank can die with exit 0 too"
+    assert "sparkform-wait-ready" not in _exec_start_post(remote, rank)
+    argv = remote.check_output(f"tr '\\0' ' ' </proc/{int(props['MainPID'])}/cmdline")
+    assert " serve " in f" {argv} " and "--headless" in argv, argv
+    assert f"--node-rank {config.rank(rank)} " in argv and f"--master-port {rank.master_port}" in argv, argv
+    env = remote.file(config.paths.engine_settings(rank.name)[0]).content_string
+    master = re.search(r"^SPARKFORM_MASTER_ADDRESS=([0-9a-fA-F.:]+)$", env, re.MULTILINE)
+    assert master, "the rank's settings name no head address"
+    assert remote.check_output(f"ss -Htn state established dst {master.group(1)}"), "no connection to the head"
