@@ -88,7 +88,10 @@ class EngineStatus(Model):
     enabled: bool
     """enabled in the inventory (a disabled engine never counts against the exit code)"""
     serving: bool
-    """the unit is active and /health answers 200"""
+    """the unit is active and /health answers 200 (a headless rank: the unit is active, its process running)"""
+    rank: int = 0
+    """this host's rank in an engine across hosts (engines[].nodes): 0 for the head or an engine of one host; a rank >
+    0 runs headless, so its API, /health and metrics are the head's"""
     active_state: str
     sub_state: str
     since: float | None
@@ -305,7 +308,8 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
                 name=engine.name,
                 unit=engine.unit,
                 enabled=engine.enabled,
-                serving=active and health_http == 200,
+                serving=active and (health_http == 200 or (config.is_worker(engine) and bool(state.main_pid))),
+                rank=config.rank(engine),
                 active_state=state.active_state if state else "unknown",
                 sub_state=state.sub_state if state else "unknown",
                 since=float(since[1:]) if since.startswith("@") and since[1:].isdigit() else None,

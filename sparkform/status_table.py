@@ -37,7 +37,9 @@ def _or_dash(value: object, form: str = "{}") -> str:
 
 def _engine_row(e: EngineStatus, now: float) -> list[str]:
     state = f"{e.active_state}/{e.sub_state}" + ("" if e.enabled else " (disabled)")
-    if e.active_state == "active" and not e.serving:
+    if e.rank:
+        state += f" (rank {e.rank}, headless)"
+    elif e.active_state == "active" and not e.serving:
         state += f" /health {e.health_http or 'no answer'}"
     return [
         e.name,

@@ -3,6 +3,7 @@ documented JSON and the exit code. Reading a real sandbox: tests/integration/tes
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -292,3 +293,21 @@ def test_watch_reads_again_every_interval_until_stopped(tmp_path, free_port):
         watch.wait()
     assert [r["host"] for r in rounds] == ["gone-box"] * 3
     assert rounds[0]["checked_at"] < rounds[1]["checked_at"] < rounds[2]["checked_at"]
+
+
+def test_a_headless_rank_serves_while_its_unit_runs_and_says_whose_rank_it_is(make_host, seed_data):
+    """q38 spans spark-a (its head) and this host: here it runs rank 1 without an API, so its
+    /health never answers; it counts as serving while its unit is active with a process."""
+    data = copy.deepcopy(seed_data)
+    q38 = next(engine for engine in data["engines"] if engine["name"] == "q38")
+    q38.update(nodes=["spark-a", "spark"], checkpoint={**q38["checkpoint"], "revision": "3f1c" * 10})
+    q38.pop("after", None)
+    worker = make_host({**data, "node_interface": "cx7"}, name="spark").config
+    silent = {"health__q38": ["000"], "metrics__q38": [], "metrics2__q38": []}
+    s = status.read_status("spark", worker, answer(**silent), checked_at=T0)
+    nemotron, rank = s.engines
+    assert (nemotron.rank, rank.rank, rank.serving, rank.health_http) == (0, 1, True, None) and s.serving
+    assert "active/running (rank 1, headless)" in format_status(s)
+    down = units({"ActiveState": "failed", "MainPID": "0"})
+    stopped = status.read_status("spark", worker, answer(**silent, units=down), checked_at=T0)
+    assert not stopped.serving and not stopped.engines[1].serving
