@@ -247,13 +247,13 @@ def jumbo_ping(sender: Sandbox, receiver: Sandbox, address: str) -> str:
     return answer.stderr.strip()
 
 
-def cable_seen_in(sandbox: Sandbox) -> tuple[str, str]:
-    """(MTU, address/prefix) of the guest's cable interface, as the guest reads them: by netlink, as
-    `ip` does (nspawn mounts the guest's /sys before it joins the namespace: its /sys/class/net lists
-    this machine's interfaces, not the guest's)."""
+def cable_seen_in(sandbox: Sandbox) -> tuple[str, str, str]:
+    """(MTU by netlink, MTU in sysfs, address/prefix) of the guest's cable interface, as the guest
+    reads them (the preflight reads sysfs)."""
     link = ssh(sandbox, f"ip -o link show dev {network.CABLE_INTERFACE}").stdout.split()
+    sysfs = ssh(sandbox, f"cat /sys/class/net/{network.CABLE_INTERFACE}/mtu").stdout.strip()
     address = ssh(sandbox, f"ip -4 -o addr show dev {network.CABLE_INTERFACE}").stdout.split()[3]
-    return link[link.index("mtu") + 1], address
+    return link[link.index("mtu") + 1], sysfs, address
 
 
 def test_the_pair_s_cable_joins_two_sandboxes_through_a_reboot_until_down(
@@ -268,8 +268,10 @@ def test_the_pair_s_cable_joins_two_sandboxes_through_a_reboot_until_down(
     # Linking again, either way round, changes nothing.
     assert machine.link(a.name, b.name) == cable
     assert machine.link(b.name, a.name) == cable.seen_from_peer(a.name) == network.read_cable(b.runtime_dir)
-    assert cable_seen_in(a) == ("9000", f"{cable.address}/30")
-    assert cable_seen_in(b) == ("9000", f"{cable.peer_address}/30")
+    assert cable_seen_in(a) == ("9000", "9000", f"{cable.address}/30")
+    assert cable_seen_in(b) == ("9000", "9000", f"{cable.peer_address}/30")
+    # The guest's sysfs is its namespace's, as on a host: its own interfaces, none of this machine's.
+    assert ssh(a, "ls /sys/class/net").stdout.split() == sorted([network.CABLE_INTERFACE, "eth0", "lo"])
     assert machine.status(b.name)["cable"] == {
         "peer": a.name,
         "address": cable.peer_address,
@@ -281,7 +283,7 @@ def test_the_pair_s_cable_joins_two_sandboxes_through_a_reboot_until_down(
     assert "10.234." not in subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True).stdout
     # The namespace outlives the guest's reboot, and the cable with it.
     machine.reboot(b.name)
-    assert cable_seen_in(b) == ("9000", f"{cable.peer_address}/30")
+    assert cable_seen_in(b) == ("9000", "9000", f"{cable.peer_address}/30")
     assert jumbo_ping(a, b, cable.peer_address) == str(JUMBO_PAYLOAD)
     # `down` of either side removes the cable and the other side's record of it.
     machine.down(a.name)
