@@ -11,6 +11,7 @@ import sys
 
 from sparkform.bundle import INVENTORIES
 from sparkform.inventory import load_inventory
+from sparkform.sandbox.network import CABLE_INTERFACE, CABLE_MTU
 
 SANDBOX_INVENTORY = INVENTORIES / "sandbox.py"
 # pyproject's `sandbox` extra: the stage's fake hub builds its tiny checkpoints with them.
@@ -40,14 +41,14 @@ def _howto(box) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Local rehearsal machines (Linux, root): build the caches, up, down, status, names, reboot,
-    memory, or an SSH session. `--bare` works on a machine without the stage (hub, alert receiver,
+    """Local rehearsal machines (Linux, root): build the caches, up, link two, down, status, names,
+    reboot, memory, or an SSH session. `--bare` works on a machine without the stage (hub, alert receiver,
     secrets, wheelhouse, nvidia-smi), on the rootfs with the base packages only."""
     missing = [name for name in SANDBOX_EXTRA if importlib.util.find_spec(name) is None]
     if missing and args.action in ("build", "up") and not args.bare:
         print(f"sparkform sandbox: {', '.join(missing)} missing: pip install 'sparkform[sandbox]'", file=sys.stderr)
         return 1
-    from sparkform.sandbox import machine, registry, rootfs, stage
+    from sparkform.sandbox import machine, network, registry, rootfs, stage
     from sparkform.sandbox.system import SandboxError
 
     try:
@@ -61,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
             else:
                 box = machine.up(args.name, args.bind_ro) if args.bare else stage.up(args.name, args.bind_ro)
             print(f"ssh: ssh -F {box.ssh_config} {box.host_alias}")
+        elif args.action == "link":
+            print(machine.link(args.name, args.peer))
         elif args.action == "down":
             stage.down(args.name)
         elif args.action == "status":
@@ -69,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps(state, indent=2, default=str))
             elif state["up"]:
                 print(f"{args.name}: up at {state['address']} (systemd: {state['state'] or 'unreachable'})")
+                if state["cable"]:
+                    print(f"cable:   {network.Cable(**state['cable'])}")
                 print(_howto(machine.get(args.name)))
             else:
                 print(f"{args.name}: not up")
@@ -130,6 +135,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="HOST:GUEST",
         help="also bind this folder of this machine read-only into the guest (repeatable)",
     )
+    link = action(
+        "link",
+        f"lay the pair's direct cable (the Sparks' ConnectX-7 link) to another machine that is up: interface "
+        f"{CABLE_INTERFACE} in both, MTU {CABLE_MTU}, this one 10.234.K.1/30, the peer .2 (linked already: nothing)",
+    )
+    link.add_argument("peer", help="the other sandbox's name")
     action("down", "power the machine off and remove every trace of it (a name that is not up: nothing)")
     status = action("status", "whether the machine runs, its address and systemd's state; how to reach its engines")
     status.add_argument("--json", action="store_true", help="only the state, as one JSON object")

@@ -6,9 +6,10 @@ layer of a fresh overlay whose upper and work folders live in the cache, on disk
 the guest is several GB), in its own network namespace with a /30 link to this machine, and
 returns a `Sandbox` with everything an SSH client needs; `get(name)` loads that value in another
 process. `reboot(name)` reboots the guest and waits until the same machine (same upper layer,
-keys and address) is back, re-applying `memory_controller_writable`. `status(name)` says whether
-it runs. `down(name)` powers it off and removes every trace (processes, mounts, netns, cgroup
-folders, files).
+keys and address) is back, re-applying `memory_controller_writable`. `link(name, peer)` lays the
+pair's direct cable between two machines that are up (sparkform.sandbox.network). `status(name)`
+says whether it runs, and its cable. `down(name)` powers it off and removes every trace
+(processes, mounts, netns, its cable and both sides' record of it, cgroup folders, files).
 
 `up` of a name that is up is an error (SandboxError); `down` of a name that is not up is a no-op.
 """
@@ -16,6 +17,7 @@ folders, files).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import subprocess
 import time
@@ -312,15 +314,17 @@ def memory_controller_writable(name: str) -> None:
 
 
 def status(name: str) -> dict[str, object]:
-    """{name, up, address, pid (systemd-nspawn), state (systemctl is-system-running; None if unreachable)}."""
+    """{name, up, address, pid (systemd-nspawn), state (systemctl is-system-running; None if unreachable),
+    cable (network.Cable as a dict, or None)}."""
     registry.check_name(name)
     runtime_dir = registry.runtime_dir(name)
-    result: dict[str, object] = {"name": name, "up": False, "address": None, "pid": None, "state": None}
+    result: dict[str, object] = {"name": name, "up": False, "address": None, "pid": None, "state": None, "cable": None}
     if not (runtime_dir / "index").is_file():
         return result
     sandbox = _sandbox(name, runtime_dir)
     pid = registry.owned_pid(runtime_dir, "nspawn.pid")
-    result.update(up=pid is not None, address=sandbox.address, pid=pid)
+    cable = network.read_cable(runtime_dir)
+    result.update(up=pid is not None, address=sandbox.address, pid=pid, cable=cable and dataclasses.asdict(cable))
     if pid is not None and sandbox.ssh_config.is_file():
         with contextlib.suppress(subprocess.TimeoutExpired):
             answer = subprocess.run(
@@ -332,6 +336,60 @@ def status(name: str) -> dict[str, object]:
             )
             result["state"] = answer.stdout.strip() or None
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# the pair's cable
+
+
+def link(name: str, peer: str) -> network.Cable:
+    """Lay the cable between machines `name` and `peer` (both up): `name` holds 10.234.K.1, `peer`
+    10.234.K.2, K being `name`'s index; returns `name`'s view of it. Linking a pair that is linked
+    changes nothing (either way round); a machine cabled to a third one is an error.
+    """
+    registry.check_name(name)
+    registry.check_name(peer)
+    if name == peer:
+        raise SandboxError(f"cannot link sandbox {name!r} to itself: name another sandbox that is up")
+    with locked(registry.REGISTRY_LOCK):
+        here, there = registry.runtime_dir(name), registry.runtime_dir(peer)
+        for side, folder in ((name, here), (peer, there)):
+            if not (folder / "index").is_file() or not registry.in_use(folder):
+                raise SandboxError(f"sandbox {side!r} is not up: `sparkform sandbox --name {side} up` it first")
+        cables = {side: network.read_cable(folder) for side, folder in ((name, here), (peer, there))}
+        for side, other in ((name, peer), (peer, name)):
+            cable = cables[side]
+            if cable is not None and cable.peer != other:
+                raise SandboxError(
+                    f"sandbox {side!r} is cabled to {cable.peer!r} (one cable a sandbox, as a Spark's one "
+                    f"ConnectX-7 link): `down` one of them, or link {side!r} with {cable.peer!r}"
+                )
+        kept = cables[name]
+        if kept is not None and cables[peer] == kept.seen_from_peer(name) and network.has_cable(name):
+            say(f"{name} and {peer} are linked already: {kept}")
+            return kept
+        _cut(name)  # what a link that failed halfway left, if anything
+        cable = network.lay_cable(name, peer, registry.read_index(here))
+        network.write_cable(here, cable)
+        network.write_cable(there, cable.seen_from_peer(name))
+    say(f"{name} and {peer} are linked: {cable}")
+    return cable
+
+
+def _cut(name: str) -> None:
+    """Remove machine `name`'s cable, its record and the peer's record of it (caller holds the lock)."""
+    runtime_dir = registry.runtime_dir(name)
+    try:
+        cable = network.read_cable(runtime_dir)
+    except SandboxError:
+        cable = None  # an unreadable record goes; the peer's own record names its peer
+    network.cut_cable(name)
+    if cable is not None:
+        peer_dir = registry.runtime_dir(cable.peer)
+        with contextlib.suppress(SandboxError):
+            if (back := network.read_cable(peer_dir)) is not None and back.peer == name:
+                (peer_dir / network.CABLE_RECORD).unlink()
+    (runtime_dir / network.CABLE_RECORD).unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,6 +420,7 @@ def _teardown(name: str) -> None:
     layers = [Path(line) for line in read_lines(runtime_dir / "layers")]
     for folder in layers:
         unmount_all(folder)
+    _cut(name)
     network.delete_network(name)
     for folder in folders:
         cgroups.remove_cgroup(folder)

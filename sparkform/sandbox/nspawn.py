@@ -48,6 +48,12 @@ done
 def start(name: str, runtime_dir: Path, root: Path, binds: Sequence[tuple[str, str]], cgroups: list[Path]) -> None:
     """Start the supervisor (which runs systemd-nspawn on `root`) detached, logging to nspawn.log."""
     nspawn = [
+        # systemd-nspawn mounts the guest's /sys before it joins --network-namespace-path, and a
+        # sysfs shows the interfaces of the namespace it was mounted in: started in the sandbox's
+        # namespace already, the guest's /sys/class/net lists its own interfaces (eth0, cx7), as
+        # on a host, not this machine's.
+        "nsenter",
+        f"--net={netns_path(name)}",
         "systemd-nspawn",
         "-q",
         "-b",

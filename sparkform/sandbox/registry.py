@@ -5,7 +5,8 @@ A sandbox NAME is up (or died without `down`) while its runtime folder holds an 
                                     running `up` until the machine booted), supervisor.pid,
                                     nspawn.pid, ssh_config, id_ed25519, known_hosts, ctl (the SSH
                                     ControlPath), nspawn.log, cgroups and layers (what `down`
-                                    removes), root/ (the overlay's mount point, the guest's /)
+                                    removes), cable (the pair's cable to another sandbox, as
+                                    `link` laid it), root/ (the overlay's mount point, the guest's /)
 On this machine the sandbox's netns, container machine name, SSH Host alias, overlay and cgroup
 folders are all named PREFIX + NAME, and its link's host-side interface PREFIX + N.
 """

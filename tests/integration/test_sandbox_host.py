@@ -10,6 +10,7 @@ import contextlib
 import functools
 import http.server
 import os
+import shlex
 import signal
 import subprocess
 import threading
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from sparkform import cli
 from sparkform.sandbox import machine, network, nspawn, registry, stage, system
 from sparkform.sandbox.machine import Sandbox
 from sparkform.sandbox.rootfs import BASE_PACKAGES, apt_mirror, build_rootfs, rootfs_key
@@ -214,6 +216,82 @@ def test_reboot_waits_for_the_boot_s_start_jobs_and_names_the_one_it_outlasts(
     assert seconds >= 30, f"reboot returned after {seconds:.1f} s, before slow-start.service finished"
     finished = ssh(sandbox, "systemctl show -P ExecMainExitTimestampMonotonic slow-start.service").stdout.strip()
     assert int(finished) > 0, "slow-start.service had not finished when reboot() returned"
+
+
+# A jumbo "ping" over the cable (the guest has no ping; python3 it has): the sender forbids
+# fragmentation and sends one datagram that fills a 9000-byte frame (less 20 bytes IP, 8 UDP); the
+# peer's listener answers with the size it got. A 1500 MTU on either end loses it.
+JUMBO_PAYLOAD = network.CABLE_MTU - 28
+ECHO_PORT = 9000
+LISTEN = (
+    "import socket, sys; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+    "s.bind((sys.argv[1], int(sys.argv[2]))); data, sender = s.recvfrom(65535)\n"
+    "s.sendto(str(len(data)).encode(), sender)"
+)
+SEND = (
+    "import socket, sys; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(2)\n"
+    "s.setsockopt(socket.IPPROTO_IP, 10, 2)\n"  # Linux's IP_MTU_DISCOVER = IP_PMTUDISC_DO (Python names neither)
+    "s.sendto(b'x' * int(sys.argv[3]), (sys.argv[1], int(sys.argv[2]))); print(s.recv(64).decode())"
+)
+
+
+def jumbo_ping(sender: Sandbox, receiver: Sandbox, address: str) -> str:
+    """What `receiver`'s echo (listening on `address`) answers `sender`'s jumbo datagram: its size."""
+    listen = shlex.join(["python3", "-c", LISTEN, address, str(ECHO_PORT)])
+    ssh(receiver, f"systemd-run --collect --unit=cable-echo {listen}")
+    send = shlex.join(["python3", "-c", SEND, address, str(ECHO_PORT), str(JUMBO_PAYLOAD)])
+    for _ in range(5):  # the listener may not be bound yet
+        answer = ssh(sender, send, check=False)
+        if answer.returncode == 0:
+            return answer.stdout.strip()
+    return answer.stderr.strip()
+
+
+def cable_seen_in(sandbox: Sandbox) -> tuple[str, str, str]:
+    """(MTU by netlink, MTU in sysfs, address/prefix) of the guest's cable interface, as the guest
+    reads them (the preflight reads sysfs)."""
+    link = ssh(sandbox, f"ip -o link show dev {network.CABLE_INTERFACE}").stdout.split()
+    sysfs = ssh(sandbox, f"cat /sys/class/net/{network.CABLE_INTERFACE}/mtu").stdout.strip()
+    address = ssh(sandbox, f"ip -4 -o addr show dev {network.CABLE_INTERFACE}").stdout.split()[3]
+    return link[link.index("mtu") + 1], sysfs, address
+
+
+def test_the_pair_s_cable_joins_two_sandboxes_through_a_reboot_until_down(
+    make_sandbox: Callable[..., Sandbox], capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = make_sandbox(), make_sandbox()
+    found = [traces(a), traces(b)]
+    assert cli.main(["sandbox", "--name", a.name, "link", b.name]) == 0
+    cable = network.read_cable(a.runtime_dir)
+    assert (cable.address, cable.peer_address) == network.cable_addresses(registry.read_index(a.runtime_dir))
+    assert capsys.readouterr().out.strip() == str(cable)
+    # Linking again, either way round, changes nothing.
+    assert machine.link(a.name, b.name) == cable
+    assert machine.link(b.name, a.name) == cable.seen_from_peer(a.name) == network.read_cable(b.runtime_dir)
+    assert cable_seen_in(a) == ("9000", "9000", f"{cable.address}/30")
+    assert cable_seen_in(b) == ("9000", "9000", f"{cable.peer_address}/30")
+    # The guest's sysfs is its namespace's, as on a host: its own interfaces, none of this machine's.
+    assert ssh(a, "ls /sys/class/net").stdout.split() == sorted([network.CABLE_INTERFACE, "eth0", "lo"])
+    assert machine.status(b.name)["cable"] == {
+        "peer": a.name,
+        "address": cable.peer_address,
+        "peer_address": cable.address,
+    }
+    assert jumbo_ping(a, b, cable.peer_address) == str(JUMBO_PAYLOAD)
+    # The ranks' traffic takes the cable; this machine has no address or route on it.
+    assert f"dev {network.CABLE_INTERFACE}" in ssh(a, f"ip route get {cable.peer_address}").stdout
+    assert "10.234." not in subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True).stdout
+    # The namespace outlives the guest's reboot, and the cable with it.
+    machine.reboot(b.name)
+    assert cable_seen_in(b) == ("9000", "9000", f"{cable.peer_address}/30")
+    assert jumbo_ping(a, b, cable.peer_address) == str(JUMBO_PAYLOAD)
+    # `down` of either side removes the cable and the other side's record of it.
+    machine.down(a.name)
+    assert f" {network.CABLE_INTERFACE}@" not in ssh(b, "ip -o link").stdout
+    assert machine.status(b.name)["cable"] is None and network.read_cable(b.runtime_dir) is None
+    machine.down(b.name)
+    assert [leftovers(box) for box in found] == [[], []]
+    assert not {a.name, b.name} & set(registry.names())
 
 
 def test_memory_max_is_enforced_once_the_controller_is_writable(make_sandbox: Callable[..., Sandbox]) -> None:

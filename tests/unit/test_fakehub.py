@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import runpy
 import shutil
 import subprocess
 import sys
@@ -79,6 +80,13 @@ def test_main_resolves_to_the_content_commit(hub: FakeHub) -> None:
     commit = hub.resolve(LLAMA, "main")
     assert len(commit) == 40 and set(commit) <= set("0123456789abcdef")
     assert HfApi(endpoint=hub.url, token=False).model_info(LLAMA, revision="main").sha == commit
+
+
+def test_the_pair_inventory_pins_the_commit_the_hub_publishes(hub: FakeHub) -> None:
+    """inventory/sandbox-pair.py names tiny-qwen3 by its commit (every rank loads the same one):
+    the commit every stage's hub serves, as its id comes from the content."""
+    pinned = runpy.run_path(str(REPO / "inventory" / "sandbox-pair.py"))["TINY_QWEN3_COMMIT"]
+    assert hub.resolve(QWEN, "main") == pinned
 
 
 def test_tree_lists_lfs_sha256_for_weights(hub: FakeHub) -> None:

@@ -1,14 +1,16 @@
-"""The shipped inventories: spark.py is the owner's pair exactly; sandbox.py is that pair scaled down."""
+"""The shipped inventories: spark.py is the owner's pair exactly; sandbox.py is that pair scaled down;
+sandbox-pair.py is two sandboxes as two Sparks, one engine across both."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from script_box import CAPS
 
 from sparkform.inventory import load_inventory
 from sparkform.locks import CPU_EXCLUDED, LOCKS
-from sparkform.sandbox import wheelhouse
+from sparkform.sandbox import network, registry, stage, wheelhouse
 
 INVENTORY = Path(__file__).resolve().parents[2] / "inventory"
 
@@ -53,3 +55,65 @@ def test_the_spark_installs_the_repo_s_lock_of_its_vllm(monkeypatch):
     monkeypatch.delenv("SPARK_HF_TOKEN_FILE", raising=False)
     (spark,) = load_inventory(INVENTORY / "spark.py")
     assert spark.config.lock == str(LOCKS / "vllm-0.27.1-cuda-aarch64.txt")
+
+
+def test_the_sandbox_pair_spans_one_engine_over_the_cable(monkeypatch):
+    """Not up: both hosts plan (`<name>-not-up`), the head at a stand-in address on the cable's range."""
+    monkeypatch.setenv("SPARKFORM_SANDBOX_PAIR", "no-a,no-b")
+    (head, worker), (sandbox,) = load_inventory(INVENTORY / "sandbox-pair.py"), load_single(monkeypatch)
+    assert (head.name, worker.name) == ("no-a-not-up", "no-b-not-up")
+    (engine,) = head.config.engines
+    assert worker.config.engines == [engine]
+    assert (engine.name, engine.port, engine.nodes) == ("pair", 8013, ["no-a-not-up", "no-b-not-up"])
+    assert engine.checkpoint.repo == "sparkform-test/tiny-qwen3" and len(engine.checkpoint.revision) == 40
+    assert (head.config.node_interface, worker.config.node_interface) == ("cx7", "cx7")
+    assert (head.config.node_address, worker.config.node_address) == ("10.234.0.1", None)
+    # The hosts are the single sandbox's, and the engine its CPU settings.
+    nemotron = sandbox.config.engines[0]
+    for field in ("gpu_memory_utilization", "kv_cache_memory_bytes", "max_model_len", "extra_args"):
+        assert getattr(engine, field) == getattr(nemotron, field), field
+    for field in ("device", "vllm_package", "vllm_version", "lock", "memory_total_gib", "memory_max_gib"):
+        assert getattr(head.config, field) == getattr(sandbox.config, field), field
+
+
+def load_single(monkeypatch):
+    monkeypatch.setenv("SPARKFORM_SANDBOX", "no-such-sandbox")
+    return load_inventory(INVENTORY / "sandbox.py")
+
+
+@pytest.mark.parametrize("pair", ["one", "a,a", "a,b,c", "a,B_b", ""])
+def test_a_sandbox_pair_that_is_not_two_names_exits_2_naming_the_variable(monkeypatch, capsys, pair):
+    monkeypatch.setenv("SPARKFORM_SANDBOX_PAIR", pair)
+    with pytest.raises(SystemExit) as caught:
+        load_inventory(INVENTORY / "sandbox-pair.py")
+    assert caught.value.code == 2
+    assert f"SPARKFORM_SANDBOX_PAIR = {pair!r}: is not two sandbox names" in capsys.readouterr().err
+
+
+def test_a_sandbox_pair_that_is_up_but_not_linked_exits_2_saying_how_to_link(monkeypatch, capsys, tmp_path):
+    """Both up (runtime folders as `up` leaves them), no cable: the fix is the link command; with
+    the cable, the head's node_address is its end's."""
+    monkeypatch.setattr(registry, "RUNTIME_ROOT", tmp_path)
+    monkeypatch.setenv("SPARKFORM_SANDBOX_PAIR", "up-a,up-b")
+    for index, name in enumerate(("up-a", "up-b"), start=1):
+        folder = tmp_path / name
+        (folder / "secrets").mkdir(parents=True)
+        (folder / "index").write_text(f"{index}\n")
+        for file in ("ssh_config", "id_ed25519", "known_hosts"):
+            (folder / file).write_text("")
+        secrets = {"hf_token": "hf-" + "1" * 32, "api_key": "2" * 32, "alert_webhook": "http://10.233.1.1:8089/alerts"}
+        for secret, value in secrets.items():
+            stage.secret_file(folder, secret).write_text(f"{value}\n")
+            stage.secret_file(folder, secret).chmod(0o600)
+    with pytest.raises(SystemExit) as caught:
+        load_inventory(INVENTORY / "sandbox-pair.py")
+    assert caught.value.code == 2
+    assert (
+        "up-a: cable = 'up-b': sandbox up-a is not linked to up-b. Fix: `sparkform sandbox --name up-a link up-b`"
+        in (capsys.readouterr().err)
+    )
+    cable = network.Cable(peer="up-b", address="10.234.1.1", peer_address="10.234.1.2")
+    network.write_cable(tmp_path / "up-a", cable)
+    network.write_cable(tmp_path / "up-b", cable.seen_from_peer("up-a"))
+    head, worker = load_inventory(INVENTORY / "sandbox-pair.py")
+    assert (head.name, head.config.node_address, worker.name) == ("up-a", "10.234.1.1", "up-b")
