@@ -1,9 +1,9 @@
-"""Two sandboxes as two Sparks: one engine tensor-parallel across both, its ranks on the pair's _cable.
+"""Two sandboxes as two Sparks: one engine tensor-parallel across both, its ranks on the pair's cable.
 
-SPARKFORM_SANDBOX_PAIR _names the two sandboxes, _head first (default "pair-a,pair-b"); each is a
+SPARKFORM_SANDBOX_PAIR names the two sandboxes, head first (default "pair-a,pair-b"); each is a
 sandbox host as in inventory/sandbox.py (sparkform.sandbox.hostdata), and they are joined by
 `sparkform sandbox --name pair-a link pair-b` (interface cx7, MTU 9000, 10.234.K.0/30). The one
-engine, `pair`, spans both (docs/two-sparks.md): rank 0 on the _head serves the tiny Qwen3.
+engine, `pair`, spans both (docs/two-sparks.md): rank 0 on the head serves the tiny Qwen3.
 
 Bring them up with:
     sparkform sandbox --name pair-a up && sparkform sandbox --name pair-b up
@@ -26,7 +26,7 @@ MODEL_CONFIGS = Path(__file__).resolve().parent / "model_configs"
 # The fake hub's commit of sparkform-test/tiny-qwen3 (its id comes from the content, the same in
 # every stage): both ranks load this commit. tests/unit/test_fakehub.py checks it.
 TINY_QWEN3_COMMIT = "412d6195b3e3481b4e92c17262c153ee5a2788f0"
-# What the head's node_address is while the pair is not up (no connection, no _cable): index 0,
+# What the head's node_address is while the pair is not up (no connection, no cable): index 0,
 # which no sandbox holds, so the inventory plans and validates as it will once linked.
 NOT_LINKED = network.cable_addresses(0)[0]
 
