@@ -98,6 +98,10 @@ def prerequisite_packages(device: str) -> list[str]:
     return packages + ["libnuma1"] if device == "cpu" else packages
 
 
+# How long a rank this host runs for a head elsewhere may take from its start to its connection to
+# the head's master port (importing vLLM; tens of seconds on the sandbox's two cores) before the
+# guard judges that connection.
+RANK_JOIN_S = 120
 # The front's allow-list: the OpenAI routes a chat or completion client uses. Every other path
 # (vLLM's /invocations, /tokenize, /generative_scoring, /scale_elastic_ep, /docs, ...) gets 404.
 FRONT_ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -137,6 +141,9 @@ def engine_environment(config: HostConfig, engine: Engine) -> dict[str, str]:
         "FLASHINFER_WORKSPACE_BASE": cache,
         "TRITON_CACHE_DIR": f"{cache}/triton",
         "CUTE_DSL_CACHE_DIR": f"{cache}/cute-dsl",
+        # torch inductor's kernels (compiled with g++ even under --enforce-eager): its default lies
+        # in the unit's private /tmp, so every start would compile them again.
+        "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor",
         # vLLM's start-up connects to its own get_ip() (the LAN address) unless told: the unit
         # allows loopback only (IPAddressAllow=localhost).
         "VLLM_HOST_IP": "127.0.0.1",
@@ -253,8 +260,10 @@ def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None 
                 "priority": e.priority,
                 "need_gib": round(min_available_kib(config, e) / 2**20, 2),
                 "ledger": ledger.guard_ledger(host, e),
+                # A rank this host runs headless: where its head's master port is (no API to probe here).
+                "head": [config.span(e).master_address, e.master_port] if config.is_worker(e) else None,
             }
-            for e in config.served_engines
+            for e in config.enabled_engines
         ],
         "state_dir": record_dir(config.state_dir),
         "webhook_file": config.paths.alert_webhook if config.alert_webhook_file else None,
@@ -277,6 +286,8 @@ def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None 
             )
         },
         "memory_poll_s": 2,
+        "rank_join_s": RANK_JOIN_S,
+        "vllm_cli": config.paths.vllm_cli,
         "memory_settle_s": 10,
         "gpu_poll_s": 15,
     }

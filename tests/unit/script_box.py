@@ -20,13 +20,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from sparkform.engine import Span
 from sparkform.inventory import load_host
 from sparkform.render import ALERT_MESSAGE_ID, RenderedFile, render_host
 from sparkform.schema import HostConfig
 
 # What every launch path (the unit, the env file, the launch script) hands the engine: its cache
 # folders, and the compile caps a host gets by default (compile_caps.as_env()).
-CACHE_VARS = ("VLLM_CACHE_ROOT", "FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "CUTE_DSL_CACHE_DIR")
+CACHE_VARS = (
+    "VLLM_CACHE_ROOT", "FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "CUTE_DSL_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
+)  # fmt: skip
 CAPS = {"MAX_JOBS": "4", "NVCC_THREADS": "1", "FLASHINFER_NVCC_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "4"}
 
 STUB_PYTHON = """#!/bin/sh
@@ -132,9 +135,17 @@ INTERNAL_OFFSET = 10000  # free ports are ephemeral ones (above 32767), so the f
 
 
 def build_box(
-    root: Path, port_a: int, port_b: int, device: str = "cpu", cuda_home: str | None = None, kv_bytes: int = 256 * 2**20
+    root: Path,
+    port_a: int,
+    port_b: int,
+    device: str = "cpu",
+    cuda_home: str | None = None,
+    kv_bytes: int = 256 * 2**20,
+    head_port: int | None = None,
 ) -> Box:
-    """Render the box into `root`; its engines a and b listen (internally) on port_a and port_b."""
+    """Render the box into `root`; its engines a and b listen (internally) on port_a and port_b.
+    With `head_port`, the box runs rank 1 of b for a head elsewhere whose master port that is (on
+    loopback)."""
     data = {
         "device": device,
         # The repo's locks: the sandbox's CPU build and the Spark's vLLM.
@@ -172,7 +183,15 @@ def build_box(
             },
         ],
     }
+    if head_port is not None:
+        data["node_interface"] = "lo"
+        b = data["engines"][1]
+        b.update(
+            nodes=["head-box", "box"], master_port=head_port, checkpoint={"repo": "org/model-b", "revision": "b" * 40}
+        )
     config = load_host("box", data).config
+    if head_port is not None:
+        config = config.spanned({"b": Span("127.0.0.1", "127.0.0.1", "127.0.0.0/8")})
     box = Box(root, config)
     for file in render_host(config):
         box.files[file.path] = file

@@ -80,6 +80,7 @@ STUB_SYSTEMCTL = """#!/bin/sh
 echo "systemctl $*" >> "{calls}"
 if [ "$1" = show ]; then
   for unit; do :; done
+  if [ "$3" = MainPID ]; then cat "{states}/$unit.pid" 2>/dev/null || echo 0; exit 0; fi
   cat "{states}/$unit" 2>/dev/null || echo active
 fi
 """
@@ -343,3 +344,37 @@ def test_the_memory_guard_stops_the_lower_priority_engine_and_starts_it_again(gu
     box.wait(lambda: "systemctl start --no-block vllm-eyes.service" in box.calls_made(), 5, "eyes started")
     events = [(a["event"], a["engine"]) for a in box.webhook_alerts()]
     assert events == [("memory-low", "-"), ("memory-critical", "eyes"), ("memory-recovered", "eyes")]
+
+
+def test_a_rank_whose_head_went_is_restarted_once_it_lost_the_head_and_its_join_resets_the_start_count(guard):
+    """eyes runs here as a rank for a head elsewhere (a real TCP listener on loopback stands in for
+    the head's master port): joined, its start count is reset once; when the head closes the
+    connection (vLLM's rank then sits in CLOSE-WAIT forever), the guard restarts the rank and says so."""
+    box, _ = guard(**FAST_WATCHDOG)
+    head = socket.create_server(("127.0.0.1", 0))
+    settings = json.loads(box.config_path.read_text())
+    rank = next(engine for engine in settings["engines"] if engine["name"] == "eyes")
+    rank["head"] = ["127.0.0.1", head.getsockname()[1]]
+    box.config_path.write_text(json.dumps({**settings, "rank_join_s": 0}))
+    # The rank's main process: its command line names sparkform-vllm-serve, as vLLM's own CLI run does.
+    main = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", settings["vllm_cli"]])
+    replace_text(box.states / "vllm-eyes.service.pid", f"{main.pid}\n")
+    store = socket.create_connection(head.getsockname())
+    accepted, _ = head.accept()
+    try:
+        box.watch()
+        box.wait(lambda: "systemctl reset-failed vllm-eyes.service" in box.calls_made(), 10, "the join's reset")
+        time.sleep(3)
+        assert "systemctl restart vllm-eyes.service" not in box.calls_made()  # joined: left alone
+        assert not [c for c in box.calls_made() if "hands" in c and ("restart" in c or "kill" in c)]
+        accepted.close()  # the head goes: the rank's store connection half-closes
+        box.wait(lambda: "systemctl restart vllm-eyes.service" in box.calls_made(), 10, "the rank's restart")
+        (alert,) = box.webhook_alerts()
+        assert alert["event"] == "head-lost" and alert["engine"] == "eyes"
+        assert f"127.0.0.1:{head.getsockname()[1]}" in alert["message"]
+        assert box.calls_made().count("systemctl reset-failed vllm-eyes.service") == 1
+    finally:
+        main.kill()
+        main.wait()
+        store.close()
+        head.close()

@@ -306,3 +306,27 @@ def test_rendered_scripts_are_executable_in_the_box(make_box):
     box = make_box()
     for script in (box.launch, box.wait_ready):
         assert stat.S_IMODE(script.stat().st_mode) == 0o755
+
+
+def test_a_rank_for_a_head_elsewhere_waits_for_its_master_port_then_runs_vllms_own_cli_headless(make_box, free_port):
+    head_port = free_port()
+    box = make_box(head_port=head_port)
+    box.complete("b")
+    head = socket.socket()
+    head.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    head.bind(("127.0.0.1", head_port))
+    threading.Timer(3, head.listen).start()  # the head comes up 3 s after its rank
+    started = time.monotonic()
+    try:
+        result = box.run_launch("b")
+    finally:
+        head.close()
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - started >= 3
+    assert f"rank 1 of b waits for its head at 127.0.0.1:{head_port}" in result.stderr
+    assert f"starting rank 1 of b (headless), head 127.0.0.1:{head_port}" in result.stderr
+    env, args = box.recorded("b")
+    assert args[:2] == [box.config.paths.vllm_cli, "serve"] and args[2:] == engine_args(box.config, box.engine("b"))
+    assert args[-1] == "--headless" and args[args.index("--node-rank") + 1] == "1"
+    assert (env["SPARKFORM_NODE_RANK"], env["VLLM_HOST_IP"], env["GLOO_SOCKET_IFNAME"]) == ("1", "127.0.0.1", "lo")
+    assert env["NCCL_SOCKET_IFNAME"] == "=lo" and env["VLLM_TARGET_DEVICE"] == "cpu"

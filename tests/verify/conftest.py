@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import testinfra
 
-from sparkform import ssh
+from sparkform import nodes, ssh
 from sparkform.inventory import load_inventory, raw_inventory
 from sparkform.schema import HostConfig
 
@@ -75,14 +75,23 @@ _pinned: dict[str, HostConfig] = {}
 
 
 @pytest.fixture
-def config(target, remote) -> HostConfig:
-    """The target's config with each branch or tag pinned to the commit the host recorded
-    (read once per host for the session)."""
+def config(request, target, remote) -> HostConfig:
+    """The target's config with each branch or tag pinned to the commit the host recorded, and
+    each engine across hosts placed as the deploy places it, from the host's link (read once per
+    host for the session)."""
     if target.name not in _pinned:
         recorded = {}
         for engine in target.config.engines:
             pin = remote.file(target.config.pin_path(engine))
             if target.config.commit(engine) is None and pin.exists:
                 recorded[engine.name] = pin.content_string.strip()
-        _pinned[target.name] = target.config.pinned(recorded)
+        config = target.config.pinned(recorded)
+        if config.node_interface and any(engine.nodes for engine in config.enabled_engines):
+            command = nodes.node_link_command(config.node_interface, config.venv, None)
+            link = nodes.parse_node_link(config.node_interface, remote.check_output(command).splitlines())
+            peers = {other.name: other.config for other in _targets(request.config)}
+            spans, problems = nodes.spans(target.name, config, peers, link)
+            assert not problems, "\n".join(str(problem) for problem in problems)
+            config = config.spanned(spans)
+        _pinned[target.name] = config
     return _pinned[target.name]
