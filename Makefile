@@ -42,8 +42,9 @@ sandbox: system-deps venv
 sandbox-down: venv
 	$(SPARKFORM) sandbox down
 
+# --durations: the slowest tests in every CI log, so the suite's time can be watched.
 test: system-deps venv lint
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=25
 
 # ruff's lint rules and format (pyproject.toml): a finding fails `make test` before any test runs.
 lint: venv

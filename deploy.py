@@ -159,6 +159,19 @@ for step in plan.steps:
         jit.cache_moved_aside(
             name=f"JIT caches of {step.engine.name} aside (stale)", config=config, engine=step.engine, snapshot=snapshot
         )
+
+
+def caches_keyed(step: converge.EngineStep) -> None:
+    jit.cache_keyed(
+        name=f"JIT caches of {step.engine.name} keyed",
+        config=config,
+        engine=step.engine,
+        key=plan.cache_key,
+        snapshot=snapshot,
+        rebuilt=step.stale,
+    )
+
+
 # The ranks this host runs for heads elsewhere, before any head starts (pyinfra runs each
 # operation on every host before the next): a head's start returns only once its ranks joined.
 for step in plan.worker_steps:
@@ -193,24 +206,10 @@ for step in plan.served_steps:
         previous=step.engine.name in snapshot.previous,
         rolled_back=step.engine.name in snapshot.rollbacks,
     )
-    jit.cache_keyed(
-        name=f"JIT caches of {step.engine.name} keyed",
-        config=config,
-        engine=step.engine,
-        key=plan.cache_key,
-        snapshot=snapshot,
-        rebuilt=step.stale,
-    )
+    caches_keyed(step)
 # A rank's caches are valid once its head served (the operation above, on the head's host).
 for step in plan.worker_steps:
-    jit.cache_keyed(
-        name=f"JIT caches of {step.engine.name} keyed",
-        config=config,
-        engine=step.engine,
-        key=plan.cache_key,
-        snapshot=snapshot,
-        rebuilt=step.stale,
-    )
+    caches_keyed(step)
 # The front last: an engine that moved behind it has freed the port nginx takes over. nginx and
 # the guard restart (or reload) when the files they run with differ from what they last loaded.
 front.front_serving(

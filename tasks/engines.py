@@ -77,14 +77,8 @@ def engine_running(
     + rollback_script: sparkform-rollback, when a failed start puts the engine back on the
       settings it last served with (EngineStep.rolls_back); the run fails all the same
     """
-    changed = False
-    if current is None or current.unit_file_state != "enabled":
-        yield f"systemctl enable {shlex.quote(engine.unit)}"
-        changed = True
+    commands = _enabled(engine, current)
     if starts(current, restart):
-        # reset-failed: a unit that hit its start limit would refuse the start otherwise. `start`
-        # joins a start already under way (a boot) and cuts short an auto-restart wait.
-        yield f"systemctl reset-failed {shlex.quote(engine.unit)} 2>/dev/null || true"
         verb = "restart" if restart else "start"
         progress = printf_line(start_format(engine.name, cold, cold_start_s, budget_s), "$elapsed")
         start = ticking(f"systemctl {verb} {shlex.quote(engine.unit)}", progress)
@@ -94,10 +88,23 @@ def engine_running(
             if rollback_script
             else None
         )
-        yield ProgressCommand(f"{_explained(start, engine.unit, rollback)}; {serving}")
-        changed = True
-    if not changed:
+        commands += [_reset_failed(engine), ProgressCommand(f"{_explained(start, engine.unit, rollback)}; {serving}")]
+    if not commands:
         host.noop(f"{engine.unit} is enabled and {current.active_state}")
+    yield from commands
+
+
+def _enabled(engine: Engine, current: EngineState | None) -> list[str]:
+    """`systemctl enable` of the engine's unit, unless it is enabled at boot already."""
+    if current is not None and current.unit_file_state == "enabled":
+        return []
+    return [f"systemctl enable {shlex.quote(engine.unit)}"]
+
+
+def _reset_failed(engine: Engine) -> str:
+    """A unit that hit its start limit would refuse the start otherwise. `start` (after it) joins
+    a start already under way (a boot) and cuts short an auto-restart wait."""
+    return f"systemctl reset-failed {shlex.quote(engine.unit)} 2>/dev/null || true"
 
 
 @operation()
@@ -111,16 +118,12 @@ def rank_running(engine: Engine, current: EngineState | None, restart: bool):
     + current: its unit's state from the HostSnapshot fact (None before the first deploy)
     + restart: its unit, settings or arguments changed, so it must restart to pick them up
     """
-    changed = False
-    if current is None or current.unit_file_state != "enabled":
-        yield f"systemctl enable {shlex.quote(engine.unit)}"
-        changed = True
+    commands = _enabled(engine, current)
     if starts(current, restart):
-        yield f"systemctl reset-failed {shlex.quote(engine.unit)} 2>/dev/null || true"
-        yield f"systemctl {'restart' if restart else 'start'} {shlex.quote(engine.unit)}"
-        changed = True
-    if not changed:
+        commands += [_reset_failed(engine), f"systemctl {'restart' if restart else 'start'} {shlex.quote(engine.unit)}"]
+    if not commands:
         host.noop(f"{engine.unit} is enabled and {current.active_state}")
+    yield from commands
 
 
 @operation()

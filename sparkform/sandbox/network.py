@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -158,6 +159,13 @@ def create_network(name: str, index: int) -> None:
 
 
 def delete_network(name: str) -> None:
-    """Delete the netns of sandbox `name` if it exists (the veth pair goes with it)."""
-    if netns_path(name).exists():
-        run_step("delete the network namespace", ["ip", "netns", "del", netns_name(name)])
+    """Delete the netns of sandbox `name` if it exists, its link first: the kernel frees a deleted
+    namespace's interfaces later, on its own, and the next `up` may take this link's index (and
+    its name on this machine's side) before that."""
+    if not netns_path(name).exists():
+        return
+    netns = netns_name(name)
+    link = subprocess.run(["ip", "-n", netns, "link", "show", GUEST_INTERFACE], capture_output=True, check=False)
+    if link.returncode == 0:
+        run_step("delete the link", ["ip", "-n", netns, "link", "del", GUEST_INTERFACE])  # both ends, at once
+    run_step("delete the network namespace", ["ip", "netns", "del", netns])

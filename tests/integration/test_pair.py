@@ -1,0 +1,117 @@
+"""Two sandboxes as two Sparks (inventory/sandbox-pair.py): one engine tensor-parallel across both
+over the pair's cable (the ConnectX-7 stand-in), converged from scratch by one inventory, verified
+on both hosts, and back to serving without a hand after its worker is killed and after either host
+reboots; a second converge changes nothing.
+
+The pair has its own two sandboxes (never the shared one); its tests run in order on one converge.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+from deploy_helpers import ROOT, changed_operations, pyinfra, ssh, unit_properties, verify, wait_for
+
+from sparkform import layout
+from sparkform.sandbox import machine, stage
+
+PAIR_INVENTORY = ROOT / "inventory" / "sandbox-pair.py"
+ENGINE, PORT = "pair", 8013
+UNIT = layout.engine_unit(ENGINE)
+BACK_WITHIN_S = 600  # a restart of both ranks on two loaded cores: ~2 min here
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """The head's sandbox and the worker's, cabled; SPARKFORM_SANDBOX_PAIR points the inventory at them."""
+    tag = uuid.uuid4().hex[:6]
+    names = (f"t-{tag}-head", f"t-{tag}-worker")
+    try:
+        head, worker = (stage.up(name) for name in names)
+        machine.link(head.name, worker.name)
+        os.environ["SPARKFORM_SANDBOX_PAIR"] = ",".join(names)
+        yield head, worker
+    finally:
+        os.environ.pop("SPARKFORM_SANDBOX_PAIR", None)
+        for name in names:
+            stage.down(name)
+
+
+def completion(head: machine.Sandbox, timeout: float = 60) -> int:
+    """The status of a completion through the head's front, from this machine, with the key: the
+    one answer that needs every rank."""
+    key = stage.secret_file(head.runtime_dir, "api_key").read_text().strip()
+    request = urllib.request.Request(
+        f"http://{head.address}:{PORT}/v1/completions",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        data=json.dumps({"model": ENGINE, "prompt": "hello", "max_tokens": 4}).encode(),
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status if json.load(response).get("choices") else 0
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0
+
+
+def serves_again(head: machine.Sandbox, what: str) -> None:
+    wait_for(lambda: completion(head, timeout=20) == 200, BACK_WITHIN_S, f"the pair serving again after {what}", 5)
+
+
+def test_the_pair_converges_from_scratch_and_serves_through_its_head(pair):
+    head, worker = pair
+    result = pyinfra(PAIR_INVENTORY, "-y")
+    shown = result.stdout + result.stderr
+    assert result.returncode == 0, shown[-6000:]
+    # The preflight read both ends of the cable before any change; the worker reached the head.
+    for box in pair:
+        assert re.search(rf"\[{box.name}\] preflight: cx7 present, address 10\.234\.\d+\.\d/30, MTU 9000", shown)
+    assert f"[{worker.name}] preflight: the head's master port reachable (nothing listens yet)" in shown
+    # pyinfra pads each host's prefix to the longest host name's.
+    assert re.search(rf"^\[{head.name}\] +{ENGINE}: serving after \d+ s$", shown, re.M), shown[-4000:]
+    assert completion(head) == 200
+    # Rank 1 serves no API: the worker's front has no server on the engine's port.
+    assert ssh(worker, f"ss -Hltn 'sport = :{PORT}'").stdout.strip() == ""
+    result = verify(inventory=PAIR_INVENTORY)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "test_a_rank_runs_headless_joined_to_its_head" in verify("--", "-rA", inventory=PAIR_INVENTORY).stdout
+
+
+def test_a_second_converge_changes_nothing(pair):
+    before = [unit_properties(box, UNIT, "MainPID")["MainPID"] for box in pair]
+    assert changed_operations(PAIR_INVENTORY) == []
+    result = pyinfra(PAIR_INVENTORY, "-y")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert [unit_properties(box, UNIT, "MainPID")["MainPID"] for box in pair] == before
+
+
+def test_a_killed_worker_brings_the_pair_back_without_a_hand(pair):
+    head, worker = pair
+    head_pid = unit_properties(head, UNIT, "MainPID")["MainPID"]
+    # The rank's worker process (vLLM names it): its main exits 0, the head's next request fails.
+    ssh(worker, "pkill -9 -f '^VLLM::Worker'")
+    wait_for(
+        lambda: unit_properties(head, UNIT, "MainPID")["MainPID"] not in (head_pid, "0"),
+        BACK_WITHIN_S,
+        "the head restarting with its worker (the guard's probe runs through every rank)",
+        5,
+    )
+    serves_again(head, "kill -9 of rank 1's worker")
+
+
+def test_a_reboot_of_either_host_brings_the_pair_back(pair):
+    head, worker = pair
+    machine.reboot(worker.name)
+    serves_again(head, "the worker's reboot")
+    since = time.time()
+    machine.reboot(head.name)
+    serves_again(head, "the head's reboot")
+    # vLLM leaves a rank whose head went waiting forever: the guard on the worker restarted it.
+    alerts = ssh(worker, f"journalctl -o cat --since @{int(since)} SPARKFORM_EVENT=head-lost", check=False).stdout
+    assert f"{UNIT} (a rank of {ENGINE} for its head at 10.234." in alerts, alerts
