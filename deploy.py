@@ -47,16 +47,18 @@ if spanning := [engine for engine in config.enabled_engines if engine.nodes]:
     }
     if problems := span_problems(list(peers.values()), [peer.name for peer in inventory]):
         exit_invalid(InventoryError(problems), f"across the nodes of {host.name}")
-    head = next((engine for engine in spanning if config.is_worker(engine)), None)
+    peer_configs = {name: peer.config for name, peer in peers.items()}
+    # On a worker, the preflight also tries the head's master port (of the first engine it serves a rank of).
+    ranked = next((engine for engine in spanning if config.is_worker(engine)), None)
     link = host.get_fact(
         NodeLink,
         interface=config.node_interface,
         venv=config.venv,
-        head=(nodes.head_address(head, {n: p.config for n, p in peers.items()}), head.master_port) if head else None,
+        head=(nodes.head_address(ranked, peer_configs), ranked.master_port) if ranked else None,
     )
     for line in nodes.preflight_lines(host.name, config, link):
         logger.info(line)
-    spans, problems = nodes.spans(host.name, config, {n: p.config for n, p in peers.items()}, link)
+    spans, problems = nodes.spans(host.name, config, peer_configs, link)
     if problems:
         exit_invalid(InventoryError(problems), f"of host {host.name} (preflight)")
     config = config.spanned(spans)
