@@ -11,15 +11,18 @@ SPARKFORM := $(VENV)/bin/sparkform
 # ssh boot and reach the sandbox; strace shows which argv a secret-handling command exposes; nginx
 # runs the rendered front in the unit tests (the package's service is not started here); cc
 # compiles the sandbox's NVML stand-in for the GPU report's unit tests; promtool (Debian's
-# prometheus) checks the rendered scrape config, alert rules and textfile metrics.
-SYSTEM_TOOLS := shellcheck systemd-analyze debootstrap systemd-nspawn ip ssh ssh-keygen nsenter strace nginx cc promtool
+# prometheus) checks the rendered scrape config, alert rules and textfile metrics; curl talks to
+# the fake hub and the engines in the tests. python3-venv: a stock Debian's python3 makes no venv
+# without it.
+SYSTEM_TOOLS := shellcheck systemd-analyze debootstrap systemd-nspawn ip ssh ssh-keygen nsenter strace nginx cc promtool curl
 system-deps:
 	@missing=$$(for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null || echo $$tool; done); \
+	python3 -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \
-	  echo "== installing Debian packages for: $$missing"; \
+	  echo "== installing Debian packages for:" $$missing; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    shellcheck systemd debootstrap systemd-container iproute2 openssh-client util-linux strace nginx gcc \
-	    prometheus; \
+	    prometheus curl python3-venv; \
 	fi
 
 $(VENV)/.installed: pyproject.toml
@@ -42,9 +45,12 @@ sandbox: system-deps venv
 sandbox-down: venv
 	$(SPARKFORM) sandbox down
 
-# --durations: the slowest tests in every CI log, so the suite's time can be watched.
+# TEST_WORKERS xdist workers, each integration module (or chain of modules sharing a sandbox) on
+# one of them, longest first (tests/integration/conftest.py); the log ends with the time per
+# module (tests/suite_clock.py). `make test TEST_WORKERS=0` runs it in one process.
+TEST_WORKERS ?= 3
 test: system-deps venv lint
-	$(PYTHON) -m pytest -q --durations=25
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # ruff's lint rules and format (pyproject.toml): a finding fails `make test` before any test runs.
 lint: venv

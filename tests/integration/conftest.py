@@ -14,29 +14,56 @@ from __future__ import annotations
 
 import contextlib
 import os
-import uuid
 
 import pytest
 from deploy_helpers import CONVERGED, SANDBOX_INVENTORY, mark_converged, pyinfra
+from steady_memory import moving_memory, still_memory
+from suite_hygiene import sandbox_name
 
 from sparkform.sandbox import machine, stage
 
+SHARED_GROUP = "shared-sandbox"
+
+
+def chain(module) -> str:
+    """The xdist group a module's tests run in: all of them on one worker, in file order. The
+    modules that share a sandbox form one chain (one worker, one sandbox, one converge)."""
+    return SHARED_GROUP if getattr(module, "SHARES_SANDBOX", False) else module.__name__
+
 
 def pytest_collection_modifyitems(items):
-    """The modules that share a sandbox run last and back to back (a stable sort), so it is up
-    only meanwhile, never beside another module's."""
-    items.sort(key=lambda item: getattr(item.module, "SHARES_SANDBOX", False))
+    """Each integration module is one xdist group (the sharing modules one together), and the
+    groups go out longest first by the minutes each module declares (CI_MINUTES), so the longest
+    chain starts at once and the unit tests fill the workers that finish early. Without xdist the
+    same order holds: the sharing modules back to back, so their sandbox is up only meanwhile."""
+    minutes: dict[str, float] = {}
+    for module in {item.module for item in items if item.path.parent.name == "integration"}:
+        minutes[chain(module)] = minutes.get(chain(module), 0) + module.CI_MINUTES
+    for item in items:
+        if chain(item.module) in minutes:
+            item.add_marker(pytest.mark.xdist_group(chain(item.module)))
+    items.sort(key=lambda item: -minutes.get(chain(item.module), -1))
 
 
 @contextlib.contextmanager
 def fresh_sandbox():
     """A fresh sandbox, taken down afterwards."""
-    name = f"t-{uuid.uuid4().hex[:6]}"
-    sandbox = stage.up(name)
+    name = sandbox_name()
+    with moving_memory():
+        sandbox = stage.up(name)
     try:
         yield sandbox
     finally:
-        stage.down(name)
+        with moving_memory():
+            stage.down(name)
+
+
+@pytest.fixture(autouse=True)
+def steady_memory(request):
+    """Each test holds the machine's memory lock: exclusively when marked `still_memory` (it sets
+    the memory guard's floors from what is free now), else shared (steady_memory.py)."""
+    with still_memory() if request.node.get_closest_marker("still_memory") else moving_memory():
+        yield
 
 
 @pytest.fixture(scope="session")

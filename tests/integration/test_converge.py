@@ -45,6 +45,7 @@ from sparkform.sandbox import machine, stage
 from sparkform.sandbox.fakehub import FakeHub
 
 pytestmark = pytest.mark.usefixtures("converged")
+CI_MINUTES = 12  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 
 PORTS = {"nemotron": 8012, "q38": 8011}  # the front's, on the sandbox's LAN address
 INTERNAL_OFFSET = 10000

@@ -14,14 +14,16 @@ import re
 import time
 import urllib.error
 import urllib.request
-import uuid
 
 import pytest
 from deploy_helpers import ROOT, changed_operations, pyinfra, ssh, unit_properties, verify, wait_for
+from steady_memory import moving_memory
+from suite_hygiene import sandbox_name
 
 from sparkform import layout
 from sparkform.sandbox import machine, stage
 
+CI_MINUTES = 11  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 PAIR_INVENTORY = ROOT / "inventory" / "sandbox-pair.py"
 ENGINE, PORT = "pair", 8013
 UNIT = layout.engine_unit(ENGINE)
@@ -31,17 +33,18 @@ BACK_WITHIN_S = 600  # a restart of both ranks on two loaded cores: ~2 min here
 @pytest.fixture(scope="module")
 def pair():
     """The head's sandbox and the worker's, cabled; SPARKFORM_SANDBOX_PAIR points the inventory at them."""
-    tag = uuid.uuid4().hex[:6]
-    names = (f"t-{tag}-head", f"t-{tag}-worker")
+    names = (sandbox_name("head"), sandbox_name("worker"))
     try:
-        head, worker = (stage.up(name) for name in names)
+        with moving_memory():
+            head, worker = (stage.up(name) for name in names)
         machine.link(head.name, worker.name)
         os.environ["SPARKFORM_SANDBOX_PAIR"] = ",".join(names)
         yield head, worker
     finally:
         os.environ.pop("SPARKFORM_SANDBOX_PAIR", None)
-        for name in names:
-            stage.down(name)
+        with moving_memory():
+            for name in names:
+                stage.down(name)
 
 
 def completion(head: machine.Sandbox, timeout: float = 60) -> int:

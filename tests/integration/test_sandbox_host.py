@@ -15,11 +15,11 @@ import signal
 import subprocess
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from suite_hygiene import sandbox_name
 
 from sparkform import cli
 from sparkform.sandbox import machine, network, nspawn, registry, stage, system
@@ -28,6 +28,7 @@ from sparkform.sandbox.rootfs import BASE_PACKAGES, apt_mirror, build_rootfs, ro
 from sparkform.sandbox.system import SandboxError
 
 # The rootfs the rehearsal stage boots (sparkform.sandbox.stage): one build serves both suites.
+CI_MINUTES = 4  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 STAGE_PACKAGES = stage.STAGE_PACKAGES
 
 
@@ -46,7 +47,7 @@ def make_sandbox(rootfs: Path) -> Iterator[Callable[..., Sandbox]]:
     made: list[str] = []
 
     def _make(**kwargs: object) -> Sandbox:
-        name = f"t-{uuid.uuid4().hex[:8]}"
+        name = sandbox_name()
         made.append(name)
         return machine.up(name, extra_packages=STAGE_PACKAGES, **kwargs)
 

@@ -13,7 +13,6 @@ import importlib
 import pkgutil
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +21,7 @@ from pyinfra.api import FileUploadCommand, StringCommand
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra.facts.files import FindFiles
 from samples import engine_state
+from suite_hygiene import temp_folder
 
 import tasks
 from sparkform import converge, layout
@@ -131,7 +131,7 @@ WHEELS = ("a-1.0-py3-none-any.whl", "b-1.0-py3-none-any.whl")
 
 def wheel_source() -> str:
     """A folder of (empty) wheels on this machine for wheelhouse_synced to copy; gone at exit."""
-    folder = tempfile.mkdtemp(prefix="sparkform-test-wheels-")
+    folder = temp_folder("wheels")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     for name in WHEELS:
         Path(folder, name).touch()

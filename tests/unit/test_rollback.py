@@ -76,8 +76,14 @@ class RolledHost:
         self.kept = self.keep(self.config)
 
     def path(self, path: str) -> Path:
-        """Where a file of the host lies here: units under root/units, the rest as rendered."""
-        return self.units / path.removeprefix(f"{UNIT_DIR}/") if path.startswith(UNIT_DIR) else Path(path)
+        """Where a file of the host lies here: units under root/units, the folders the inventory
+        put under root as rendered, and the rest (the front, the login shells' caps) under
+        root/elsewhere: nothing of this test lands outside its folder."""
+        if path.startswith(f"{UNIT_DIR}/"):
+            return self.units / path.removeprefix(f"{UNIT_DIR}/")
+        if Path(path).is_relative_to(self.root):
+            return Path(path)
+        return self.root / "elsewhere" / path.lstrip("/")
 
     def files(self, engine: str) -> list[Path]:
         return [self.path(p) for p in self.config.paths.engine_files(engine)]

@@ -10,12 +10,11 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from suite_hygiene import temp_folder
 
 
 def test_wait_ready_succeeds_when_every_name_is_served(make_box, servers):
@@ -131,7 +130,7 @@ def test_wait_ready_takes_a_main_process_it_may_not_signal_as_alive(make_box, se
     box = make_box()
     engine = servers(names=("a",))
     # pytest's folders are root's only: the unprivileged user runs a copy from a folder it may read.
-    folder = Path(tempfile.mkdtemp(prefix="sparkform-wait-ready-"))
+    folder = temp_folder("wait-ready")
     folder.chmod(0o755)
     helper = folder / "sparkform-wait-ready"
     shutil.copy(box.wait_ready, helper)
