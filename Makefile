@@ -46,11 +46,11 @@ sandbox-down: venv
 	$(SPARKFORM) sandbox down
 
 # TEST_WORKERS xdist workers, each integration module (or chain of modules sharing a sandbox) on
-# one of them, longest first (tests/integration/conftest.py); the log ends with the time per
+# one of them, longest first (tests/chains.py); the log ends with the time per
 # module (tests/suite_clock.py). `make test TEST_WORKERS=0` runs it in one process.
 TEST_WORKERS ?= 3
 test: system-deps venv lint
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 # ruff's lint rules and format (pyproject.toml): a finding fails `make test` before any test runs.
 lint: venv

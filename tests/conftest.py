@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from chains import ChainScheduler
 from suite_clock import SuiteClock
 from suite_hygiene import TEMP_PREFIX, MachineState, clear_leftovers, hold_run_lock, temp_folder
 
@@ -43,7 +44,7 @@ def served_pair() -> dict[str, Any]:
 def pytest_configure(config):
     """The run's machinery (in the controller, before any xdist worker starts): the remains of a
     killed earlier run cleared, the time per module and the machine's state watched (suite_clock,
-    suite_hygiene).
+    suite_hygiene), and xdist's work units made chains (chains.py).
 
     inventory/spark.py serves the LAN and so names an API key file, and pins the Spark's host
     key: give it both for the session, unless the caller set them (xdist's workers inherit them)."""
@@ -54,6 +55,8 @@ def pytest_configure(config):
                 print(f"cleared what a killed run left: {gone}")
         config.pluginmanager.register(SuiteClock(), "sparkform-suite-clock")
         config.pluginmanager.register(MachineState(), "sparkform-machine-state")
+        if config.pluginmanager.hasplugin("xdist"):
+            config.pluginmanager.register(ChainScheduler(), "sparkform-chains")
     if "SPARK_API_KEY_FILE" not in os.environ:
         path = temp_folder("key") / "spark-api-key"
         path.write_text(f"{secrets.token_hex(32)}\n")

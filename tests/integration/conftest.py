@@ -16,33 +16,19 @@ import contextlib
 import os
 
 import pytest
+from chains import longest_first
 from deploy_helpers import CONVERGED, SANDBOX_INVENTORY, mark_converged, pyinfra
 from steady_memory import moving_memory, still_memory
 from suite_hygiene import sandbox_name
 
 from sparkform.sandbox import machine, stage
 
-SHARED_GROUP = "shared-sandbox"
-
-
-def chain(module) -> str:
-    """The xdist group a module's tests run in: all of them on one worker, in file order. The
-    modules that share a sandbox form one chain (one worker, one sandbox, one converge)."""
-    return SHARED_GROUP if getattr(module, "SHARES_SANDBOX", False) else module.__name__
-
 
 def pytest_collection_modifyitems(items):
-    """Each integration module is one xdist group (the sharing modules one together), and the
-    groups go out longest first by the minutes each module declares (CI_MINUTES), so the longest
-    chain starts at once and the unit tests fill the workers that finish early. Without xdist the
-    same order holds: the sharing modules back to back, so their sandbox is up only meanwhile."""
-    minutes: dict[str, float] = {}
-    for module in {item.module for item in items if item.path.parent.name == "integration"}:
-        minutes[chain(module)] = minutes.get(chain(module), 0) + module.CI_MINUTES
-    for item in items:
-        if chain(item.module) in minutes:
-            item.add_marker(pytest.mark.xdist_group(chain(item.module)))
-    items.sort(key=lambda item: -minutes.get(chain(item.module), -1))
+    """The chains longest first, then the unit tests (tests/chains.py): under xdist each chain
+    runs on one worker; in one process the modules that share a sandbox still run back to back,
+    so it is up only meanwhile."""
+    longest_first(items)
 
 
 @contextlib.contextmanager
