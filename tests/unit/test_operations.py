@@ -131,7 +131,7 @@ WHEELS = ("a-1.0-py3-none-any.whl", "b-1.0-py3-none-any.whl")
 
 def wheel_source() -> str:
     """A folder of (empty) wheels on this machine for wheelhouse_synced to copy; gone at exit."""
-    folder = temp_folder("wheels")
+    folder = str(temp_folder("wheels"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     for name in WHEELS:
         Path(folder, name).touch()
@@ -340,7 +340,7 @@ TABLE = {
         [
             "systemctl restart vllm-fast.service",
             "|| { rc=$?; why=$(journalctl -u vllm-fast.service",
-            f"printf '%s\\n' \"$why\" | python3 {CONFIG.paths.rollback} fast --by deploy >&2; exit $rc; }}",
+            f"printf '%s\\n' \"$why\" | /usr/bin/python3 -I {CONFIG.paths.rollback} fast --by deploy >&2; exit $rc; }}",
         ],
         dict(engine=FAST, current=unit(), restart=False, rollback_script=None, **START),
     ),
@@ -427,7 +427,7 @@ TABLE = {
     "alert: a human hears of a drift": (
         guard.alerted,
         dict(guard_script="/usr/local/lib/sparkform/sparkform-guard", event="drift", message="driver 580 -> 590"),
-        ["python3 /usr/local/lib/sparkform/sparkform-guard alert drift - 'driver 580 -> 590'"],
+        ["/usr/bin/python3 -I /usr/local/lib/sparkform/sparkform-guard alert drift - 'driver 580 -> 590'"],
         None,
     ),
     "engine: stop a disabled one": (
@@ -497,7 +497,7 @@ TABLE = {
         host_record.host_recorded,
         dict(config=CONFIG, planned=RECORD, current=None, started={"fast": True}),
         [
-            f"python3 {CONFIG.lib_dir}/sparkform-record {record_path(CONFIG.state_dir)} ",
+            f"/usr/bin/python3 -I {CONFIG.lib_dir}/sparkform-record {record_path(CONFIG.state_dir)} ",
             f'"cache_key": "{KEY}"',
             "fast=vllm-fast.service:cold",
         ],
