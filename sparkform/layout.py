@@ -28,6 +28,10 @@ FRONT_DROP_IN = f"{UNIT_DIR}/nginx.service.d/sparkform-hardening.conf"
 # Debian's welcome page on port 80 of every address: nothing a Spark should serve to the LAN.
 NGINX_DEFAULT_SITE = "/etc/nginx/sites-enabled/default"
 PROFILE_CAPS = "/etc/profile.d/sparkform-caps.sh"  # the compile caps for login shells
+# How root runs its Python programs: the system's python3, isolated (-I: no PYTHON* variables, no
+# user site under $HOME, no script folder on sys.path), so nothing the engine user can write (its
+# HOME, a .pth, a usercustomize) runs as root, whatever environment the caller has.
+ROOT_PYTHON = ("/usr/bin/python3", "-I")
 # Monitoring (HostConfig.monitoring): Debian's prometheus-node-exporter, its settings, and the
 # textfiles sparkform writes for its collector: one per writer, each replaced whole.
 NODE_EXPORTER_PACKAGE = "prometheus-node-exporter"

@@ -299,6 +299,7 @@ def checkpoint_fetch(config: HostConfig, engine: Engine) -> list[str]:
     includes = [word for pattern in engine.checkpoint.include for word in ("--include", pattern)]
     return [
         f"{config.venv}/bin/python",
+        "-I",  # root runs it: no PYTHON* variables, no user site, no script folder on sys.path
         config.paths.checkpoint,
         engine.checkpoint.repo,
         config.commit(engine) or engine.checkpoint.revision,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from sparkform import bootchain, ssh
 from sparkform.inventory import load_inventory, raw_inventory
+from sparkform.layout import ROOT_PYTHON
 from sparkform.logs import engine_host
 from sparkform.model import Host
 
@@ -31,7 +32,8 @@ BY_HAND = "rolled back by hand (sparkform rollback)"
 
 def rollback_command(script: str, engine: str, reason: str) -> str:
     """The line run on the host: the reason on the script's stdin, never in its argv."""
-    return f"printf '%s\\n' {shlex.quote(reason)} | python3 {shlex.quote(script)} {shlex.quote(engine)} --by hand"
+    run = shlex.join([*ROOT_PYTHON, script, engine, "--by", "hand"])
+    return f"printf '%s\\n' {shlex.quote(reason)} | {run}"
 
 
 def chosen(hosts: list[Host], engine: str | None, host: str | None) -> list[tuple[Host, list[str]]]:

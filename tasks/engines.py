@@ -10,7 +10,7 @@ from pyinfra.api import operation
 from sparkform.converge import starts
 from sparkform.engine import Engine
 from sparkform.kept import KeptSettings
-from sparkform.layout import KEPT_FILES, KEPT_PREVIOUS, KEPT_RECORD
+from sparkform.layout import KEPT_FILES, KEPT_PREVIOUS, KEPT_RECORD, ROOT_PYTHON
 from sparkform.parsers import EngineState
 from tasks.progress import ProgressCommand, printf_line, start_format, ticking
 
@@ -84,7 +84,7 @@ def engine_running(
         start = ticking(f"systemctl {verb} {shlex.quote(engine.unit)}", progress)
         serving = printf_line(f"{engine.name}: serving after %d s", '"$(($(date +%s) - since))"')
         rollback = (
-            f"python3 {shlex.quote(rollback_script)} {shlex.quote(engine.name)} --by deploy"
+            f"{shlex.join(ROOT_PYTHON)} {shlex.quote(rollback_script)} {shlex.quote(engine.name)} --by deploy"
             if rollback_script
             else None
         )

@@ -7,6 +7,7 @@ import shlex
 from pyinfra import host
 from pyinfra.api import operation
 
+from sparkform.layout import ROOT_PYTHON
 from sparkform.parsers import EngineState
 from tasks.files import replaced_file
 
@@ -44,4 +45,4 @@ def alerted(guard_script: str, event: str, message: str):
     + event: what happened (e.g. drift)
     + message: the alert's text (no secret)
     """
-    yield (f"python3 {shlex.quote(guard_script)} alert {shlex.quote(event)} - {shlex.quote(message)}")
+    yield (f"{shlex.join(ROOT_PYTHON)} {shlex.quote(guard_script)} alert {shlex.quote(event)} - {shlex.quote(message)}")

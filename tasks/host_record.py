@@ -8,6 +8,7 @@ from pyinfra import host
 from pyinfra.api import operation
 
 from sparkform.hostrecord import HostRecord
+from sparkform.layout import ROOT_PYTHON
 from sparkform.schema import HostConfig
 from sparkform.snapshot import RemoteFile
 
@@ -40,6 +41,6 @@ def host_recorded(
     measured = " ".join(f"{name}={units[name]}{':cold' if cold else ''}" for name, cold in started.items())
     metrics = f"--textfile {shlex.quote(config.monitoring.record_textfile)} " if config.monitoring.enabled else ""
     yield (
-        f"python3 {shlex.quote(config.paths.record)} {metrics}{shlex.quote(config.paths.host_record)} "
+        f"{shlex.join([*ROOT_PYTHON, config.paths.record])} {metrics}{shlex.quote(config.paths.host_record)} "
         f"{shlex.quote(planned.to_json())} {measured}"
     )

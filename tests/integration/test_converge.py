@@ -33,6 +33,7 @@ from deploy_helpers import (
     main_pids,
     mark_converged,
     pyinfra,
+    serving,
     ssh,
     unit_properties,
     verify,
@@ -45,7 +46,7 @@ from sparkform.sandbox import machine, stage
 from sparkform.sandbox.fakehub import FakeHub
 
 pytestmark = pytest.mark.usefixtures("converged")
-CI_MINUTES = 12  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
+CI_MINUTES = 13  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 
 PORTS = {"nemotron": 8012, "q38": 8011}  # the front's, on the sandbox's LAN address
 INTERNAL_OFFSET = 10000
@@ -384,6 +385,42 @@ def test_inside_its_unit_an_engine_writes_only_its_own_caches(box):
     other = ssh(box, f"{as_q38} sh -c 'echo x > /var/cache/sparkform/nemotron/probe'", check=False)
     assert other.returncode != 0 and "Read-only file system" in other.stderr, other.stderr
     ssh(box, "rm -f /var/cache/sparkform/q38/probe")
+
+
+# What the engine user can plant for Python to run at start-up: a .pth line and a usercustomize
+# module in the user site of its HOME (the engine unit's Environment=). Each records who ran it.
+USER_SITE_PLANTS = {
+    "sparkform-test.pth": "import os; open(f'/run/planted-pth-ran-as-{os.getuid()}', 'w').close()\n",
+    "usercustomize.py": "import os\nopen(f'/run/planted-usercustomize-ran-as-{os.getuid()}', 'w').close()\n",
+}
+
+
+def test_root_runs_nothing_the_engine_user_plants_for_python_at_the_engines_next_start(box):
+    """The .pth reproduction: planted as the engine user, then the engine restarted (its root
+    hook runs the guard with the engine's HOME). Control: root's python3 without -I, given that
+    HOME, runs both plants; the restart, and -I beside PYTHONPATH, run neither as root."""
+    home = ssh(box, f"getent passwd {ENGINE_USER} | cut -d: -f6").stdout.strip()
+    site = ssh(box, f"runuser -u {ENGINE_USER} -- env HOME={home} python3 -c 'import site; print(site.USER_SITE)'")
+    site = site.stdout.strip()
+    assert site.startswith(f"{home}/"), site
+    plant = "; ".join(f"printf %s {shlex.quote(text)} > {site}/{name}" for name, text in USER_SITE_PLANTS.items())
+    ssh(box, f"runuser -u {ENGINE_USER} -- sh -c {shlex.quote(f'mkdir -p {site} && {plant}')}")
+    ran_as_root = "ls /run/planted-*-ran-as-0 2>/dev/null; true"
+    try:
+        ssh(box, f"HOME={home} /usr/bin/python3 -c pass")
+        assert ssh(box, ran_as_root).stdout.split() == [
+            "/run/planted-pth-ran-as-0",
+            "/run/planted-usercustomize-ran-as-0",
+        ], "the control: the plants did not run, so this test could not fail"
+        ssh(box, "rm -f /run/planted-*-ran-as-*")
+        isolated = shlex.join(layout.ROOT_PYTHON)
+        ssh(box, f"HOME={home} PYTHONPATH={site} {isolated} -c 'import usercustomize'", check=False)
+        before = main_pids(box)["vllm-q38.service"]
+        ssh(box, "systemctl restart vllm-q38.service")  # returns once its ExecStartPost hooks ran
+        assert main_pids(box)["vllm-q38.service"] != before and serving(box, "vllm-q38.service")
+        assert ssh(box, ran_as_root).stdout == ""
+    finally:
+        ssh(box, f"rm -f /run/planted-*-ran-as-* {' '.join(f'{site}/{name}' for name in USER_SITE_PLANTS)}")
 
 
 PIN = f"{STATE}/models/.pins/sparkform-test--planted@main"

@@ -88,7 +88,7 @@ STUB_SYSTEMD_RUN = """#!/bin/sh
 echo "systemd-run $*" >> "{calls}"
 while [ "${{1#--}}" != "$1" ]; do shift; done
 # An alert sent from a transient unit (outside the engine's cgroup) runs now; a timer does not.
-if [ "$3" = alert ]; then exec "$@"; fi
+case " $* " in *" alert "*) exec "$@" ;; esac
 """
 ALERT_COMMAND = """#!/bin/sh
 cat >> "{out}"

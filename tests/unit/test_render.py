@@ -26,8 +26,8 @@ import pytest
 from script_box import CACHE_VARS, CAPS
 
 from sparkform.inventory import load_host, load_inventory
-from sparkform.layout import ENGINES_TARGET, SCRUB_TIMER
-from sparkform.render import RenderedFile, engine_args, min_available_kib, render_host
+from sparkform.layout import ENGINES_TARGET, ROOT_PYTHON, SCRUB_TIMER
+from sparkform.render import RenderedFile, checkpoint_fetch, engine_args, min_available_kib, render_host
 from sparkform.schema import HostConfig, Scrub
 
 REPO = Path(__file__).resolve().parents[2]
@@ -134,6 +134,27 @@ def test_golden_files(monkeypatch):
     assert stored == {f.path.lstrip("/") for f in files}
     differing = [f.path for f in files if (GOLDEN / f.path.lstrip("/")).read_text() != f.content]
     assert not differing, f"rendering differs from the golden files: {differing} (SPARKFORM_UPDATE_GOLDEN=1)"
+
+
+def test_root_runs_every_python_program_isolated(seed_files, seed_data, make_host):
+    """Every unit's Python, the fetch's and what the host's programs spawn run with -I: the
+    engine's HOME and user site (and any PYTHON* variable) never reach a root Python (issue: root
+    runs nothing the engine can shape)."""
+    exec_lines = [
+        line
+        for f in seed_files.values()
+        if f.path.startswith("/etc/systemd/system/")
+        for line in f.content.splitlines()
+        if line.startswith("Exec") and "python" in line
+    ]
+    assert exec_lines, "no unit runs Python: the check would prove nothing"
+    assert [line for line in exec_lines if f"{' '.join(ROOT_PYTHON)} " not in line] == []
+    config = make_host(seed_data).config
+    assert checkpoint_fetch(config, config.engines[0])[:2] == [f"{config.venv}/bin/python", "-I"]
+    programs = [f for f in seed_files.values() if f.content.startswith('"""Rendered by sparkform')]
+    assert len(programs) >= 4
+    for program in programs:  # a spawned Python is the isolated one, never this interpreter again
+        assert "sys.executable" not in program.content and '"/usr/bin/python3"' not in program.content, program.path
 
 
 def test_render_is_deterministic(monkeypatch):
@@ -484,7 +505,7 @@ def test_unit_restart_start_limits_and_timeouts(seed_files, name):
     assert post == ["/usr/local/lib/sparkform/sparkform-wait-ready", port, "1080", *names]
     # Only after the helper saw it serve: root resets the start count (a crash loop is starts
     # that never served), and a failure of that bookkeeping never fails the start.
-    assert served == ["-+/usr/bin/python3", "/usr/local/lib/sparkform/sparkform-guard", "served", name]
+    assert served == ["-+/usr/bin/python3", "-I", "/usr/local/lib/sparkform/sparkform-guard", "served", name]
     assert unit_value(unit, "Unit", "OnFailure") == f"sparkform-recover@{name}.service"
     assert int(unit_value(unit, "Service", "TimeoutStartSec")) > int(post[2])
     assert unit_value(unit, "Service", "ExecStart") == f"/usr/local/lib/sparkform/sparkform-launch {name}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+import shlex
 
 import pytest
 
@@ -18,6 +19,7 @@ from sparkform.layout import (
     ENGINES_TARGET,
     KEPT_FILES,
     KEPT_RECORD,
+    ROOT_PYTHON,
     SCRUB_TIMER,
     UNIT_PREFIX,
     cache_keys_dir,
@@ -302,7 +304,7 @@ def test_checkpoint_files_hash_as_verified(remote, config, request):
         pytest.skip("re-hashing runs with --deep")
     # The host's own scrub, reporting only and at full speed: every file of every checkpoint an
     # engine serves against the sha256 its manifest recorded.
-    result = remote.run("python3 %s --check-only --rate-mib-s 1000000", config.paths.scrub)
+    result = remote.run(f"{shlex.join(ROOT_PYTHON)} %s --check-only --rate-mib-s 1000000", config.paths.scrub)
     assert result.rc == 0, f"files differ from their verified sha256:\n{result.stdout}{result.stderr}"
 
 
