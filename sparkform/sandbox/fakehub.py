@@ -205,6 +205,8 @@ class HubHandler(BaseHTTPRequestHandler):
                 )
             if recursive or len(below) == 1:
                 entries[path] = meta.tree_entry()
+        if recursive or not prefix:  # a hostile mirror's entries (HubStore.list_only), as they are
+            entries.update((meta.path, meta.tree_entry()) for meta in self.hub.listed_only(repo_id, commit))
         if prefix and not entries:
             raise HubError(404, "EntryNotFound", f"{folder} does not exist on {revision}")
         return [entries[path] for path in sorted(entries)]

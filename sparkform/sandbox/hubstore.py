@@ -22,7 +22,7 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +235,28 @@ class HubStore:
         partial = self._corrupted_list(repo_id).with_suffix(".partial")
         partial.write_text(json.dumps(sorted(entries)) + "\n")
         partial.replace(self._corrupted_list(repo_id))
+
+    def _listed_only(self, repo_id: str) -> Path:
+        return self.repo_dir(repo_id) / "listed-only.json"
+
+    def list_only(self, repo_id: str, path: str, like: str, revision: str = "main") -> None:
+        """A hostile mirror's tree: list `path` ('../escape', '/etc/x', anything) in `revision`
+        with the size and hashes of its file `like`. Only the listing carries it; no file is
+        served under that path."""
+        commit = self.resolve(repo_id, revision)
+        if like not in self.files(repo_id, commit):
+            raise ValueError(f"{repo_id}@{commit} has no file {like}")
+        listing = self._listed_only(repo_id)
+        entries = json.loads(listing.read_text()) if listing.is_file() else []
+        entries.append({"commit": commit, "path": path, "like": like})
+        listing.write_text(json.dumps(entries) + "\n")
+
+    def listed_only(self, repo_id: str, commit: str) -> list[FileMeta]:
+        """The entries `list_only` added to `commit`'s tree."""
+        listing = self._listed_only(repo_id)
+        entries = json.loads(listing.read_text()) if listing.is_file() else []
+        files = self.files(repo_id, commit)
+        return [replace(files[e["like"]], path=e["path"]) for e in entries if e["commit"] == commit]
 
 
 def publish_tiny_models(store: HubStore) -> dict[str, str]:

@@ -432,3 +432,34 @@ def test_a_disk_that_fills_during_the_fetch_ends_with_the_numbers_and_the_next_r
         assert (folder / COMPLETE_MARKER).is_file()
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        "../escape",
+        "../../etc/sparkform-escape",
+        "/tmp/sparkform-absolute",
+        "a/../../x",
+        "./config.json",
+        "a//b",
+        "sub/\x1b[2Jx",
+        COMPLETE_MARKER,
+        ".partial/x.part",
+    ],
+)
+def test_a_tree_entry_outside_the_folder_is_refused_before_anything_is_written(script, hub, tmp_path, hostile):
+    """A hostile mirror (its hashes are its own too): the fetch exits 5 naming the entry, and
+    nothing inside or outside the checkpoint folder was created or changed."""
+    hub.list_only(QWEN, hostile, like=SHARD)
+    work = tmp_path / "work"
+    folder = work / "models" / "ckpt"
+    folder.mkdir(parents=True)
+    (folder / "kept").write_text("before\n")
+    (work / "escape").write_text("before\n")
+    before = sorted((p, p.read_bytes() if p.is_file() else None) for p in work.rglob("*"))
+    result = fetch(script, hub, folder)
+    assert result.returncode == 5, result.stdout + result.stderr
+    assert ascii(hostile) in result.stderr and "nothing was fetched or changed" in result.stderr
+    assert sorted((p, p.read_bytes() if p.is_file() else None) for p in work.rglob("*")) == before
+    assert not Path("/tmp/sparkform-absolute").exists() and not Path("/etc/sparkform-escape").exists()
