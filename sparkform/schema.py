@@ -266,7 +266,9 @@ class HostConfig(StrictModel):
     api_key_file: str | None = Field(None)
     """File on the control machine holding the API key every engine requires; 0600 on the host."""
     hf_endpoint: str | None = Field(None, pattern=URL_PATTERN)
-    """HF_ENDPOINT for checkpoint downloads (a mirror, or the sandbox's fake hub)."""
+    """HF_ENDPOINT for checkpoint downloads (a mirror, the sandbox's fake hub): https, or http on loopback."""
+    hf_endpoint_allow_http: bool = Field(False)
+    """Let hf_endpoint be plain http on another host (the sandbox's hub): the HF token crosses in clear."""
     engines: list[Engine] = Field(default_factory=list)
     """The engines of this host, each a table of the fields below."""
     # Engine name -> the commit its branch or tag resolved to (set by `pinned`; not inventory data).

@@ -8,6 +8,7 @@ pool, uniqueness, the boot chain, the compile storm, the MTP/vision trade-off.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def host_problems(host: Host) -> list[Problem]:
         _cpu_pool,
         _native_window,
         _secret_files,
+        _hub_in_clear,
         _wheelhouse,
         _lock,
         _spanning,
@@ -314,6 +316,33 @@ def _secret_files(host: Host) -> list[Problem]:
                 )
             )
     return problems
+
+
+def _hub_in_clear(host: Host) -> list[Problem]:
+    """The HF token goes to hf_endpoint with every request: never in clear over a network,
+    unless the owner says so by name (hf_endpoint_allow_http)."""
+    endpoint = host.config.hf_endpoint
+    if not endpoint or not endpoint.startswith("http://") or host.config.hf_endpoint_allow_http:
+        return []
+    address = endpoint.removeprefix("http://").split("/", 1)[0].rsplit(":", 1)[0]
+    if address == "localhost" or _loopback(address):
+        return []
+    return [
+        Problem(
+            host.name,
+            "hf_endpoint",
+            endpoint,
+            "plain http to another host would carry the HF token in clear",
+            "use https://, or set hf_endpoint_allow_http = True for a mirror on a network you trust",
+        )
+    ]
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 def _memory_floors(host: Host) -> list[Problem]:

@@ -54,6 +54,7 @@ def host_data(box: machine.Sandbox | None) -> dict[str, Any]:
             "ssh_known_hosts_file": str(box.known_hosts),
             "ssh_strict_host_key_checking": "yes",
             "hf_endpoint": stage.hub_url(box),
+            "hf_endpoint_allow_http": True,  # the fake hub, on the sandbox's own link
             "hf_token_file": str(stage.secret_file(box.runtime_dir, "hf_token")),
             "api_key_file": str(stage.secret_file(box.runtime_dir, "api_key")),
             # The host's own LAN address, as on a Spark that serves its LAN: the front listens there.

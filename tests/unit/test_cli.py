@@ -63,6 +63,7 @@ EXPECTED = {
     "internal_port_on_a_public_port": ("spark-test: engine slow: internal_port_offset = 1", "is engine fast's port"),
     "metrics_allow_not_a_network": ("spark-test: metrics_allow = ['monitoring.lan']", "not an address or a network"),
     "api_key_breaks_the_front": ("spark-test: api_key_file = '/tmp/", "bearer token"),
+    "hub_in_clear": ("spark-test: hf_endpoint = 'http://hub-mirror.lan:8080'", "hf_endpoint_allow_http = True"),
     "api_key_in_extra_args": ("spark-test: engine slow: extra_args = ['--api-key', '***']", "api_key_file"),
     "missing_revision": ("spark-test: engine fast: checkpoint.revision = ", "required field is missing"),
     "max_num_seqs_over_mamba_blocks": (

@@ -314,14 +314,14 @@ def test_no_secret_in_a_world_readable_file(remote, config):
         file = remote.file(path)
         if file.exists:
             assert file.mode & 0o007 == 0, f"{path} is readable by every user"
-            # Search with the secret as a pattern file, so it never appears in an argv.
-            pattern = "/tmp/sparkform-verify-pattern"
+            # Search with the secret as a pattern file, so it never appears in an argv; a fresh
+            # name mktemp makes (0600), never a fixed path another user could plant a link at.
             leaks = remote.run(
-                f"umask 077; sed -n '{KEY_FROM_SNIPPET}; /^set /!p' {path} > {pattern}; "
-                f"grep -rlF -f {pattern} /etc /usr/local/lib /var/lib/sparkform /opt/sparkform "
+                f"umask 077; pattern=$(mktemp); sed -n '{KEY_FROM_SNIPPET}; /^set /!p' {path} > \"$pattern\"; "
+                f'grep -rlF -f "$pattern" /etc /usr/local/lib /var/lib/sparkform /opt/sparkform '
                 f"/run/systemd 2>/dev/null | while read -r f; do "
                 f'[ $(( 0$(stat -c %a "$f") & 4 )) -ne 0 ] && echo "$f"; done; '
-                f"journalctl -b --no-pager -o cat | grep -cF -f {pattern}; rm -f {pattern}"
+                f'journalctl -b --no-pager -o cat | grep -cF -f "$pattern"; rm -f "$pattern"'
             )
             lines = leaks.stdout.split()
             assert lines[-1] == "0", f"the secret of {path} appears in the journal"
