@@ -45,7 +45,7 @@ from sparkform.model import Host
 from sparkform.modelconfig import GIB
 from sparkform.parsers import KV_LOG_PATTERNS
 from sparkform.schema import HostConfig
-from sparkform.shapes import CONTROL_CHARACTERS
+from sparkform.shapes import CONTROL_CHARACTERS, NAME_PATTERN
 
 _env = jinja2.Environment(
     loader=jinja2.FileSystemLoader(TEMPLATES),
@@ -57,6 +57,7 @@ _env = jinja2.Environment(
 )
 _env.globals["gib"] = lambda value: f"{int(value * 1024)}M"
 _env.globals["layout"] = layout  # unit names: no template spells a prefix of its own
+_env.globals["engine_name_pattern"] = NAME_PATTERN
 
 
 # Characters that mean nothing to systemd's unit-file parser nor to a shell.

@@ -55,10 +55,15 @@ def test_launch_passes_the_engines_exit_code_through(make_box):
     assert box.run_launch("a", STUB_EXIT="17").returncode == 17
 
 
-@pytest.mark.parametrize("args", [[], ["nosuch"], ["../a"]])
+@pytest.mark.parametrize("args", [[], ["nosuch"], ["../a"], ["../planted"], ["../engines/a"], ["A"], ["a\n"]])
 def test_launch_usage(make_box, args):
+    """A name only: a path to an env file elsewhere (one planted beside the settings) is never
+    sourced."""
     box = make_box()
+    engines_dir = Path(box.config.paths.engines_dir)
+    (engines_dir.parent / "planted.env").write_text(f"touch {box.root}/planted-ran\n")
     result = box.run_launch(*args)
+    assert not (box.root / "planted-ran").exists()
     assert result.returncode == 2
     assert "usage: sparkform-launch ENGINE, ENGINE one of: a b" in result.stderr
     assert not (box.record / "a.done").exists()
