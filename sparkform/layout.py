@@ -24,6 +24,9 @@ SCRUB_UNIT = "sparkform-scrub.service"
 SCRUB_TIMER = "sparkform-scrub.timer"
 FRONT_UNIT = "nginx.service"
 FRONT_CONFIG = "/etc/nginx/conf.d/sparkform.conf"
+# Debian's nginx error log, which the front's servers keep at notice and above: nginx logs a
+# client's invalid or too long header lines at info, the Authorization line (the key) with them.
+FRONT_ERROR_LOG = "/var/log/nginx/error.log"
 FRONT_DROP_IN = f"{UNIT_DIR}/nginx.service.d/sparkform-hardening.conf"
 # Debian's welcome page on port 80 of every address: nothing a Spark should serve to the LAN.
 NGINX_DEFAULT_SITE = "/etc/nginx/sites-enabled/default"
