@@ -68,4 +68,15 @@ class ChainScheduler:
             def _split_scope(self, nodeid: str) -> str:
                 return chain(nodeid) or nodeid
 
+            def _reschedule(self, node) -> None:
+                """xdist hands a worker its next unit while 2 of its tests are left; a chain
+                waits until only the one the worker holds is (it runs a test once it knows the
+                next), so a worker that finishes first takes it."""
+                if node.shutting_down or not self.workqueue:
+                    return super()._reschedule(node)
+                next_is_chain = "::" not in next(iter(self.workqueue))
+                if next_is_chain and self._pending_of(self.assigned_work[node]) > 1:
+                    return None
+                return super()._reschedule(node)
+
         return ChainScheduling(config, log)
