@@ -46,7 +46,7 @@ from sparkform.sandbox import machine, stage
 from sparkform.sandbox.fakehub import FakeHub
 
 pytestmark = pytest.mark.usefixtures("converged")
-CI_MINUTES = 13  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
+CI_MINUTES = 15  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 
 PORTS = {"nemotron": 8012, "q38": 8011}  # the front's, on the sandbox's LAN address
 INTERNAL_OFFSET = 10000
@@ -196,23 +196,31 @@ def test_with_the_key_a_chat_and_a_streamed_chat_pass(box):
         status, body = call(box, engine, "/v1/chat/completions", key=key, body=chat(engine))
         assert status == 200, body
         assert json.loads(body)["choices"][0]["message"]["role"] == "assistant"
-    # Streamed: events come through the front as the engine makes them, not at the end.
+    # Streamed: events come through the front as the engine makes them, not at the end. A front
+    # that buffers fails every try; an API server starved of CPU by the other xdist workers can
+    # send one stream in a burst, so up to three tries.
     request = urllib.request.Request(
         f"http://{box.address}:{PORTS['nemotron']}/v1/chat/completions",
         data=json.dumps(chat("nemotron", max_tokens=400, stream=True, ignore_eos=True)).encode(),
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
     )
-    arrivals = []
-    started = time.monotonic()
-    with urllib.request.urlopen(request, timeout=120) as response:
-        for line in response:
-            if line.startswith(b"data: "):
-                arrivals.append((time.monotonic() - started, line.strip()))
-    assert arrivals[-1][1] == b"data: [DONE]"
-    assert len(arrivals) > 100, len(arrivals)
-    first, last = arrivals[0][0], arrivals[-1][0]
-    print(f"\nstreamed {len(arrivals)} events through the front: first after {first:.2f} s, last after {last:.2f} s")
-    assert first < last / 2, f"the first event came {first:.2f} s in, the last {last:.2f} s: buffered"
+    tries = []
+    for _ in range(3):
+        arrivals = []
+        started = time.monotonic()
+        with urllib.request.urlopen(request, timeout=120) as response:
+            for line in response:
+                if line.startswith(b"data: "):
+                    arrivals.append((time.monotonic() - started, line.strip()))
+        assert arrivals[-1][1] == b"data: [DONE]"
+        assert len(arrivals) > 100, len(arrivals)
+        tries.append((arrivals[0][0], arrivals[-1][0]))
+        print(f"\nstreamed {len(arrivals)} events through the front: first after {tries[-1][0]:.2f} s, last after "
+              f"{tries[-1][1]:.2f} s")  # fmt: skip
+        if tries[-1][0] < tries[-1][1] / 2:
+            break
+    else:
+        raise AssertionError(f"(first event, last event) came at {tries} s: buffered")
 
 
 def test_the_contract_holds_on_vllm_0_32_with_the_over_window_request_truncated(box):

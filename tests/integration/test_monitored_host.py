@@ -28,7 +28,7 @@ from sparkform.schema import Monitoring
 
 pytestmark = pytest.mark.usefixtures("converged")
 SHARES_SANDBOX = True  # it turns monitoring off again (node_exporter, the owner's package then, stays)
-CI_MINUTES = 4  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
+CI_MINUTES = 1  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 TEXTFILES = Monitoring().textfile_dir
 PORTS = {"nemotron": 8012, "q38": 8011}
 

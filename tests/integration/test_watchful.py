@@ -44,7 +44,7 @@ from sparkform.sandbox.alerts import read_alerts
 
 pytestmark = pytest.mark.usefixtures("converged")
 SHARES_SANDBOX = True  # each test leaves the pair serving as the deploy left it
-CI_MINUTES = 17  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
+CI_MINUTES = 21  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 
 PORTS = {"vllm-nemotron.service": 8012, "vllm-q38.service": 8011}
 NAMES = {"vllm-nemotron.service": "nemotron", "vllm-q38.service": "q38"}
@@ -166,7 +166,8 @@ def test_both_engine_cores_killed_at_once_again_and_again_both_serve_again_every
     took = []
     for round_ in range(DOUBLE_CRASHES):
         starts = start_seconds(box)
-        bound = RESTART_S + sum(starts.values()) + 30
+        # Twice the last starts' time: the other xdist workers may load the machine meanwhile.
+        bound = RESTART_S + 2 * sum(starts.values()) + 60
         cores = {unit: engine_core(box, unit) for unit in UNITS}
         if round_ % 2:
             # q38's restart first: nemotron's, a moment later, finds it loading. (When both

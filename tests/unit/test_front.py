@@ -124,7 +124,9 @@ class Front:
         (root / "nginx.conf").write_text(
             f"user {getpass.getuser()};\npid {root}/nginx.pid;\nerror_log {root}/error.log info;\nevents {{}}\n"
             f"http {{\n    access_log off;\n    client_body_temp_path {root}/body;\n"
-            f"    proxy_temp_path {root}/proxy;\n    include {root}/sparkform.conf;\n}}\n"
+            f"    proxy_temp_path {root}/proxy;\n    fastcgi_temp_path {root}/fastcgi;\n"
+            f"    scgi_temp_path {root}/scgi;\n    uwsgi_temp_path {root}/uwsgi;\n"
+            f"    include {root}/sparkform.conf;\n}}\n"
         )
         self.process: subprocess.Popen | None = None
 

@@ -75,7 +75,8 @@ def test_cached_checkpoint_builds_once(tmp_path: Path) -> None:
     stamp = (first / "config.json").stat().st_mtime_ns
     assert cached_checkpoint("llama", tmp_path) == first
     assert (first / "config.json").stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial folder left
+    # No partial folder left: the build and the lock it held (kept, as the rootfs builds keep theirs).
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{first.name}.lock", first.name]
 
 
 def test_every_published_repo_has_a_known_kind() -> None:
