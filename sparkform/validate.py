@@ -27,6 +27,7 @@ def host_problems(host: Host) -> list[Problem]:
     problems: list[Problem] = []
     for rule in (
         _root_folders_apart,
+        _root_apart_from_the_engine,
         _memory_pool,
         _unique,
         _front,
@@ -67,6 +68,64 @@ def _root_folders_apart(host: Host) -> list[Problem]:
                     "give it a folder outside cache_root, e.g. the default",
                 )
             )
+    return problems
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether `path` is `folder` or lies under it."""
+    return f"{path}/".startswith(f"{folder.rstrip('/')}/")
+
+
+def _root_apart_from_the_engine(host: Host) -> list[Problem]:
+    """No folder root writes, reads back or runs from, no program root runs (alert_command, an
+    absolute python, cuda_home's tools) may lie at or under a folder the engine user can write
+    (its home, the launch locks, each engine's cache folder); and no engine's cache folder may
+    be or lie in a root folder (cache_root equal to the record, an engine named `kept`)."""
+    cfg = host.config
+    paths = cfg.paths
+    writable = {
+        "the engine user's home": paths.engine_home,
+        "the launch locks": paths.lock_dir,
+        **{f"engine {e.name}'s cache folder": cfg.engine_cache_dir(e) for e in cfg.engines},
+    }
+    root_owned = {
+        "models_dir": cfg.models_dir,
+        "config_dir": cfg.config_dir,
+        "lib_dir": cfg.lib_dir,
+        "venv_root": cfg.venv_root,
+        "alert_command": cfg.alert_command,
+        "python": cfg.python if cfg.python.startswith("/") else None,
+        "cuda_home": cfg.cuda_home,
+    }
+    problems = []
+    for field_name, path in root_owned.items():
+        for what, folder in writable.items():
+            if path and _inside(path, folder):
+                problems.append(
+                    Problem(
+                        host.name,
+                        field_name,
+                        path,
+                        f"lies in {what} ({folder}), which the engine user can write: root would run or trust "
+                        "what a compromised engine put there",
+                        f"give {field_name} a path outside {folder}, e.g. the default",
+                    )
+                )
+    root_folders = {"state_dir": cfg.state_dir, **{k: v for k, v in root_owned.items() if k.endswith("_dir")}}
+    for engine in cfg.engines:
+        cache = cfg.engine_cache_dir(engine)
+        for field_name, folder in root_folders.items():
+            if _inside(cache, folder) and not _inside(cache, paths.engine_home):
+                problems.append(
+                    Problem(
+                        host.name,
+                        "cache_root",
+                        cfg.cache_root,
+                        f"engine {engine.name}'s cache folder {cache} lies in {field_name} ({folder}), root's: "
+                        "the engine would write where root reads",
+                        "give cache_root a folder of its own outside every folder of root's, e.g. the default",
+                    )
+                )
     return problems
 
 

@@ -290,6 +290,33 @@ HOSTILE = {
         "models_dir = ",
         "where the engines write",
     ),
+    # Layouts that put root inside the engine user's folders (the nine, and kin).
+    **{
+        f"{field}_in_the_engines_{where}": ({field: path}, {}, f"{field} = '{path}'", "the engine user can write")
+        for field, where, path in [
+            ("lib_dir", "home", "/var/lib/sparkform/home/lib"),
+            ("models_dir", "home", "/var/lib/sparkform/home/models"),
+            ("config_dir", "home", "/var/lib/sparkform/home/etc"),
+            ("venv_root", "locks", "/var/lib/sparkform/locks/venvs"),
+            ("venv_root", "cache", "/var/cache/sparkform/fast/venvs"),
+            ("alert_command", "home", "/var/lib/sparkform/home/alert"),
+            ("python", "home", "/var/lib/sparkform/home/bin/python3"),
+            ("cuda_home", "home", "/var/lib/sparkform/home/cuda"),
+            ("cuda_home", "cache", "/var/cache/sparkform/slow/cuda"),
+        ]
+    },
+    "cache_root_is_roots_record": (
+        {"cache_root": "/var/lib/sparkform/record"},
+        {},
+        "cache_root = '/var/lib/sparkform/record'",
+        "the engine would write where root reads",
+    ),
+    "cache_root_holds_the_models": (
+        {"cache_root": "/var/lib/sparkform/models/caches"},
+        {},
+        "cache_root = ",
+        "the engine would write where root reads",
+    ),
     "engine_user_root": ({"engine_user": "root"}, {}, "engine_user = 'root'", "root: everything"),
     "engine_user_of_the_front": ({"engine_user": "www-data"}, {}, "engine_user = 'www-data'", "of its own"),
     "api_key_with_an_underscore": (

@@ -302,7 +302,7 @@ def test_the_watchdog_kills_a_hung_engine_and_leaves_the_others(guard):
     box, (hands, eyes) = guard(modes=("hung", "ok"), **FAST_WATCHDOG)
     box.watch()
     box.wait(lambda: "systemctl kill --signal=SIGKILL vllm-hands.service" in box.calls_made(), 15, "the kill")
-    (alert,) = box.wait(lambda: box.webhook_alerts(), 5, "the alert")
+    (alert,) = box.wait(lambda: box.webhook_alerts(), 20, "the alert")
     assert alert["event"] == "hung" and alert["engine"] == "hands"
     assert "answered none of 2 one-token probes" in alert["message"]
     assert not any("vllm-eyes" in call and "kill" in call for call in box.calls_made())
@@ -329,9 +329,9 @@ def test_the_memory_guard_stops_the_lower_priority_engine_and_starts_it_again(gu
     box, _ = guard(memory_warn_gib=8.0, memory_critical_gib=4.0, memory_margin_gib=2.0)
     box.watch()
     box.set_available_gib(6)  # between the floors: a warning, nothing stopped
-    box.wait(lambda: [a["event"] for a in box.webhook_alerts()] == ["memory-low"], 5, "the warning")
+    box.wait(lambda: [a["event"] for a in box.webhook_alerts()] == ["memory-low"], 20, "the warning")
     box.set_available_gib(3)
-    box.wait(lambda: "systemctl stop vllm-eyes.service" in box.calls_made(), 5, "eyes stopped")
+    box.wait(lambda: "systemctl stop vllm-eyes.service" in box.calls_made(), 20, "eyes stopped")
     box.set_state("vllm-eyes.service", "inactive")
     time.sleep(1.5)  # still critical: the highest-priority engine is never stopped
     assert "systemctl stop vllm-hands.service" not in box.calls_made()
@@ -341,9 +341,11 @@ def test_the_memory_guard_stops_the_lower_priority_engine_and_starts_it_again(gu
     time.sleep(1)
     assert "systemctl start --no-block vllm-eyes.service" not in box.calls_made()
     box.set_available_gib(12.5)
-    box.wait(lambda: "systemctl start --no-block vllm-eyes.service" in box.calls_made(), 5, "eyes started")
-    events = [(a["event"], a["engine"]) for a in box.webhook_alerts()]
-    assert events == [("memory-low", "-"), ("memory-critical", "eyes"), ("memory-recovered", "eyes")]
+    box.wait(lambda: "systemctl start --no-block vllm-eyes.service" in box.calls_made(), 20, "eyes started")
+    # The alert follows the start: on a loaded machine a moment later.
+    expected = [("memory-low", "-"), ("memory-critical", "eyes"), ("memory-recovered", "eyes")]
+    box.wait(lambda: len(box.webhook_alerts()) >= len(expected), 20, "the memory-recovered alert")
+    assert [(a["event"], a["engine"]) for a in box.webhook_alerts()] == expected
 
 
 def test_a_rank_whose_head_went_is_restarted_once_it_lost_the_head_and_its_join_resets_the_start_count(guard):
