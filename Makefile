@@ -48,8 +48,8 @@ sandbox-down: venv
 # TEST_WORKERS xdist workers, each integration module (or chain of modules sharing a sandbox) on
 # one of them, longest first (tests/chains.py); the log ends with the 20 slowest tests and the
 # time per module (tests/suite_clock.py). `make test TEST_WORKERS=0` runs it in one process.
-# Four on 2 cores: the live tests mostly wait (engine starts, reboots, the watchdog's probes).
-TEST_WORKERS ?= 4
+# Three on 2 cores: four was slower (engine starts and venv installs are CPU-bound and contend).
+TEST_WORKERS ?= 3
 test: system-deps venv lint
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20
 
