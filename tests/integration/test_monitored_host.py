@@ -21,6 +21,7 @@ from deploy_helpers import (
     pyinfra,
     ssh,
     verify,
+    wait_for,
 )
 
 from sparkform import layout
@@ -40,6 +41,16 @@ def scrape(url: str) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as err:
         return err.code, err.read().decode()
+
+
+def answered(url: str) -> tuple[int, str] | None:
+    """scrape(url), or None while nothing listens there."""
+    try:
+        return scrape(url)
+    except urllib.error.URLError as err:
+        if isinstance(err.reason, ConnectionRefusedError):
+            return None
+        raise
 
 
 def test_node_exporter_lists_both_engine_units_and_sparkforms_metrics_and_stays_a_no_op(box, tmp_path):
@@ -67,7 +78,8 @@ def checks_with_monitoring_on(box, watched, before) -> None:
     result = pyinfra(watched, "-y")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
-    status, text = scrape(f"http://{box.address}:9100/metrics")
+    # node_exporter binds its port a moment after its start returned (longer on a loaded machine).
+    status, text = wait_for(lambda: answered(f"http://{box.address}:9100/metrics"), 60, "node_exporter listening")
     assert status == 200
     for unit in UNITS:
         assert re.search(rf'^node_systemd_unit_state\{{name="{re.escape(unit)}",state="active"[^}}]*\}} 1$', text, re.M)
