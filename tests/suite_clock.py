@@ -20,7 +20,11 @@ import pytest
 class ModuleTime:
     tests: set[str] = field(default_factory=set)
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    workers: set[str] = field(default_factory=set)
+    by_worker: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # seconds each worker spent
+
+    @property
+    def workers(self) -> list[str]:
+        return sorted(self.by_worker)
 
     @property
     def total(self) -> float:
@@ -43,9 +47,9 @@ def table(modules: dict[str, ModuleTime], wall_s: float) -> list[str]:
     lines = [f"{'module':<{width}}  tests  setup s  call s  teardown s  total s  worker"]
     by_worker: dict[str, float] = defaultdict(float)
     for name, entry in sorted(modules.items(), key=lambda item: -item[1].total):
-        worker = ",".join(sorted(entry.workers))
-        for one in entry.workers:
-            by_worker[one] += entry.total / len(entry.workers)
+        worker = ",".join(entry.workers)
+        for one, seconds in entry.by_worker.items():
+            by_worker[one] += seconds
         lines.append(
             f"{name:<{width}}  {len(entry.tests):>5}  {entry.seconds['setup']:>7.0f}  {entry.seconds['call']:>6.0f}"
             f"  {entry.seconds['teardown']:>10.0f}  {entry.total:>7.0f}  {worker}"
@@ -67,7 +71,7 @@ class SuiteClock:
         entry = self.modules[module_of(report.nodeid)]
         entry.tests.add(report.nodeid)
         entry.seconds[report.when] += report.duration
-        entry.workers.add(worker_of(report))
+        entry.by_worker[worker_of(report)] += report.duration
 
     @pytest.hookimpl(trylast=True)
     def pytest_terminal_summary(self, terminalreporter) -> None:

@@ -38,12 +38,12 @@ def say(message: str) -> None:
 
 
 @contextlib.contextmanager
-def locked(path: Path) -> Iterator[int]:
-    """Hold an exclusive flock on `path` (released on exit, also when the process dies); yields
-    its fd, which a child can inherit to hold the lock as long as it lives."""
+def locked(path: Path, mode: int = fcntl.LOCK_EX) -> Iterator[int]:
+    """Hold a flock on `path`, exclusive unless `mode` says LOCK_SH (released on exit, also when
+    the process dies); yields its fd, which a child can inherit to hold the lock as long as it lives."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        fcntl.flock(handle, mode)
         yield handle.fileno()
 
 

@@ -13,33 +13,25 @@ from __future__ import annotations
 import contextlib
 import fcntl
 from collections.abc import Iterator
-from pathlib import Path
 
 from sparkform.sandbox import registry
+from sparkform.sandbox.system import locked
 
 LOCK = registry.RUNTIME_ROOT / ".test-memory.lock"
 GATE = registry.RUNTIME_ROOT / ".test-memory.gate"
 
 
 @contextlib.contextmanager
-def _flock(path: Path, mode: int) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, mode)
-        yield
-
-
-@contextlib.contextmanager
 def moving_memory() -> Iterator[None]:
     """Held while this process may move the machine's free memory by GiBs."""
     with contextlib.ExitStack() as held:
-        with _flock(GATE, fcntl.LOCK_EX):  # a moment: waits while a still_memory holder waits or runs
-            held.enter_context(_flock(LOCK, fcntl.LOCK_SH))
+        with locked(GATE):  # a moment: waits while a still_memory holder waits or runs
+            held.enter_context(locked(LOCK, fcntl.LOCK_SH))
         yield
 
 
 @contextlib.contextmanager
 def still_memory() -> Iterator[None]:
     """Held while no other worker's test, boot or teardown runs."""
-    with _flock(GATE, fcntl.LOCK_EX), _flock(LOCK, fcntl.LOCK_EX):
+    with locked(GATE), locked(LOCK):
         yield

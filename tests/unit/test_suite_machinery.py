@@ -131,9 +131,10 @@ def test_the_time_table_adds_up_each_modules_phases_and_each_workers_share():
         ("tests/unit/test_b.py", "gw0", "call", 1.0),
     ]:
         modules[name].seconds[when] += seconds
-        modules[name].workers.add(worker)
+        modules[name].by_worker[worker] += seconds
         modules[name].tests.add(f"{name}::t{len(modules[name].tests)}")
     lines = table(modules, 400.0)
     assert lines[1].split() == ["tests/integration/test_a.py", "3", "200", "150", "0", "350", "gw0"]
     assert lines[2].split() == ["tests/unit/test_b.py", "2", "0", "4", "0", "4", "gw0,gw1"]
-    assert lines[3:] == ["worker gw0: 352 s of tests", "worker gw1: 2 s of tests", "wall time: 400 s (6.7 min)"]
+    # Each worker's sum is what its reports took: gw0 350 + 1, gw1 3.
+    assert lines[3:] == ["worker gw0: 351 s of tests", "worker gw1: 3 s of tests", "wall time: 400 s (6.7 min)"]
