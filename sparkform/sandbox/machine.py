@@ -105,12 +105,15 @@ def up(
     binds: Sequence[tuple[str, str]] = (),
     *,
     extra_packages: Sequence[str] = (),
+    layers: Sequence[Path] = (),
     boot_timeout: float = BOOT_TIMEOUT_S,
 ) -> Sandbox:
     """Boot machine `name` from the cached rootfs and wait until systemd is running (or degraded).
 
-    `binds` are (host path, guest path) pairs bound read-only. A name that is already up is an
-    error; the remains of one that died without `down` are cleared first.
+    `binds` are (host path, guest path) pairs bound read-only. `layers` are folders laid over the
+    rootfs, read-only, the first topmost (a prebuilt venv, say): the guest sees their files as its
+    own. A name that is already up is an error; the remains of one that died without `down` are
+    cleared first.
     """
     registry.check_name(name)
     binds = [(str(host_path), str(guest_path)) for host_path, guest_path in binds]
@@ -120,6 +123,9 @@ def up(
                 f"bad bind {host_path!r} -> {guest_path!r}: need an existing host path and an absolute"
                 " guest path, no ':'"
             )
+    for layer in layers:
+        if ":" in str(layer) or not Path(layer).is_dir():
+            raise SandboxError(f"bad layer {str(layer)!r}: need an existing folder, no ':'")
     rootfs = build_rootfs(extra_packages)
     started = time.monotonic()
     runtime_dir = registry.runtime_dir(name)
@@ -136,7 +142,7 @@ def up(
         (runtime_dir / "index").write_text(f"{index}\n")
         (runtime_dir / "up.pid").write_text(f"{os.getpid()}\n")  # claims the name until booted
     try:
-        _start(name, runtime_dir, rootfs, binds)
+        _start(name, runtime_dir, [*map(Path, layers), rootfs], binds)
         state = _wait_running(name, runtime_dir, time.monotonic() + boot_timeout)
     except BaseException:
         down(name)
@@ -147,8 +153,9 @@ def up(
     return box
 
 
-def _start(name: str, runtime_dir: Path, rootfs: Path, binds: Sequence[tuple[str, str]]) -> None:
-    """Mount the overlay, give the guest its keys, make its network and cgroups, boot it."""
+def _start(name: str, runtime_dir: Path, lower: Sequence[Path], binds: Sequence[tuple[str, str]]) -> None:
+    """Mount the overlay (`lower`: its read-only layers, topmost first), give the guest its keys,
+    make its network and cgroups, boot it."""
     layers = cache_dir() / "sandboxes" / name
     remove_tree(layers)
     (layers / "upper").mkdir(parents=True)
@@ -164,7 +171,7 @@ def _start(name: str, runtime_dir: Path, rootfs: Path, binds: Sequence[tuple[str
             "overlay",
             registry.system_name(name),
             "-o",
-            f"lowerdir={rootfs},upperdir={layers / 'upper'},workdir={layers / 'work'}",
+            f"lowerdir={':'.join(map(str, lower))},upperdir={layers / 'upper'},workdir={layers / 'work'}",
             str(merged),
         ],
     )

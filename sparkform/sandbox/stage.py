@@ -249,13 +249,16 @@ def build() -> tuple[Path, Path]:
     return build_rootfs(STAGE_PACKAGES), wheelhouse
 
 
-def up(name: str = "sandbox", binds: Sequence[tuple[str, str]] = ()) -> machine.Sandbox:
+def up(name: str = "sandbox", binds: Sequence[tuple[str, str]] = (), layers: Sequence[Path] = ()) -> machine.Sandbox:
     """Wheelhouse and rootfs (both cached), the machine, its fake hub and alert receiver, its
     secrets, nvidia-smi and NVML, and a memory controller that enforces the units' ceilings. `binds` are
-    further (host path, guest path) pairs bound read-only, beside the wheelhouse."""
+    further (host path, guest path) pairs bound read-only, beside the wheelhouse; `layers`, folders
+    laid read-only over the rootfs (machine.up)."""
     _, wheelhouse = build()
     # The same package list as `build`'s, so this finds the rootfs just built in the cache.
-    box = machine.up(name, binds=[(str(wheelhouse), WHEELHOUSE_IN_GUEST), *binds], extra_packages=STAGE_PACKAGES)
+    box = machine.up(
+        name, binds=[(str(wheelhouse), WHEELHOUSE_IN_GUEST), *binds], extra_packages=STAGE_PACKAGES, layers=layers
+    )
     try:
         _write_secrets(box.runtime_dir)
         _start_hub(box)

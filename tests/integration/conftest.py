@@ -8,6 +8,10 @@ fresh, never-converged box instead (a first converge, a deploy killed halfway) a
 A module that leaves the sandbox as inventory/sandbox.py converges it, and needs no fresh one,
 sets `SHARES_SANDBOX = True`: such modules share one sandbox for the session (and one converge),
 which saves a boot and a converge each. A module with a `from_scratch` test never shares.
+
+The shared sandbox, and the own sandbox of a module that sets `VENV_IMAGE = True`, boot with the
+vLLM venv already in place (tests/venv_image.py): their first converge finds it current. Only a
+module that tests the venv's install itself (test_faults) boots without it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from chains import longest_first
 from deploy_helpers import CONVERGED, SANDBOX_INVENTORY, mark_converged, pyinfra
 from steady_memory import moving_memory, still_memory
 from suite_hygiene import sandbox_name
+from venv_image import venv_image
 
 from sparkform.sandbox import machine, stage
 
@@ -32,11 +37,11 @@ def pytest_collection_modifyitems(items):
 
 
 @contextlib.contextmanager
-def fresh_sandbox():
-    """A fresh sandbox, taken down afterwards."""
+def fresh_sandbox(with_venv: bool):
+    """A fresh sandbox, with the vLLM venv in place or not, taken down afterwards."""
     name = sandbox_name()
     with moving_memory():
-        sandbox = stage.up(name)
+        sandbox = stage.up(name, layers=[venv_image()] if with_venv else [])
     try:
         yield sandbox
     finally:
@@ -55,7 +60,7 @@ def steady_memory(request):
 @pytest.fixture(scope="session")
 def shared_box():
     """The sandbox of the modules that set SHARES_SANDBOX."""
-    with fresh_sandbox() as sandbox:
+    with fresh_sandbox(with_venv=True) as sandbox:
         yield sandbox
 
 
@@ -74,7 +79,7 @@ def box(request):
         elif getattr(request.module, "SHARES_SANDBOX", False):
             sandbox = request.getfixturevalue("shared_box")
         else:
-            sandbox = stack.enter_context(fresh_sandbox())
+            sandbox = stack.enter_context(fresh_sandbox(getattr(request.module, "VENV_IMAGE", False)))
         os.environ["SPARKFORM_SANDBOX"] = sandbox.name
         try:
             yield sandbox

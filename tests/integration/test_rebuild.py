@@ -31,6 +31,7 @@ from deploy_helpers import (
 from sparkform.sandbox import machine, stage
 
 pytestmark = pytest.mark.usefixtures("converged")
+VENV_IMAGE = True  # the venv is in place (tests/venv_image.py)
 CI_MINUTES = 6  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 
 RECORD = PATHS.host_record

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import pytest
-from script_box import Box, FakeEngine, Staller, build_box
+from script_box import INTERNAL_OFFSET, Box, FakeEngine, Staller, build_box
 
 from sparkform.sandbox.fakehub import FakeHub
 
@@ -16,9 +16,10 @@ from sparkform.sandbox.fakehub import FakeHub
 def make_box(tmp_path, free_port) -> Callable[..., Box]:
     def _make(**options: Any) -> Box:
         # Free ports for the engines themselves (their internal ports, where the launch script
-        # and the helper look); the front's ports lie INTERNAL_OFFSET below.
+        # and the helper look); the front's ports lie INTERNAL_OFFSET below, so one engine's
+        # front port must not be the other engine's own port.
         port_a, port_b = free_port(), free_port()
-        while port_b == port_a:
+        while abs(port_b - port_a) in (0, INTERNAL_OFFSET):
             port_b = free_port()
         return build_box(tmp_path, port_a, port_b, **options)
 

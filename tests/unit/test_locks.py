@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from pyinfra.api import FileUploadCommand, StringCommand
+from venv_build import run_build_commands
 
 from sparkform import cli, layout
 from sparkform.inventory import load_host, load_inventory
@@ -108,18 +109,12 @@ def tiny_config(tmp_path: Path, wheels: Path, lock: Path) -> HostConfig:
 
 
 def build_venv(config: HostConfig) -> subprocess.CompletedProcess:
-    """Run the venv operation's build commands in order; the first that fails, else pip's."""
-    for command in venv.build_commands(config):
-        if isinstance(command, FileUploadCommand):
-            shutil.copyfile(command.src, command.dest)
-            continue
-        shell = command.get_raw_value() if isinstance(command, StringCommand) else command
-        result = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, timeout=300)
-        if result.returncode:
-            return result
-        if "pip install" in shell:
-            pip = result
-    return pip
+    """Run the venv operation's build commands here, in order; the first that fails, else pip's."""
+    return run_build_commands(
+        config,
+        lambda shell: subprocess.run(["sh", "-c", shell], capture_output=True, text=True, timeout=300),
+        shutil.copyfile,
+    )
 
 
 def pip_argv(command: StringCommand) -> list[str]:

@@ -1,0 +1,32 @@
+"""The deploy's venv build (tasks/venv.build_commands), run outside pyinfra: in a folder of this
+machine (tests/unit/test_locks.py) or in a container of the sandbox's rootfs (tests/venv_image.py)."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+
+from pyinfra.api import FileUploadCommand, StringCommand
+
+from sparkform.schema import HostConfig
+from tasks import venv
+
+
+def run_build_commands(
+    config: HostConfig, shell: Callable[[str], subprocess.CompletedProcess], put: Callable[[str, str], object]
+) -> subprocess.CompletedProcess:
+    """Run the venv operation's commands in order, each shell command through `shell`, each upload
+    through `put(source, destination)`; the result of the first that fails, else pip's."""
+    pip = None
+    for command in venv.build_commands(config):
+        if isinstance(command, FileUploadCommand):
+            put(command.src, command.dest)
+            continue
+        text = command.get_raw_value() if isinstance(command, StringCommand) else command
+        result = shell(text)
+        if result.returncode:
+            return result
+        if "pip install" in text:
+            pip = result
+    assert pip is not None, "the venv build has no pip install"
+    return pip
