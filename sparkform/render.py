@@ -477,7 +477,14 @@ def render_host(config: HostConfig, model_configs: Mapping[str, dict] | None = N
             "644",
         ),
         RenderedFile(
-            recover_unit, template("sparkform-recover@.service.j2", config=config, guard_config=guard_config), "644"
+            recover_unit,
+            template(
+                "sparkform-recover@.service.j2",
+                config=config,
+                guard_config=guard_config,
+                state_folder=record_dir(config.state_dir),
+            ),
+            "644",
         ),
         *scrub_files(config),
     ]

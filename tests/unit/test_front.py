@@ -376,7 +376,9 @@ def test_nginx_drop_in_passes_systemd_analyze_verify_and_hardens_the_unit(tmp_pa
         ["systemd-analyze", "verify", f"--root={root}", "nginx.service"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0 and result.stderr == "", result.stderr
-    assert exposure(root) <= 3.0  # 2.4 live on the sandbox
+    score = exposure(root)
+    print(f"nginx.service with the drop-in: {score}")
+    assert score <= 2.4  # 2.0 needs its master as www-data: not done
     assert exposure(unit_root(tmp_path / "bare", with_drop_in=False)) > 9.0  # Debian's unit as shipped
 
 

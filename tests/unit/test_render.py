@@ -26,7 +26,7 @@ import pytest
 from script_box import CACHE_VARS, CAPS
 
 from sparkform.inventory import load_host, load_inventory
-from sparkform.layout import ENGINES_TARGET, ROOT_PYTHON, SCRUB_TIMER
+from sparkform.layout import ENGINES_TARGET, GUARD_UNIT, ROOT_PYTHON, SCRUB_TIMER
 from sparkform.render import RenderedFile, checkpoint_fetch, engine_args, min_available_kib, render_host
 from sparkform.schema import HostConfig, Scrub
 
@@ -340,6 +340,28 @@ def test_engine_units_are_hardened_to_2_or_less_and_keep_what_the_engine_needs(d
             } <= set(devices)
         else:
             assert "PrivateDevices=yes" in unit and devices == []
+
+
+# Root's own services: root (they manage system units), each left-out directive named in the unit.
+ROOT_UNIT_BOUND = 4.5
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_roots_own_units_are_hardened_to_their_bounds_each_score_printed(device, tmp_path, system_units, capsys):
+    config = variant_config() if device == "cuda" else cpu_variant_config()
+    files = render_host(config)
+    result = verify(tmp_path / "root", system_units, files)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    units = [GUARD_UNIT, "sparkform-recover@nemotron.service", "sparkform-scrub.service"]
+    scores = {unit: exposure(tmp_path / "root", unit) for unit in units}
+    with capsys.disabled():
+        print(f"\nsystemd-analyze security ({device}): " + ", ".join(f"{u} {s}" for u, s in scores.items()))
+    assert all(score <= ROOT_UNIT_BOUND for score in scores.values()), scores
+    for unit in (f for f in files if f.path.endswith(("sparkform-guard.service", "@.service", "scrub.service"))):
+        # Every directive that could lower the score and is left out says why, in the unit.
+        for left_out in ("User=", "PrivateNetwork=", "MemoryDenyWriteExecute=", "ProtectProc="):
+            assert re.search(rf"^#.*\b{left_out}", unit.content, re.M), (unit.path, left_out)
+        assert ("DevicePolicy=closed" in unit.content) == (device == "cuda"), unit.path
 
 
 def test_the_exposure_check_can_fail(tmp_path, system_units):
