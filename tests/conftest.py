@@ -1,7 +1,8 @@
 """Shared fixtures for sparkform's unit tests.
 
 `seed_data` is the owner's served pair (docs/incidents.md#the-served-pair; "seed" in test names:
-the pair sparkform was first built for) as host data, read from inventory/spark.py; `make_host`
+the pair sparkform was first built for) as host data, read from its frozen copy
+tests/fixtures/inventories/served_pair.py (the owner edits inventory/spark.py); `make_host`
 validates host data the way an inventory does (config.json paths resolve against
 tests/fixtures/model_configs); `problems_of` returns every Problem of invalid data.
 """
@@ -29,14 +30,14 @@ REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
 MODEL_CONFIGS = FIXTURES / "model_configs"
 
-SPARK_INVENTORY = REPO / "inventory" / "spark.py"
+SERVED_PAIR = FIXTURES / "inventories" / "served_pair.py"  # tests/unit/samples.py names it too
 MEASURED_ON_THE_BOX = ("measured", "weights_gib")  # tests derive these from the fixtures' config.json
 
 
 @functools.cache
 def served_pair() -> dict[str, Any]:
-    """The shipped Spark inventory's pair as host data, without what was measured on the box."""
-    (spark,) = raw_inventory(SPARK_INVENTORY).values()
+    """The served pair's host data, without what was measured on the box."""
+    (spark,) = raw_inventory(SERVED_PAIR).values()
     engines = [{k: v for k, v in engine.items() if k not in MEASURED_ON_THE_BOX} for engine in spark["engines"]]
     return {"vllm_version": spark["vllm_version"], "engines": engines}
 
@@ -46,7 +47,7 @@ def pytest_configure(config):
     killed earlier run cleared, the time per module and the machine's state watched (suite_clock,
     suite_hygiene), and xdist's work units made chains (chains.py).
 
-    inventory/spark.py serves the LAN and so names an API key file, and pins the Spark's host
+    The served pair (and inventory/spark.py) serves the LAN and so names an API key file, and pins the Spark's host
     key: give it both for the session, unless the caller set them (xdist's workers inherit them)."""
     if not hasattr(config, "workerinput"):
         config.sparkform_run_lock, alone = hold_run_lock()

@@ -1,12 +1,17 @@
-"""Values that several unit-test modules build alike: the Spark's versions as its host record holds
-them, and the systemd state of an engine unit (an EngineState as the snapshot fact reads one)."""
+"""Values that several unit-test modules build alike: the served pair's inventory, the Spark's
+versions as its host record holds them, and the systemd state of an engine unit (an EngineState as
+the snapshot fact reads one)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from sparkform.hostrecord import HostVersions
 from sparkform.parsers import EngineState
+
+# The owner's pair as inventory/spark.py shipped it: what the tests read instead of that file.
+SERVED_PAIR = Path(__file__).resolve().parents[1] / "fixtures" / "inventories" / "served_pair.py"
 
 # The owner's Spark (GB10), as its live-versions probe reports it: kernel, driver, the driver's CUDA,
 # GPU architecture, firmware, and the vLLM package-version its inventory configures.

@@ -20,13 +20,15 @@ import time
 from pathlib import Path
 
 import pytest
+from samples import SERVED_PAIR
 
 from sparkform import bundle, cli, ssh
 
 REPO = Path(__file__).resolve().parents[2]
 INVENTORIES = REPO / "tests" / "fixtures" / "inventories"
 BROKEN = INVENTORIES / "broken"
-SEED_INVENTORY = REPO / "inventory" / "spark.py"
+SEED_INVENTORY = SERVED_PAIR
+SHIPPED_SPARK = REPO / "inventory" / "spark.py"  # the owner's: one test plans it, no other reads it
 CONSOLE_SCRIPT = Path(sys.executable).with_name("sparkform")
 
 # file: (text stderr must contain, naming the field (and the engine where there is one), more text)
@@ -535,6 +537,15 @@ def test_render_never_writes_outside_its_out_folder(tmp_path):
 
 
 # --- the Spark's inventory (the owner's pair) ---------------------------------------------------------
+
+
+def test_the_shipped_spark_inventory_plans(tmp_path):
+    """The owner's inventory/spark.py, whatever he made of it: it plans, each engine in the plan."""
+    (data,) = cli.raw_inventory(SHIPPED_SPARK).values()
+    result, _ = sparkform("plan", str(SHIPPED_SPARK), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    planned = {line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")}
+    assert {engine["name"] for engine in data["engines"]} <= planned, result.stdout
 
 
 def test_seed_inventory_plan_exits_0_and_prints_both_engines(tmp_path):

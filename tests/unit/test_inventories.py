@@ -1,11 +1,13 @@
-"""The shipped inventories: spark.py is the owner's pair exactly; sandbox.py is that pair scaled down;
-sandbox-pair.py is two sandboxes as two Sparks, one engine across both."""
+"""The inventories: the served pair (inventory/spark.py as shipped, frozen in
+tests/fixtures/inventories/served_pair.py) keeps the owner's values; the shipped sandbox.py is that
+pair scaled down; sandbox-pair.py is two sandboxes as two Sparks, one engine across both."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from samples import SERVED_PAIR
 from script_box import CAPS
 
 from sparkform.inventory import load_inventory
@@ -15,9 +17,9 @@ from sparkform.sandbox import network, registry, stage, wheelhouse
 INVENTORY = Path(__file__).resolve().parents[2] / "inventory"
 
 
-def test_spark_inventory_is_the_seeds_pair(monkeypatch, seed_data):
+def test_the_served_pair_is_the_seeds_pair_with_the_owners_unit_values(monkeypatch, seed_data):
     monkeypatch.delenv("SPARK_HF_TOKEN_FILE", raising=False)
-    (spark,) = load_inventory(INVENTORY / "spark.py")
+    (spark,) = load_inventory(SERVED_PAIR)
     assert spark.config.vllm_version == seed_data["vllm_version"]
     engines = {engine.name: engine for engine in spark.config.engines}
     assert set(engines) == {"nemotron", "q38"}
@@ -51,9 +53,9 @@ def test_sandbox_inventory_is_the_pair_scaled_down(monkeypatch):
     assert not set(wheelhouse.pinned_names()) & set(CPU_EXCLUDED)
 
 
-def test_the_spark_installs_the_repo_s_lock_of_its_vllm(monkeypatch):
+def test_the_served_pair_installs_the_repo_s_lock_of_its_vllm(monkeypatch):
     monkeypatch.delenv("SPARK_HF_TOKEN_FILE", raising=False)
-    (spark,) = load_inventory(INVENTORY / "spark.py")
+    (spark,) = load_inventory(SERVED_PAIR)
     assert spark.config.lock == str(LOCKS / "vllm-0.27.1-cuda-aarch64.txt")
 
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from samples import SERVED_PAIR
 from script_box import cpu_host_under
 
 from sparkform import cli, ledger
@@ -291,7 +292,7 @@ def test_plan_takes_the_newest_matching_row_for_an_engine_without_measured(tmp_p
 
 
 def test_plan_keeps_the_inventorys_measured_figures(tmp_path, capsys):
-    inventory = REPO / "inventory" / "spark.py"  # both engines carry measured figures
+    inventory = SERVED_PAIR  # both engines carry measured figures
     hosts = cli.load_inventory(inventory)
     engine = next(e for e in hosts[0].config.engines if e.measured.kv_pool_tokens)
     row = GOOD_ROW | {

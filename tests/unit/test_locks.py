@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from pyinfra.api import FileUploadCommand, StringCommand
+from samples import SERVED_PAIR
 from venv_build import run_build_commands
 
 from sparkform import cli, layout
@@ -215,7 +216,7 @@ def test_the_sandbox_venv_installs_its_lock_offline_with_hashes(monkeypatch):
 
 def test_the_spark_venv_installs_its_lock_from_the_index_with_hashes(monkeypatch):
     monkeypatch.delenv("SPARK_HF_TOKEN_FILE", raising=False)
-    (spark,) = load_inventory(INVENTORY / "spark.py")
+    (spark,) = load_inventory(SERVED_PAIR)
     config = spark.config
     (install,) = [
         c

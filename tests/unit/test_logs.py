@@ -6,6 +6,7 @@ from __future__ import annotations
 import shlex
 
 import pytest
+from samples import SERVED_PAIR
 
 from sparkform import cli
 from sparkform.logs import engine_host, journal_command
@@ -34,10 +35,10 @@ def test_the_engine_is_found_on_its_host_or_named_as_missing(make_host, seed_dat
 
 @pytest.mark.parametrize("since", ["$(id)", "1h; reboot", "a" * 41])
 def test_a_since_journalctl_would_not_read_is_refused_before_connecting(since, capsys):
-    assert cli.main(["logs", "inventory/spark.py", "q38", "--since", since]) == 2
+    assert cli.main(["logs", str(SERVED_PAIR), "q38", "--since", since]) == 2
     assert capsys.readouterr().err.startswith(f"sparkform logs: --since {since!r} is not a time journalctl reads")
 
 
 def test_an_engine_the_inventory_lacks_is_named_before_connecting(capsys):
-    assert cli.main(["logs", "inventory/spark.py", "q83"]) == 2
+    assert cli.main(["logs", str(SERVED_PAIR), "q83"]) == 2
     assert capsys.readouterr().err == "sparkform logs: the inventory has no engine 'q83' (engines: nemotron, q38)\n"

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 from local_deploy import local_inventory, publish
+from samples import SERVED_PAIR
 
 REPO = Path(__file__).resolve().parents[2]
-SEED_INVENTORY = REPO / "inventory" / "spark.py"
+SEED_INVENTORY = SERVED_PAIR
 # What the wheel carries besides the package, as the checkout lays it out.
 BUNDLED = ("deploy.py", "tasks", "facts", "templates", "locks", "inventory", "tests/verify")
 NOT_BUILT = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".*cache")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from samples import SERVED_PAIR
 
 from sparkform import modelconfig, planner
 from sparkform.inventory import load_inventory
@@ -328,7 +329,7 @@ def test_window_is_a_ceiling_not_a_reservation(seed_data, make_host):
 def test_seed_inventory_plan(monkeypatch):
     for var in ("SPARK_HOST", "SPARK_USER", "SPARK_HF_TOKEN_FILE"):
         monkeypatch.delenv(var, raising=False)
-    (spark,) = load_inventory(REPO / "inventory" / "spark.py")
+    (spark,) = load_inventory(SERVED_PAIR)
     result = planner.plan(spark)
     plans = by_name(result)
     assert plans["nemotron"].pool_tokens == 2_703_604
@@ -507,7 +508,7 @@ def test_recommended_split_delivers_the_concurrency_it_promises(seed_data, make_
 def test_seed_inventory_split_favours_q38_and_keeps_the_total(monkeypatch):
     for var in ("SPARK_HOST", "SPARK_USER", "SPARK_HF_TOKEN_FILE"):
         monkeypatch.delenv(var, raising=False)
-    (spark,) = load_inventory(REPO / "inventory" / "spark.py")
+    (spark,) = load_inventory(SERVED_PAIR)
     result = planner.plan(spark)
     split = result.split
     # Equalising from measured pools at 262,144: q38 takes more, nemotron gives some back.
@@ -556,7 +557,7 @@ def test_no_split_when_the_shares_do_not_hold_the_weights(seed_data, make_host):
 def test_measured_pool_follows_a_changed_utilization(monkeypatch):
     for var in ("SPARK_HOST", "SPARK_USER", "SPARK_HF_TOKEN_FILE"):
         monkeypatch.delenv(var, raising=False)
-    (spark,) = load_inventory(REPO / "inventory" / "spark.py")
+    (spark,) = load_inventory(SERVED_PAIR)
     data = spark.config.model_dump(exclude_none=True)
     data["engines"][1]["gpu_memory_utilization"] = 0.49  # what the plan recommends
     from sparkform.inventory import load_host

@@ -1,8 +1,9 @@
 """Rendering: golden files, systemd-analyze, shellcheck, key content and escaping of the rendered files.
 
 Golden files: tests/fixtures/golden/spark.local/ holds every file rendered for
-inventory/spark.py's host (paths as on the host) plus MANIFEST (mode, engine, path, in render
-order). After an intended change to a template or the inventory, regenerate them with
+the served pair's host (tests/fixtures/inventories/served_pair.py; paths as on the host) plus
+MANIFEST (mode, engine, path, in render order). After an intended change to a template or the
+inventory, regenerate them with
 
     SPARKFORM_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_render.py -k golden
 
@@ -23,6 +24,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from samples import SERVED_PAIR
 from script_box import CACHE_VARS, CAPS
 
 from sparkform.inventory import load_host, load_inventory
@@ -43,7 +45,7 @@ SYSTEM_UNITS = Path("/lib/systemd/system")
 def seed_config(monkeypatch: pytest.MonkeyPatch) -> HostConfig:
     for var in ("SPARK_HOST", "SPARK_USER", "SPARK_HF_TOKEN_FILE"):
         monkeypatch.delenv(var, raising=False)
-    (host,) = load_inventory(REPO / "inventory" / "spark.py")
+    (host,) = load_inventory(SERVED_PAIR)
     return host.config
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from samples import SERVED_PAIR
 from script_box import Journal
 
 from facts.snapshot import HostSnapshot
@@ -276,7 +277,7 @@ def test_by_hand_the_reason_travels_on_stdin_quoted_and_is_recorded_as_given(hos
 
 
 def test_an_engine_the_inventory_lacks_is_named_before_connecting(capsys):
-    assert cli.main(["rollback", "inventory/spark.py", "--engine", "q83"]) == 2
+    assert cli.main(["rollback", str(SERVED_PAIR), "--engine", "q83"]) == 2
     assert capsys.readouterr().err == "sparkform rollback: the inventory has no engine 'q83' (engines: nemotron, q38)\n"
 
 

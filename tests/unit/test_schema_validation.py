@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import copy
 import os
-from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from samples import SERVED_PAIR
 from script_box import CAPS
 
 from sparkform import inventory as inventory_module
@@ -630,8 +630,7 @@ def test_load_inventory_without_hosts_is_invalid(tmp_path):
 def test_load_inventory_reads_the_seed_inventory(monkeypatch):
     for var in ("SPARK_HOST", "SPARK_USER", "SPARK_HF_TOKEN_FILE"):
         monkeypatch.delenv(var, raising=False)
-    repo = Path(__file__).resolve().parents[2]
-    (loaded,) = inventory_module.load_inventory(repo / "inventory" / "spark.py")
+    (loaded,) = inventory_module.load_inventory(SERVED_PAIR)
     assert loaded.name == "spark.local"
     assert [e.name for e in loaded.config.engines] == ["nemotron", "q38"]
     assert isinstance(loaded.config, HostConfig)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from samples import SERVED_PAIR
 
 from sparkform import cli, status
 from sparkform.remote import LINK, SECTION
@@ -255,7 +256,7 @@ def test_the_command_runs_in_one_shell_and_reads_this_machine_for_real(make_host
 @pytest.mark.parametrize("option", [["--watch", "0"], ["--sample", "-1"], ["--sample", "nan"]])
 def test_intervals_that_are_not_positive_are_refused(option, capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["status", "inventory/spark.py", *option])
+        cli.main(["status", str(SERVED_PAIR), *option])
     assert exit_.value.code == 2
     assert "must be a positive number of seconds" in capsys.readouterr().err
 
