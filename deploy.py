@@ -75,6 +75,9 @@ try:
 except InventoryError as err:
     exit_invalid(err, f"data of host {host.name}")
 plan = converge.plan(config, snapshot, inventory_host.model_configs)
+# A link at a managed path would send root's writes, chmods and chowns wherever it points.
+if links := converge.planted_links(snapshot, plan.unwanted):
+    exit_untrusted(host.name, links)
 
 for line in plan.drift_lines:
     logger.warning(f"[{host.name}] since the last converge: {line}")

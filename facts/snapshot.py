@@ -155,7 +155,9 @@ class HostSnapshot(FactBase):
             digests[path] = digest
         for line in sections.get("stat", []):
             kind, mode, user, group, path = line.split("|", 4)
-            snapshot.paths[path] = RemoteFile(None if kind == "directory" else digests.get(path), mode, user, group)
+            link = kind == "symbolic link"
+            digest = None if kind == "directory" or link else digests.get(path)
+            snapshot.paths[path] = RemoteFile(digest, mode, user, group, link=link)
         untrusted = snapshot.untrusted
 
         def checked(pattern: re.Pattern, value: str, where: str, what: str) -> bool:

@@ -86,6 +86,19 @@ def unwanted(config: HostConfig) -> list[str]:
     )
 
 
+def planted_links(snapshot: Snapshot, unwanted_paths: list[str]) -> list[str]:
+    """The paths sparkform manages where a symbolic link stands, folders first (a link at a
+    folder would send its chmod/chown and every file below it elsewhere), as untrusted findings:
+    root follows no link it did not make. A link where sparkform removes a file is removed as
+    it is (rm follows nothing)."""
+    links = [path for path, current in snapshot.paths.items() if current.link and path not in set(unwanted_paths)]
+    return [
+        f"{path} is a symbolic link (to wherever it points): sparkform makes a plain folder or file there, "
+        "and root follows no link; an owner who moved the folder names its real path in the inventory"
+        for path in links
+    ]
+
+
 @dataclass(frozen=True)
 class Folder:
     path: str

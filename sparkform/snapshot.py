@@ -15,10 +15,11 @@ from sparkform.parsers import EngineState
 
 @dataclass(frozen=True)
 class RemoteFile:
-    sha256: str | None  # None for a directory
+    sha256: str | None  # None for a directory or a symbolic link
     mode: str
     user: str
     group: str
+    link: bool = False  # a symbolic link stands at the path (stat's own answer, never followed)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 
 from pyinfra import host
-from pyinfra.api import operation
+from pyinfra.api import OperationError, operation
 
 from sparkform.converge import Folder
 from sparkform.snapshot import Snapshot
@@ -61,6 +61,9 @@ def folder(spec: Folder, snapshot: Snapshot):
     """
     current = snapshot.paths.get(spec.path)
     path = shlex.quote(spec.path)
+    if current is not None and current.link:
+        # The deploy stops before this (converge.planted_links); never chmod/chown through one.
+        raise OperationError(f"{spec.path} is a symbolic link: root follows no link it did not make")
     if current is None:
         yield f"install -d -m {spec.mode} -o {shlex.quote(spec.user)} -g {shlex.quote(spec.group)} {path}"
         return

@@ -285,3 +285,16 @@ def test_the_dry_run_says_an_engine_runs_its_previous_settings_until_the_invento
     retried = config(engines=engine_data("slow", extra_args=["--max-num-seqs", "4"]))
     assert plan(retried, snapshot).rollback_lines == []
     assert plan(cfg, snapshot).rollback_lines == []
+
+
+def test_a_link_at_a_managed_path_is_untrusted_but_one_where_a_file_is_removed_is_not():
+    models, site = "/var/lib/sparkform/models", "/etc/nginx/sites-enabled/default"
+    found = Snapshot(
+        paths={
+            models: RemoteFile(None, "777", "vllm", "vllm", link=True),
+            "/etc/sparkform": RemoteFile(None, "755", "root", "root"),
+            site: RemoteFile(None, "777", "root", "root", link=True),  # Debian's, removed as it is
+        }
+    )
+    (finding,) = converge.planted_links(found, [site])
+    assert finding.startswith(f"{models} is a symbolic link")

@@ -72,6 +72,21 @@ def test_a_moved_branch_changes_nothing_while_the_host_records_its_pin(tmp_path,
     )
 
 
+def test_a_link_planted_at_a_managed_folder_stops_the_deploy_before_any_change(tmp_path, hub):
+    """An engine user who could make models_dir a link would get root's chmod, chown and
+    checkpoint writes wherever it points: the deploy names it and exits 3 first (a real run too:
+    the check is the plan's, not --dry's)."""
+    publish(hub, tmp_path, "v1")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (tmp_path / "models").symlink_to(elsewhere)
+    result = _pyinfra(str(local_inventory(tmp_path, endpoint=hub.url)), "deploy.py", "--dry")
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert f"{tmp_path / 'models'} is a symbolic link" in result.stderr, result.stderr
+    assert "nothing was changed" in result.stderr
+    assert list(elsewhere.iterdir()) == [] and oct(elsewhere.stat().st_mode & 0o777) == "0o700"
+
+
 def test_unresolvable_branch_stops_naming_engine_revision_and_fix(tmp_path):
     result = _pyinfra(str(local_inventory(tmp_path)), "deploy.py", "--dry")  # nothing listens on :9
     assert result.returncode == 2

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from pyinfra.api import FileUploadCommand, StringCommand
+from pyinfra.api import FileUploadCommand, OperationError, StringCommand
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra.facts.files import FindFiles
 from samples import engine_state
@@ -521,6 +521,12 @@ def test_operation_yields_its_commands_then_nothing_once_they_ran(case):
     if after is not None:
         again, noops = run(operation, **after)
         assert again == [] and noops, f"not idempotent: {again}"
+
+
+def test_the_folder_operation_never_chmods_or_chowns_through_a_link():
+    planted = snapshot(paths={FOLDER.path: RemoteFile(None, "777", "vllm", "vllm", link=True)})
+    with pytest.raises(OperationError, match="is a symbolic link"):
+        run(system.folder, spec=FOLDER, snapshot=planted)
 
 
 def operations_in_tasks() -> set[str]:

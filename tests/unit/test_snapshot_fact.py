@@ -46,6 +46,7 @@ vllm:x:998:998::/var/lib/sparkform:/usr/sbin/nologin
 directory|755|root|root|/etc/sparkform
 regular file|644|root|root|/etc/systemd/system/vllm-q38.service
 regular file|640|root|vllm|/etc/sparkform/secrets/engine.env
+symbolic link|777|vllm|vllm|/var/lib/sparkform/models
 {SECTION}sha256
 0f1e2d  /etc/systemd/system/vllm-q38.service
 aabbcc  /etc/sparkform/secrets/engine.env
@@ -91,6 +92,8 @@ def test_process_reads_every_section():
     assert snapshot.paths["/etc/sparkform"] == RemoteFile(None, "755", "root", "root")
     assert snapshot.paths["/etc/systemd/system/vllm-q38.service"] == RemoteFile("0f1e2d", "644", "root", "root")
     assert snapshot.paths["/etc/sparkform/secrets/engine.env"].group == "vllm"
+    # stat's answer for the link itself: never hashed through it, and marked.
+    assert snapshot.paths["/var/lib/sparkform/models"] == RemoteFile(None, "777", "vllm", "vllm", link=True)
     assert snapshot.markers == {"/opt/sparkform/venvs/vllm-0.27.1/.sparkform-complete": "vllm==0.27.1"}
     q38 = snapshot.engines["vllm-q38.service"]
     assert (q38.active_state, q38.main_pid, q38.n_restarts, q38.unit_file_state) == ("active", 4242, 2, "enabled")
