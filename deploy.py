@@ -69,6 +69,8 @@ snapshot = host.get_fact(HostSnapshot, **request)
 # the run here, before any change (and before the hub is asked about a pin).
 if snapshot.untrusted:
     exit_untrusted(host.name, snapshot.untrusted)
+if problems := converge.engine_user_problems(host.name, config, snapshot):
+    exit_invalid(InventoryError(problems), f"of host {host.name}")
 # Branches and tags become commits: the host's record of them, else the hub's answer now.
 try:
     config = config.pinned(resolve_pins(host.name, config, snapshot.pins))

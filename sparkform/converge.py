@@ -20,6 +20,7 @@ from sparkform.engine import Engine
 from sparkform.hostrecord import EngineRecord, HostRecord, HostVersions
 from sparkform.kept import KeptSettings, settings_digest
 from sparkform.layout import FRONT_CONFIG, FRONT_DROP_IN
+from sparkform.model import Problem
 from sparkform.parsers import EngineState
 from sparkform.render import (
     RenderedFile,
@@ -84,6 +85,24 @@ def unwanted(config: HostConfig) -> list[str]:
         + ([] if config.alert_webhook_file else [config.paths.alert_webhook])
         + ([] if config.monitoring.enabled else config.monitoring.textfiles)
     )
+
+
+def engine_user_problems(host: str, config: HostConfig, snapshot: Snapshot) -> list[Problem]:
+    """The engine user must be new or sparkform's own (its home the engine home, or the state
+    folder where an earlier sparkform put it): an existing account of something else (`ubuntu`,
+    `postgres`) would get its home moved and its files opened to the engines."""
+    home = snapshot.users.get(config.engine_user)
+    if home is None or home in (config.paths.engine_home, config.state_dir):
+        return []
+    return [
+        Problem(
+            host,
+            "engine_user",
+            config.engine_user,
+            f"an account of this host that sparkform did not make (its home is {home})",
+            "name an account that does not exist yet (the default vllm), and sparkform makes it",
+        )
+    ]
 
 
 def planted_links(snapshot: Snapshot, unwanted_paths: list[str]) -> list[str]:

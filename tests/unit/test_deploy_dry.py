@@ -6,6 +6,8 @@ The full converge runs against the sandbox.
 """
 
 import json
+import pwd
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,7 @@ from local_deploy import FAST_COMMIT, local_inventory, publish
 from sparkform import converge
 from sparkform.inventory import load_inventory
 from sparkform.render import render_host
+from sparkform.shapes import SHARED_USERS
 
 ROOT = Path(__file__).resolve().parents[2]
 PYINFRA = Path(sys.executable).with_name("pyinfra")
@@ -85,6 +88,27 @@ def test_a_link_planted_at_a_managed_folder_stops_the_deploy_before_any_change(t
     assert f"{tmp_path / 'models'} is a symbolic link" in result.stderr, result.stderr
     assert "nothing was changed" in result.stderr
     assert list(elsewhere.iterdir()) == [] and oct(elsewhere.stat().st_mode & 0o777) == "0o700"
+
+
+def test_an_existing_account_sparkform_did_not_make_is_refused_as_the_engine_user(tmp_path, hub):
+    """Validation refuses the well-known shared accounts by name; any other account of the host
+    (here one of this machine's, with a home of its own) shows only in the snapshot: exit 2 naming
+    it, before its home is moved."""
+    account = next(
+        user
+        for user in pwd.getpwall()
+        if user.pw_name not in SHARED_USERS and re.fullmatch(r"[a-z_][a-z0-9_-]*", user.pw_name)
+    )
+    publish(hub, tmp_path, "v1")
+    inventory = local_inventory(tmp_path, endpoint=hub.url)
+    inventory.write_text(
+        inventory.read_text().replace('"@local": {', f'"@local": {{"engine_user": "{account.pw_name}",')
+    )
+    result = _pyinfra(str(inventory), "deploy.py", "--dry")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"engine_user = '{account.pw_name}': an account of this host that sparkform did not make" in result.stderr
+    assert f"(its home is {account.pw_dir})" in result.stderr
+    assert pwd.getpwnam(account.pw_name).pw_dir == account.pw_dir
 
 
 def test_unresolvable_branch_stops_naming_engine_revision_and_fix(tmp_path):
