@@ -38,6 +38,11 @@ def sha256(content: str) -> str:
     return hashlib.sha256(content.encode()).hexdigest()
 
 
+# Bumped when the front's stamp changes form: a host with the old one reloads nginx once and gets
+# the new (2: root's only, where 1 was world-readable).
+FRONT_STAMP_FORMAT = "2"
+
+
 def digest(*contents: str) -> str:
     """A short digest of what a service was (re)loaded with, kept in its applied stamp."""
     return sha256("\0".join(contents))[:32]
@@ -420,7 +425,7 @@ def plan(config: HostConfig, snapshot: Snapshot, model_configs: Mapping[str, dic
         cache_key=hostrecord.cache_key(live),
         front_wanted=(
             f"{digest(contents[FRONT_DROP_IN])} "
-            f"{digest(contents[FRONT_CONFIG], contents.get(config.paths.front_key, ''))}"
+            f"{digest(FRONT_STAMP_FORMAT, contents[FRONT_CONFIG], contents.get(config.paths.front_key, ''))}"
         ),
         guard_wanted=digest(*(contents[path] for path in guard_files(config))),
         node_exporter_wanted=digest(*(f.content for f in node_exporter_files(config))),

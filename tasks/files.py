@@ -14,14 +14,14 @@ from sparkform.converge import differs
 from sparkform.snapshot import RemoteFile
 
 
-def replaced_file(path: str, line: str) -> str:
-    """A command that makes `path` (in a root-only folder) hold `line`, by a new temp file and a
-    rename: never through a link planted at either name (mktemp creates its file exclusively;
-    a rename replaces a link, not what it points at)."""
+def replaced_file(path: str, line: str, mode: str = "644") -> str:
+    """A command that makes `path` (in a root-only folder) hold `line` with `mode`, by a new temp
+    file and a rename: never through a link planted at either name (mktemp creates its file
+    exclusively; a rename replaces a link, not what it points at)."""
     target = shlex.quote(path)
     return (
         f"temp=$(mktemp {target}.XXXXXX) && printf '%s\\n' {shlex.quote(line)} > \"$temp\" "
-        f'&& chmod 644 "$temp" && mv -fT "$temp" {target}'
+        f'&& chmod {mode} "$temp" && mv -fT "$temp" {target}'
     )
 
 

@@ -60,4 +60,5 @@ def front_serving(
             f"echo 'sparkform: nginx does not listen on every engine port ({address}: "
             f"{' '.join(map(str, ports))}); see: journalctl -u nginx.service, /var/log/nginx/error.log' >&2; exit 1"
         )
-    yield replaced_file(stamp, wanted)
+    # Root's only: its digest covers the API key, so a readable one would confirm a guessed key offline.
+    yield replaced_file(stamp, wanted, mode="600")

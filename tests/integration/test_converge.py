@@ -69,6 +69,8 @@ def test_first_converge_then_verify(box):
     shown = result.stdout + result.stderr
     host = re.escape(f"[{box.name}] ")
     assert not re.search(rf"^{host}venv: ", shown, re.M), shown
+    # The front's stamp digests the API key: root's only.
+    assert ssh(box, f"stat -c %U:%a {PATHS.stamp('nginx')}").stdout.strip() == "root:600"
     for repo in ("sparkform-test/tiny-qwen3", "sparkform-test/tiny-llama"):
         fetched = re.search(rf"^{host}sparkform-checkpoint: {repo}@\w+: (\d+) files, .+ to fetch$", shown, re.M)
         assert fetched, shown

@@ -445,13 +445,20 @@ TABLE = {
     "front: reload nginx for a new key": (
         front.front_serving,
         dict(FRONT, applied="a b"),
-        ["nginx -t -q && systemctl reload nginx.service", 'mv -fT "$temp" /var/lib/sparkform/record/applied-nginx'],
+        # Its stamp root's only: the digest covers the key.
+        [
+            "nginx -t -q && systemctl reload nginx.service",
+            'chmod 600 "$temp" && mv -fT "$temp" /var/lib/sparkform/record/applied-nginx',
+        ],
         dict(FRONT, applied="a c"),
     ),
     "guard: restart it on new settings": (
         guard.guard_running,
         dict(GUARD, applied="old"),
-        ["systemctl restart sparkform-guard.service", 'mv -fT "$temp" /var/lib/sparkform/record/applied-guard'],
+        [
+            "systemctl restart sparkform-guard.service",
+            'chmod 644 "$temp" && mv -fT "$temp" /var/lib/sparkform/record/applied-guard',
+        ],
         dict(GUARD, applied="new"),
     ),
     "scrub: arm its timer at the first deploy": (
