@@ -77,6 +77,10 @@ def host_data(box: machine.Sandbox | None) -> dict[str, Any]:
         "memory_max_gib": 8.0,
         # vLLM's CPU build boots in 30-50 s here; the Spark's budgets hold as they are.
         "restart_s": 5,
+        # A one-token probe of a CPU engine takes under a second, but tens of seconds while the
+        # box's two cores also load other engines (the suite runs three sandboxes at once): the
+        # Spark's 10 s would call a starved engine hung. A hang is still called within ~2 min.
+        "watchdog_deadline_s": 30,
         "recover_cooldown_s": 30,
         # This machine's memory is the sandbox's: floors it stays well above while tests run.
         "memory_warn_gib": 2.0,

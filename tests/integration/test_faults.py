@@ -380,7 +380,7 @@ def test_a_change_q38_cannot_start_on_goes_back_to_the_settings_it_last_served_w
     changed = changed_operations(SANDBOX_INVENTORY)
     assert "Settings q38 serves kept" in changed and not [op for op in changed if op.startswith(("File", "Engine"))]
     converge_back(box)
-    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid, alerts(box)
     assert changed_operations(SANDBOX_INVENTORY) == []
 
 
@@ -403,13 +403,13 @@ def test_sparkform_rollback_puts_back_a_change_that_started_and_the_next_dry_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "sparkform-rollback: q38 serves again on its settings of" in result.stdout
     assert serving(box, "vllm-q38.service") and q38_files(box) == served
-    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid, alerts(box)
     dry = pyinfra(change, "--dry")
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert "q38 runs its previous settings since " in dry.stdout + dry.stderr
     assert ": answers slower" in dry.stdout + dry.stderr
     converge_back(box)
-    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid, alerts(box)
     assert changed_operations(SANDBOX_INVENTORY) == []
 
 
@@ -445,7 +445,7 @@ def test_a_checkpoint_revision_that_verifies_but_cannot_load_goes_back_and_keeps
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert "q38 runs its previous settings since " in dry.stdout + dry.stderr
     converge_back(box)
-    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid, alerts(box)
     assert changed_operations(SANDBOX_INVENTORY) == []
 
 

@@ -36,6 +36,7 @@ from deploy_helpers import (
     wait_for,
 )
 
+from sparkform.inventory import load_inventory
 from sparkform.layout import SCRUB_UNIT
 from sparkform.parsers import parse_kv_pool, parse_vllm_version
 from sparkform.render import ALERT_MESSAGE_ID
@@ -53,9 +54,12 @@ RESTART_S = 5  # the sandbox inventory's restart_s
 # together, then q38 first so nemotron finds it loading). bench/double_crash repeats it past the
 # start limit's burst (3), which alone used to leave an engine failed at the fourth: ten rounds.
 DOUBLE_CRASHES = int(os.environ.get("SPARKFORM_DOUBLE_CRASHES", "2"))
-# The watchdog's defaults: 3 failed probes 15 s apart, each probe and /metrics read at most 10 s,
-# and up to one interval before the first probe after the hang; 20 s of slack for a busy CI.
-HANG_DETECTED_S = 2 * 15 + 2 * 10 + 15 + 20
+# The sandbox's watchdog: K failed probes, rounds an interval apart but one at a time, and two
+# /metrics reads (after the first and the last failure), each probe and read at most a deadline;
+# up to one interval before the first probe after the hang; 20 s of slack for a busy CI.
+WATCHDOG = load_inventory(SANDBOX_INVENTORY)[0].config
+K, INTERVAL, DEADLINE = WATCHDOG.watchdog_failures, WATCHDOG.watchdog_interval_s, WATCHDOG.watchdog_deadline_s
+HANG_DETECTED_S = max((K - 1) * INTERVAL + DEADLINE, (K + 1) * DEADLINE) + DEADLINE + INTERVAL + 20
 
 
 def alerts(box) -> list[dict]:
