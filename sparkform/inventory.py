@@ -41,14 +41,14 @@ def _pydantic_problems(host: str, data: dict[str, Any], err: ValidationError) ->
         path = ".".join(str(part) for part in loc) or "engines"
         kind = error["type"]
         if kind == "extra_forbidden":
-            fix = "remove it or correct its spelling (see the field table in the README)"
+            fix = "remove it or correct its spelling (every field is in docs/fields.md)"
             message = "unknown key"
         elif kind == "missing":
-            fix = "set it (see the field table in the README)"
+            fix = "set it (every field is in docs/fields.md)"
             message = "required field is missing"
         else:
             message = error["msg"].removeprefix("Value error, ")
-            fix = "give a value of the documented type and range (README field table)"
+            fix = "give a value of the documented type and range (docs/fields.md)"
         value = _redact_api_key(error.get("input")) if path == "extra_args" else error.get("input")
         problems.append(Problem(host, path, value, message, fix, engine))
     return problems
@@ -140,7 +140,7 @@ def _host_key_problems(name: str, data: dict[str, Any], base_dir: Path) -> list[
             "ssh_known_hosts_file",
             known_hosts,
             "no such file, and strict host key checking trusts no key it does not hold",
-            f'record the host\'s key once (README, "Pinned host keys"): ssh-keyscan -t ed25519 '
+            f'record the host\'s key once (docs/security.md, "Pinned host keys"): ssh-keyscan -t ed25519 '
             f"{data.get('ssh_hostname', name)} >> {known_hosts}, after comparing its fingerprint with "
             "the one the host's console shows",
         )

@@ -54,7 +54,7 @@ class CompileCaps(StrictModel):
 
 
 class Monitoring(StrictModel):
-    """Debian's prometheus-node-exporter on the host (README, Monitoring); who may scrape it is `metrics_allow`."""
+    """Debian's prometheus-node-exporter on the host (docs/operator.md); who may scrape it is `metrics_allow`."""
 
     enabled: bool = Field(False)
     """Install prometheus-node-exporter with its systemd collector limited to sparkform's units and textfiles of
@@ -101,9 +101,9 @@ class Monitoring(StrictModel):
 
 
 class Scrub(StrictModel):
-    """The checkpoint scrub (README, Unattended): sparkform-scrub.timer re-hashes every file of the engines' checkpoints
-    against its manifest, at idle I/O priority; a file that no longer matches is reported, fetched again, and the
-    engines that serve it are restarted on the good bytes."""
+    """The checkpoint scrub (docs/operator.md, Unattended): sparkform-scrub.timer re-hashes every file of the
+    engines' checkpoints against its manifest, at idle I/O priority; a file that no longer matches is reported,
+    fetched again, and the engines that serve it are restarted on the good bytes."""
 
     enabled: bool = Field(True)
     """Run the scrub on its timer; false stops and disables the timer (`systemctl start sparkform-scrub` still runs
@@ -144,7 +144,7 @@ class HostConfig(StrictModel):
     lock_file: str | None = Field(None)
     """Hashed lock the venv is installed from, exactly (`pip install --require-hashes --no-deps`): a file on the control
     machine (relative to the inventory), every line `name==version` with `--hash=sha256:`; None takes the repo's
-    `locks/<vllm_package>-<vllm_version>-<device>-<arch>.txt` (README, Locks)."""
+    `locks/<vllm_package>-<vllm_version>-<device>-<arch>.txt` (docs/operator.md, Locks)."""
     wheelhouse: str | None = Field(None)
     """Folder of wheels on the host; when set the venv installs offline from it only."""
     wheelhouse_source: str | None = Field(None)

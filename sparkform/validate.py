@@ -503,7 +503,8 @@ def _lock(host: Host) -> list[Problem]:
     cfg = host.config
     pin = f"{cfg.vllm_package}=={cfg.vllm_version}"
     fix = (
-        f"make it with `{locks.lock_command(cfg.vllm_package, cfg.vllm_version, cfg.device)}` (README, Locks), "
+        f"make it with `{locks.lock_command(cfg.vllm_package, cfg.vllm_version, cfg.device)}` "
+        "(docs/operator.md, Locks), "
         f"or point lock_file at a hashed lock of {pin}"
     )
     path = Path(cfg.lock)

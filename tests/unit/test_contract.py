@@ -1,4 +1,4 @@
-"""The request contract per vLLM version (sparkform/contract.py): the table, the README's copy of
+"""The request contract per vLLM version (sparkform/contract.py): the table, the operator guide's copy of
 it, the judges on captured answers of each version, the prompt that fills the window, and the
 curl that carries every request (run for real against a local server)."""
 
@@ -42,9 +42,10 @@ def captured(name: str) -> dict:
 OVER_WINDOW = sorted(path.name for path in CAPTURED.glob("vllm-*-over-window-*.json"))
 
 
-def test_the_readme_shows_the_contract_table():
-    assert contract_table() in (REPO / "README.md").read_text(), (
-        "the README's contract table differs from sparkform/contract.py: `sparkform contract --table` prints it"
+def test_the_operators_guide_shows_the_contract_table():
+    assert contract_table() in (REPO / "docs" / "operator.md").read_text(), (
+        "the contract table of docs/operator.md differs from sparkform/contract.py: "
+        "`sparkform contract --table` prints it"
     )
 
 

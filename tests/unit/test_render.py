@@ -34,7 +34,7 @@ from sparkform.schema import HostConfig, Scrub
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "fixtures" / "golden" / "spark.local"
-README = REPO / "README.md"
+OPERATOR_GUIDE = REPO / "docs" / "operator.md"
 UPDATE_GOLDEN = os.environ.get("SPARKFORM_UPDATE_GOLDEN") == "1"
 SYSTEM_UNITS = Path("/lib/systemd/system")
 
@@ -395,7 +395,7 @@ def test_engines_target_requires_and_follows_every_enabled_engine_only():
 
 
 def readme_timer_example(readme: str) -> list[RenderedFile]:
-    """The example service and timer of the README's engines-target section, as files."""
+    """The example service and timer of the operator's guide's engines-target section, as files."""
     block = re.search(r"An example timer.*?```ini\n(.*?)```", readme, re.S).group(1)
     parts = re.split(r"^# (/etc/systemd/system/\S+)\n", block, flags=re.M)[1:]
     return [RenderedFile(path, body.strip() + "\n", "644") for path, body in zip(parts[::2], parts[1::2], strict=True)]
@@ -406,7 +406,7 @@ def test_readme_example_timer_passes_systemd_analyze_verify(target, monkeypatch,
     # The second case misspells the target in the example: the check must catch that.
     examples = [
         RenderedFile(f.path, f.content.replace(ENGINES_TARGET, target), f.mode)
-        for f in readme_timer_example(README.read_text())
+        for f in readme_timer_example(OPERATOR_GUIDE.read_text())
     ]
     assert sorted(Path(f.path).name for f in examples) == ["nightly-report.service", "nightly-report.timer"]
     report = RenderedFile("/usr/local/bin/nightly-report", "#!/bin/sh\n", "755")

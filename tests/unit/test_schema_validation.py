@@ -453,7 +453,7 @@ def test_unknown_key_problem_shows_the_value_and_the_fix(seed_data, problems_of)
     assert "spelling" in problem.fix
     assert str(problem) == (
         "spark: engine q38: gpu_memory_utilisation = 0.45: unknown key. "
-        "Fix: remove it or correct its spelling (see the field table in the README)."
+        "Fix: remove it or correct its spelling (every field is in docs/fields.md)."
     )
 
 

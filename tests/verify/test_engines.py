@@ -169,7 +169,7 @@ def test_host_record_is_roots_and_keys_each_engines_caches(remote, config):
 
 
 def test_each_engine_keeps_the_settings_it_serves(remote, engine, config):
-    """What a failed change goes back to (README: rollback): root's alone, the very files the
+    """What a failed change goes back to (docs/operator.md: rollback): root's alone, the very files the
     engine runs with, on the venv and checkpoint it serves."""
     folder = config.paths.kept(engine.name)
     kept_dir = remote.file(folder)
