@@ -54,7 +54,8 @@ class CompileCaps(StrictModel):
 
 
 class Monitoring(StrictModel):
-    """Debian's prometheus-node-exporter on the host (docs/operator.md); who may scrape it is `metrics_allow`."""
+    """Debian's prometheus-node-exporter on the host (docs/operator.md, Monitoring); who may scrape it is
+    `metrics_allow`."""
 
     enabled: bool = Field(False)
     """Install prometheus-node-exporter with its systemd collector limited to sparkform's units and textfiles of
