@@ -62,16 +62,18 @@ class Secret:
 
 
 def secrets(config: HostConfig) -> list[Secret]:
-    """Secrets read from files on the control machine, root's only on the host: the HF token,
-    and the API key as the snippet the front includes (validation checked its characters, so
-    it needs no escaping inside nginx's quotes). The engines never hold the key."""
+    """Secrets read from files on the control machine, root's on the host: the HF token (root's
+    only), and the API key as the snippet the front includes (readable by the front's group too;
+    validation checked its characters, so it needs no escaping inside nginx's quotes). The
+    engines never hold the key."""
     result = []
     if config.hf_token_file:
         token = Path(config.hf_token_file).expanduser().read_text().strip()
         result.append(Secret(config.paths.hf_token, f"{token}\n", "600", "root"))
     if config.api_key_file:
         key = Path(config.api_key_file).expanduser().read_text().strip()
-        result.append(Secret(config.paths.front_key, f'set $sparkform_api_key "{key}";\n', "600", "root"))
+        # nginx's master reads it at each start and reload, as the front's user (its group).
+        result.append(Secret(config.paths.front_key, f'set $sparkform_api_key "{key}";\n', "640", layout.FRONT_USER))
     if config.alert_webhook_file:
         url = Path(config.alert_webhook_file).expanduser().read_text().strip()
         result.append(Secret(config.paths.alert_webhook, f"{url}\n", "600", "root"))
@@ -142,7 +144,8 @@ def folders(config: HostConfig) -> list[Folder]:
         Folder(config.config_dir, "755"),
         Folder(config.paths.engines_dir, "755"),
         # Secrets are root's: the front (nginx's master) reads the key, the deploy the HF token.
-        Folder(config.paths.secrets_dir, "700"),
+        # The front's user may pass into it (to its key, 0640 root:www-data), and list nothing.
+        Folder(config.paths.secrets_dir, "710", group=layout.FRONT_USER),
         Folder(config.state_dir, "755"),
         Folder(config.paths.engine_home, "750", engine_user, engine_user),
         Folder(config.paths.lock_dir, "755", engine_user, engine_user),

@@ -28,6 +28,12 @@ FRONT_CONFIG = "/etc/nginx/conf.d/sparkform.conf"
 # client's invalid or too long header lines at info, the Authorization line (the key) with them.
 FRONT_ERROR_LOG = "/var/log/nginx/error.log"
 FRONT_DROP_IN = f"{UNIT_DIR}/nginx.service.d/sparkform-hardening.conf"
+# Debian's nginx runs as this user, and its nginx.conf writes the master's pid here: the front's
+# master runs as that user too (templates/nginx-hardening.conf.j2), and reads the API key as its group.
+FRONT_USER = "www-data"
+FRONT_PID_FILE = "/run/nginx.pid"
+# Debian's nginx.service checks the configuration first with this (its ExecStartPre=).
+FRONT_CONFIG_TEST = "/usr/sbin/nginx -t -q -g 'daemon on; master_process on;'"
 # Debian's welcome page on port 80 of every address: nothing a Spark should serve to the LAN.
 NGINX_DEFAULT_SITE = "/etc/nginx/sites-enabled/default"
 PROFILE_CAPS = "/etc/profile.d/sparkform-caps.sh"  # the compile caps for login shells

@@ -502,7 +502,16 @@ def render_host(config: HostConfig, model_configs: Mapping[str, dict] | None = N
             ),
             "644",
         ),
-        RenderedFile(FRONT_DROP_IN, template("nginx-hardening.conf.j2"), "644"),
+        RenderedFile(
+            FRONT_DROP_IN,
+            template(
+                "nginx-hardening.conf.j2",
+                front_user=layout.FRONT_USER,
+                pid_file=layout.FRONT_PID_FILE,
+                debian_test=layout.FRONT_CONFIG_TEST,
+            ),
+            "644",
+        ),
         *node_exporter_files(config),
     ]
     for engine in config.engines:

@@ -17,6 +17,7 @@ from sparkform.layout import (
     CHECKPOINT_MANIFEST,
     COMPLETE_MARKER,
     ENGINES_TARGET,
+    FRONT_USER,
     KEPT_FILES,
     KEPT_RECORD,
     ROOT_PYTHON,
@@ -269,13 +270,16 @@ def test_engine_listens_on_loopback_only(remote, engine, config):
     assert "--disable-fastapi-docs" in remote.file(config.paths.engine_settings(engine.name)[1]).content_string
 
 
-def test_front_enabled_active_and_its_key_root_only(remote, config):
+def test_front_enabled_active_unprivileged_and_its_key_its_and_roots_only(remote, config):
     nginx = remote.service("nginx.service")
     assert nginx.is_enabled and nginx.is_running
     assert remote.run("nginx -t -q").rc == 0
+    # Not even its master runs as root.
+    users = remote.check_output("ps -o user= -C nginx | sort -u").split()
+    assert users == [FRONT_USER], users
     if config.api_key_file:
         snippet = remote.file(config.paths.front_key)
-        assert (snippet.user, snippet.group, snippet.mode) == ("root", "root", 0o600)
+        assert (snippet.user, snippet.group, snippet.mode) == ("root", FRONT_USER, 0o640)
     assert not remote.file(f"{config.config_dir}/secrets/engine.env").exists  # the engines hold no key
 
 
