@@ -21,6 +21,7 @@ from typing import Any, Callable
 import pytest
 from chains import ChainScheduler
 from suite_clock import SuiteClock
+from suite_figures import SuiteFigures
 from suite_hygiene import TEMP_PREFIX, MachineState, clear_leftovers, hold_run_lock, temp_folder
 
 from sparkform.inventory import load_host, raw_inventory
@@ -44,8 +45,8 @@ def served_pair() -> dict[str, Any]:
 
 def pytest_configure(config):
     """The run's machinery (in the controller, before any xdist worker starts): the remains of a
-    killed earlier run cleared, the time per module and the machine's state watched (suite_clock,
-    suite_hygiene), and xdist's work units made chains (chains.py).
+    killed earlier run cleared, the time per module, the figures tests measured and the machine's
+    state watched (suite_clock, suite_figures, suite_hygiene), and xdist's work units made chains (chains.py).
 
     The served pair (and inventory/spark.py) serves the LAN and so names an API key file, and pins the Spark's host
     key: give it both for the session, unless the caller set them (xdist's workers inherit them)."""
@@ -55,6 +56,7 @@ def pytest_configure(config):
             for gone in clear_leftovers():
                 print(f"cleared what a killed run left: {gone}")
         config.pluginmanager.register(SuiteClock(), "sparkform-suite-clock")
+        config.pluginmanager.register(SuiteFigures(), "sparkform-suite-figures")
         config.pluginmanager.register(MachineState(), "sparkform-machine-state")
         if config.pluginmanager.hasplugin("xdist"):
             config.pluginmanager.register(ChainScheduler(), "sparkform-chains")

@@ -380,14 +380,14 @@ def test_the_drop_in_keeps_debians_config_test_after_making_the_pid_file():
     assert ours == ["", f"+/usr/bin/install -o {FRONT_USER} -g {FRONT_USER} -m 644 /dev/null {FRONT_PID_FILE}", *debian]
 
 
-def test_nginx_drop_in_passes_systemd_analyze_verify_and_hardens_the_unit(tmp_path):
+def test_nginx_drop_in_passes_systemd_analyze_verify_and_hardens_the_unit(tmp_path, record_property):
     root = unit_root(tmp_path, with_drop_in=True)
     result = subprocess.run(
         ["systemd-analyze", "verify", f"--root={root}", "nginx.service"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0 and result.stderr == "", result.stderr
     score = exposure(root)
-    print(f"nginx.service with the drop-in: {score}")
+    record_property("figure", f"systemd-analyze security: nginx.service with the drop-in {score} (bound 2.0)")
     assert score <= 2.0
     assert exposure(unit_root(tmp_path / "bare", with_drop_in=False)) > 9.0  # Debian's unit as shipped
 

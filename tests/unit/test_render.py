@@ -314,13 +314,17 @@ def exposure(root: Path, unit: str) -> float:
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
-def test_engine_units_are_hardened_to_2_or_less_and_keep_what_the_engine_needs(device, tmp_path, system_units):
+def test_engine_units_are_hardened_to_2_or_less_and_keep_what_the_engine_needs(
+    device, tmp_path, system_units, record_property
+):
     config = variant_config() if device == "cuda" else cpu_variant_config()
     files = render_host(config)
     result = verify(tmp_path / "root", system_units, files)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     for engine in config.enabled_engines:
-        assert exposure(tmp_path / "root", engine.unit) <= 2.0, engine.unit
+        score = exposure(tmp_path / "root", engine.unit)
+        record_property("figure", f"systemd-analyze security ({device}): {engine.unit} {score} (bound 2.0)")
+        assert score <= 2.0, engine.unit
         unit = next(f.content for f in files if f.path.endswith(engine.unit))
         # Writable: its own caches, its home, the locks; nothing of the other engines'.
         writable = re.search(r"^ReadWritePaths=(.*)$", unit, re.M).group(1).split()
@@ -349,15 +353,17 @@ ROOT_UNIT_BOUND = 4.5
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
-def test_roots_own_units_are_hardened_to_their_bounds_each_score_printed(device, tmp_path, system_units, capsys):
+def test_roots_own_units_are_hardened_to_their_bounds_each_score_printed(
+    device, tmp_path, system_units, record_property
+):
     config = variant_config() if device == "cuda" else cpu_variant_config()
     files = render_host(config)
     result = verify(tmp_path / "root", system_units, files)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     units = [GUARD_UNIT, "sparkform-recover@nemotron.service", "sparkform-scrub.service"]
     scores = {unit: exposure(tmp_path / "root", unit) for unit in units}
-    with capsys.disabled():
-        print(f"\nsystemd-analyze security ({device}): " + ", ".join(f"{u} {s}" for u, s in scores.items()))
+    for unit, score in scores.items():
+        record_property("figure", f"systemd-analyze security ({device}): {unit} {score} (bound {ROOT_UNIT_BOUND})")
     assert all(score <= ROOT_UNIT_BOUND for score in scores.values()), scores
     for unit in (f for f in files if f.path.endswith(("sparkform-guard.service", "@.service", "scrub.service"))):
         # Every directive that could lower the score and is left out says why, in the unit.

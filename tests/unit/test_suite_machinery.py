@@ -8,10 +8,12 @@ import fcntl
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import suite_hygiene
 from suite_clock import ModuleTime, table
+from suite_figures import SuiteFigures
 from suite_hygiene import SANDBOX_NAME, changes, entries, leftover_sandboxes, sandbox_name
 
 from sparkform.sandbox import registry
@@ -138,3 +140,17 @@ def test_the_time_table_adds_up_each_modules_phases_and_each_workers_share():
     assert lines[2].split() == ["tests/unit/test_b.py", "2", "0", "4", "0", "4", "gw0,gw1"]
     # Each worker's sum is what its reports took: gw0 350 + 1, gw1 3.
     assert lines[3:] == ["worker gw0: 351 s of tests", "worker gw1: 3 s of tests", "wall time: 400 s (6.7 min)"]
+
+
+def test_the_figures_tests_record_are_printed_in_order_once_each():
+    figures = SuiteFigures()
+    for when, properties in [
+        ("setup", [("figure", "not a call")]),
+        ("call", [("figure", "a: 1"), ("other", "x")]),
+        ("call", [("figure", "b: 2")]),
+    ]:
+        figures.pytest_runtest_logreport(SimpleNamespace(when=when, user_properties=properties))
+    written = []
+    reporter = SimpleNamespace(section=lambda title: written.append(f"== {title}"), write_line=written.append)
+    figures.pytest_terminal_summary(reporter)
+    assert written == ["== figures the tests measured", "a: 1", "b: 2"]
