@@ -76,6 +76,17 @@ def main_pids(box: machine.Sandbox) -> dict[str, int]:
     return {unit: int(unit_properties(box, unit, "MainPID")["MainPID"]) for unit in UNITS}
 
 
+def why_it_restarted(box: machine.Sandbox, unit: str) -> str:
+    """What the host says about `unit`'s restarts this boot: the end of its journal and the
+    guard's last lines (watchdog and memory-guard actions), for an assertion's message."""
+    return ssh(
+        box,
+        f"journalctl -b --no-pager -o short-monotonic -n 15 -u {unit}; "
+        "journalctl -b --no-pager -o short-monotonic -n 10 -t sparkform-guard",
+        check=False,
+    ).stdout
+
+
 def wait_for(predicate, timeout: float, what: str, poll: float = 1.0):
     """Poll `predicate` until it returns something truthy; fail naming `what` at the timeout."""
     deadline = time.monotonic() + timeout

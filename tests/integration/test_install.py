@@ -21,7 +21,7 @@ from deploy_helpers import ROOT, SANDBOX_INVENTORY, edited_inventory, ssh
 
 pytestmark = pytest.mark.usefixtures("converged")
 SHARES_SANDBOX = True  # it only reads the converged host
-CI_MINUTES = 1  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
+CI_MINUTES = 2  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 
 NOT_BUILT = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".*cache")
 
