@@ -117,7 +117,8 @@ def planted_links(snapshot: Snapshot, unwanted_paths: list[str]) -> list[str]:
     folder would send its chmod/chown and every file below it elsewhere), as untrusted findings:
     root follows no link it did not make. A link where sparkform removes a file is removed as
     it is (rm follows nothing)."""
-    links = [path for path, current in snapshot.paths.items() if current.link and path not in set(unwanted_paths)]
+    removed = set(unwanted_paths)
+    links = [path for path, current in snapshot.paths.items() if current.link and path not in removed]
     return [
         f"{path} is a symbolic link (to wherever it points): sparkform makes a plain folder or file there, "
         "and root follows no link; an owner who moved the folder names its real path in the inventory"
@@ -143,8 +144,8 @@ def folders(config: HostConfig) -> list[Folder]:
         Folder(config.lib_dir, "755"),
         Folder(config.config_dir, "755"),
         Folder(config.paths.engines_dir, "755"),
-        # Secrets are root's: the front (nginx's master) reads the key, the deploy the HF token.
-        # The front's user may pass into it (to its key, 0640 root:www-data), and list nothing.
+        # Secrets are root's; the front's user (nginx, its master too) may pass into the folder to
+        # its key (0640 root:www-data), and lists nothing.
         Folder(config.paths.secrets_dir, "710", group=layout.FRONT_USER),
         Folder(config.state_dir, "755"),
         Folder(config.paths.engine_home, "750", engine_user, engine_user),

@@ -92,7 +92,7 @@ def _build(image: Path, rootfs: Path, wheelhouse: Path, config: HostConfig) -> N
     if result.returncode:
         output = result.stdout[-2000:] + result.stderr[-2000:]
         raise SandboxError(f"the venv layer's build failed (exit {result.returncode}): {output}")
-    _keep_only(building / "upper", config.venv)
+    keep_only(building / "upper", config.venv)
     (building / "upper").rename(image)
     remove_tree(building)
     say(f"venv layer ready in {time.monotonic() - started:.0f} s")
@@ -115,7 +115,7 @@ def _in_container(root: Path, wheelhouse: Path, shell: str) -> subprocess.Comple
     )
 
 
-def _keep_only(upper: Path, kept: str) -> None:
+def keep_only(upper: Path, kept: str) -> None:
     """Remove from the overlay's upper folder everything but `kept` and the folders above it."""
     keep = upper / kept.lstrip("/")
     for folder in [keep.parent, *keep.parent.parents]:

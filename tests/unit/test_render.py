@@ -313,18 +313,29 @@ def exposure(root: Path, unit: str) -> float:
     return float(score.group(1))
 
 
+def verified_variant(device: str, root: Path, system_units: Path) -> tuple[HostConfig, list[RenderedFile]]:
+    """The variant host (cuda) or its cpu twin, rendered into `root`; systemd-analyze verify passed."""
+    config = variant_config() if device == "cuda" else cpu_variant_config()
+    files = render_host(config)
+    result = verify(root, system_units, files)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    return config, files
+
+
+def scored(root: Path, unit: str, device: str, bound: float, record_property) -> float:
+    """The unit's exposure, recorded as a figure CI's log lists with its bound."""
+    score = exposure(root, unit)
+    record_property("figure", f"systemd-analyze security ({device}): {unit} {score} (bound {bound})")
+    return score
+
+
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_engine_units_are_hardened_to_2_or_less_and_keep_what_the_engine_needs(
     device, tmp_path, system_units, record_property
 ):
-    config = variant_config() if device == "cuda" else cpu_variant_config()
-    files = render_host(config)
-    result = verify(tmp_path / "root", system_units, files)
-    assert result.returncode == 0 and result.stderr == "", result.stderr
+    config, files = verified_variant(device, tmp_path / "root", system_units)
     for engine in config.enabled_engines:
-        score = exposure(tmp_path / "root", engine.unit)
-        record_property("figure", f"systemd-analyze security ({device}): {engine.unit} {score} (bound 2.0)")
-        assert score <= 2.0, engine.unit
+        assert scored(tmp_path / "root", engine.unit, device, 2.0, record_property) <= 2.0, engine.unit
         unit = next(f.content for f in files if f.path.endswith(engine.unit))
         # Writable: its own caches, its home, the locks; nothing of the other engines'.
         writable = re.search(r"^ReadWritePaths=(.*)$", unit, re.M).group(1).split()
@@ -356,14 +367,9 @@ ROOT_UNIT_BOUND = 4.5
 def test_roots_own_units_are_hardened_to_their_bounds_each_score_printed(
     device, tmp_path, system_units, record_property
 ):
-    config = variant_config() if device == "cuda" else cpu_variant_config()
-    files = render_host(config)
-    result = verify(tmp_path / "root", system_units, files)
-    assert result.returncode == 0 and result.stderr == "", result.stderr
+    _, files = verified_variant(device, tmp_path / "root", system_units)
     units = [GUARD_UNIT, "sparkform-recover@nemotron.service", "sparkform-scrub.service"]
-    scores = {unit: exposure(tmp_path / "root", unit) for unit in units}
-    for unit, score in scores.items():
-        record_property("figure", f"systemd-analyze security ({device}): {unit} {score} (bound {ROOT_UNIT_BOUND})")
+    scores = {unit: scored(tmp_path / "root", unit, device, ROOT_UNIT_BOUND, record_property) for unit in units}
     assert all(score <= ROOT_UNIT_BOUND for score in scores.values()), scores
     for unit in (f for f in files if f.path.endswith(("sparkform-guard.service", "@.service", "scrub.service"))):
         # Every directive that could lower the score and is left out says why, in the unit.

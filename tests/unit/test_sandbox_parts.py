@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from venv_image import keep_only
 
 from sparkform import cli
 from sparkform.sandbox import machine, network, nspawn, registry, stage
@@ -236,3 +237,30 @@ def test_without_the_sandbox_extra_the_sandbox_says_what_to_install(
     assert capsys.readouterr().err == "sparkform sandbox: numpy missing: pip install 'sparkform[sandbox]'\n"
     assert cli.main(["sandbox", "up", "--bare"]) == 0
     assert [call[0] for call in ups] == ["bare"]
+
+
+@pytest.mark.parametrize("layer", ["/no/such/layer", "/tmp/a:b"])
+def test_a_layer_that_is_not_a_folder_or_holds_a_colon_is_refused_before_anything_boots(layer):
+    with pytest.raises(SandboxError, match="bad layer"):
+        machine.up("t-badlayer", layers=[Path(layer)])
+    assert not registry.runtime_dir("t-badlayer").exists()
+
+
+def test_the_venv_layer_keeps_only_the_venv_and_the_folders_above_it(tmp_path):
+    upper = tmp_path / "upper"
+    venv = upper / "opt/sparkform/venvs/v1"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin/python").symlink_to("/usr/bin/python3")
+    for stray in ("opt/sparkform/other", "etc/resolv.conf", "root/.cache/pip/x", "opt/stray.txt"):
+        (upper / stray).parent.mkdir(parents=True, exist_ok=True)
+        (upper / stray).write_text("x")
+    keep_only(upper, "/opt/sparkform/venvs/v1")
+    kept = sorted(str(p.relative_to(upper)) for p in upper.rglob("*"))
+    assert kept == [
+        "opt",
+        "opt/sparkform",
+        "opt/sparkform/venvs",
+        "opt/sparkform/venvs/v1",
+        "opt/sparkform/venvs/v1/bin",
+        "opt/sparkform/venvs/v1/bin/python",
+    ]
