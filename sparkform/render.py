@@ -77,6 +77,13 @@ def systemd_escaped(value: object, command: bool = False) -> str:
     return text
 
 
+def root_writable(config: HostConfig, *folders: str) -> list[str]:
+    """What a root service of sparkform may write (ReadWritePaths=): `folders`, root's record
+    folder, and with monitoring node_exporter's textfile folder (its alert and GPU metrics)."""
+    textfiles = [config.monitoring.textfile_dir] if config.monitoring.enabled else []
+    return [*folders, record_dir(config.state_dir), *textfiles]
+
+
 def systemd_word(value: object) -> str:
     """One argument of an Exec*= command line: as it is when plain, else quoted and escaped."""
     text = str(value)
@@ -353,7 +360,7 @@ def scrub_files(config: HostConfig) -> list[RenderedFile]:
         RenderedFile(paths.scrub_config, json.dumps(scrub_settings(config), indent=2) + "\n", "644"),
         RenderedFile(
             unit_path(SCRUB_UNIT),
-            template("sparkform-scrub.service.j2", config=config, state_folder=record_dir(config.state_dir)),
+            template("sparkform-scrub.service.j2", config=config, writable=root_writable(config, config.models_dir)),
             "644",
         ),
         RenderedFile(unit_path(SCRUB_TIMER), template("sparkform-scrub.timer.j2", config=config), "644"),
@@ -469,10 +476,7 @@ def render_host(config: HostConfig, model_configs: Mapping[str, dict] | None = N
         RenderedFile(
             guard_unit,
             template(
-                "sparkform-guard.service.j2",
-                config=config,
-                guard_config=guard_config,
-                state_folder=record_dir(config.state_dir),
+                "sparkform-guard.service.j2", config=config, guard_config=guard_config, writable=root_writable(config)
             ),
             "644",
         ),
@@ -482,7 +486,7 @@ def render_host(config: HostConfig, model_configs: Mapping[str, dict] | None = N
                 "sparkform-recover@.service.j2",
                 config=config,
                 guard_config=guard_config,
-                state_folder=record_dir(config.state_dir),
+                writable=root_writable(config),
             ),
             "644",
         ),
@@ -502,16 +506,7 @@ def render_host(config: HostConfig, model_configs: Mapping[str, dict] | None = N
             ),
             "644",
         ),
-        RenderedFile(
-            FRONT_DROP_IN,
-            template(
-                "nginx-hardening.conf.j2",
-                front_user=layout.FRONT_USER,
-                pid_file=layout.FRONT_PID_FILE,
-                debian_test=layout.FRONT_CONFIG_TEST,
-            ),
-            "644",
-        ),
+        RenderedFile(FRONT_DROP_IN, template("nginx-hardening.conf.j2"), "644"),
         *node_exporter_files(config),
     ]
     for engine in config.engines:

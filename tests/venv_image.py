@@ -46,8 +46,11 @@ def image_key(rootfs: Path, config: HostConfig) -> str:
     digest = hashlib.sha256(f"{rootfs.name}\n".encode())
     digest.update(Path(config.lock).read_bytes())
     for command in venv.build_commands(config):
-        text = f"upload {command.dest}" if isinstance(command, FileUploadCommand) else command
-        digest.update(f"{text.get_raw_value() if isinstance(text, StringCommand) else text}\n".encode())
+        if isinstance(command, FileUploadCommand):
+            text = f"upload {command.dest}"  # what it uploads is the lock, hashed above
+        else:
+            text = command.get_raw_value() if isinstance(command, StringCommand) else command
+        digest.update(f"{text}\n".encode())
     return digest.hexdigest()[:16]
 
 

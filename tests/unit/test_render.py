@@ -28,7 +28,7 @@ from samples import SERVED_PAIR
 from script_box import CACHE_VARS, CAPS
 
 from sparkform.inventory import load_host, load_inventory
-from sparkform.layout import ENGINES_TARGET, GUARD_UNIT, ROOT_PYTHON, SCRUB_TIMER
+from sparkform.layout import ENGINES_TARGET, GUARD_UNIT, ROOT_PYTHON, SCRUB_TIMER, record_dir
 from sparkform.render import RenderedFile, checkpoint_fetch, engine_args, min_available_kib, render_host
 from sparkform.schema import HostConfig, Scrub
 
@@ -376,6 +376,23 @@ def test_roots_own_units_are_hardened_to_their_bounds_each_score_printed(
         for left_out in ("User=", "PrivateNetwork=", "MemoryDenyWriteExecute=", "ProtectProc="):
             assert re.search(rf"^#.*\b{left_out}", unit.content, re.M), (unit.path, left_out)
         assert ("DevicePolicy=closed" in unit.content) == (device == "cuda"), unit.path
+
+
+@pytest.mark.parametrize("monitoring", [False, True])
+def test_roots_own_units_write_only_their_folders(monitoring):
+    """The record folder each, the scrub the checkpoints too, and with monitoring node_exporter's
+    textfile folder (the guard's alert and GPU metrics); the rest of the system read-only."""
+    config = load_host("x", {"monitoring": {"enabled": monitoring}}).config
+    textfiles = [config.monitoring.textfile_dir] if monitoring else []
+    expected = {
+        GUARD_UNIT: [record_dir(config.state_dir), *textfiles],
+        "sparkform-recover@.service": [record_dir(config.state_dir), *textfiles],
+        "sparkform-scrub.service": [config.models_dir, record_dir(config.state_dir), *textfiles],
+    }
+    for unit, folders in expected.items():
+        content = next(f.content for f in render_host(config) if f.path.endswith(f"/{unit}"))
+        assert "\nProtectSystem=strict\n" in content, unit
+        assert re.findall(r"^ReadWritePaths=(.*)$", content, re.M) == [" ".join(folders)], unit
 
 
 def test_the_exposure_check_can_fail(tmp_path, system_units):
