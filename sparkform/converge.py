@@ -22,14 +22,9 @@ from sparkform.kept import KeptSettings, settings_digest
 from sparkform.layout import FRONT_CONFIG, FRONT_DROP_IN
 from sparkform.model import Problem
 from sparkform.parsers import EngineState
-from sparkform.render import (
-    RenderedFile,
-    guard_files,
-    monitoring_packages,
-    node_exporter_files,
-    prerequisite_packages,
-    render_host,
-)
+from sparkform.programs import guard_files, module_folders
+from sparkform.render import monitoring_packages, node_exporter_files, prerequisite_packages, render_host
+from sparkform.rendered import RenderedFile
 from sparkform.schema import HostConfig
 from sparkform.snapshot import RemoteFile, Snapshot
 
@@ -82,10 +77,11 @@ def secrets(config: HostConfig) -> list[Secret]:
 
 def unwanted(config: HostConfig) -> list[str]:
     """Files that must not be on the host: the engines' old copy of the API key (before the
-    front), Debian's default nginx site, the front's key and the alert webhook once the
+    front), the guard's and the scrub's settings where they were before they moved beside them,
+    Debian's default nginx site, the front's key and the alert webhook once the
     inventory names none, and sparkform's metrics once monitoring is off (node_exporter itself,
     and its settings, stay: the package is the owner's to remove)."""
-    paths = [config.paths.retired_engine_env, layout.NGINX_DEFAULT_SITE]
+    paths = [config.paths.retired_engine_env, *config.paths.retired_settings, layout.NGINX_DEFAULT_SITE]
     return (
         paths
         + ([] if config.api_key_file else [config.paths.front_key])
@@ -142,6 +138,7 @@ def folders(config: HostConfig) -> list[Folder]:
     engine_user = config.engine_user
     result = [
         Folder(config.lib_dir, "755"),
+        *(Folder(path, "755") for path in module_folders(config)),
         Folder(config.config_dir, "755"),
         Folder(config.paths.engines_dir, "755"),
         # Secrets are root's; the front's user (nginx, its master too) may pass into the folder to

@@ -5,7 +5,7 @@ with copies of the three files the engine runs with (its unit, env and args file
 ``kept.json``: when they were kept, the venv and checkpoint folder they use (never removed while
 kept) and the digest of the three files. The deploy writes it once the engine served them (after
 its `systemctl start` returned: the readiness helper saw it answer). When a changed engine then
-fails its start, ``sparkform-rollback`` (templates/sparkform-rollback.py.j2) writes the kept
+fails its start, ``sparkform-rollback`` (sparkform/host/rollback.py) writes the kept
 files back, starts the engine and writes ``rolled-back.json`` beside them: when, why (the
 journal's why-lines) and the digest of the settings that failed. The next deploy's plan reads both
 (facts/snapshot.py) and, while the inventory still renders the settings that failed, says so.
@@ -16,13 +16,13 @@ checked against the shape sparkform writes it in (UntrustedValue otherwise).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from sparkform.host import kept as host_kept
+from sparkform.host.kept import day
 from sparkform.hostrecord import ENGINE_NAME_PATTERN, UntrustedValue
 from sparkform.shapes import SAFE_PATH
 
@@ -36,13 +36,8 @@ ROLLERS = ("deploy", "hand")  # who put the kept settings back
 
 
 def settings_digest(unit: str, env: str, args: str) -> str:
-    """The digest of an engine's three files (the same sparkform-rollback computes on the host)."""
-    return hashlib.sha256("\0".join((unit, env, args)).encode()).hexdigest()[:32]
-
-
-def day(unix: int) -> str:
-    """``2026-12-01 07:12 UTC``."""
-    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(unix))
+    """The digest of an engine's three files, as sparkform-rollback computes it on the host."""
+    return host_kept.settings_digest((unit, env, args))
 
 
 @dataclass(frozen=True)

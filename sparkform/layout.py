@@ -3,8 +3,8 @@
 One home for every name the deploy, the facts, the templates (they get this module as
 `layout` and a host's `HostPaths` as `paths`), `tests/verify` and the integration tests use.
 The folders themselves are inventory fields (`HostConfig.lib_dir`, `state_dir`, ...);
-`HostPaths` places sparkform's files inside them. A leaf of the core: it imports nothing of
-sparkform's, so the schema can name units with it.
+`HostPaths` places sparkform's files inside them. A leaf of the core: it imports only the
+names the host programs define themselves (sparkform.host), so the schema can name units with it.
 """
 
 from __future__ import annotations
@@ -12,12 +12,22 @@ from __future__ import annotations
 import posixpath
 from dataclasses import dataclass
 
+from sparkform.host import RETRY_UNIT_PREFIX, ROOT_PYTHON, SETTINGS_SUFFIX
+from sparkform.host.folders import COMPLETE_MARKER
+from sparkform.host.folders import MANIFEST as CHECKPOINT_MANIFEST
+from sparkform.host.kept import KEPT_FILES, KEPT_PREVIOUS, KEPT_RECORD, ROLLBACK_RECORD
+
+__all__ = [
+    "CHECKPOINT_MANIFEST", "COMPLETE_MARKER", "KEPT_FILES", "KEPT_PREVIOUS", "KEPT_RECORD", "ROLLBACK_RECORD",
+    "RETRY_UNIT_PREFIX", "ROOT_PYTHON",
+]  # fmt: skip
+
 UNIT_DIR = "/etc/systemd/system"
 UNIT_PREFIX = "vllm-"  # engine NAME runs as unit vllm-NAME.service
 ENGINE_UNIT_GLOB = f"{UNIT_DIR}/{UNIT_PREFIX}*.service"
 ENGINES_TARGET = "sparkform-engines.target"  # reached once every enabled engine serves
 GUARD_UNIT = "sparkform-guard.service"
-RETRY_UNIT_PREFIX = "sparkform-retry-"  # the guard's delayed start of ENGINE: sparkform-retry-ENGINE.timer
+# RETRY_UNIT_PREFIX (sparkform.host): the guard's delayed start of ENGINE, sparkform-retry-ENGINE.timer
 RECOVER_UNIT = "sparkform-recover@.service"  # the engines' OnFailure=, one instance per engine
 # The checkpoint scrub (HostConfig.scrub): the timer starts the service, a one-shot run.
 SCRUB_UNIT = "sparkform-scrub.service"
@@ -37,10 +47,9 @@ FRONT_CONFIG_TEST = "/usr/sbin/nginx -t -q -g 'daemon on; master_process on;'"
 # Debian's welcome page on port 80 of every address: nothing a Spark should serve to the LAN.
 NGINX_DEFAULT_SITE = "/etc/nginx/sites-enabled/default"
 PROFILE_CAPS = "/etc/profile.d/sparkform-caps.sh"  # the compile caps for login shells
-# How root runs its Python programs: the system's python3, isolated (-I: no PYTHON* variables, no
-# user site under $HOME, no script folder on sys.path), so nothing the engine user can write (its
-# HOME, a .pth, a usercustomize) runs as root, whatever environment the caller has.
-ROOT_PYTHON = ("/usr/bin/python3", "-I")
+# ROOT_PYTHON (sparkform.host): how root runs its Python programs: the system's python3, isolated
+# (-I: no PYTHON* variables, no user site under $HOME, no script folder on sys.path), so nothing
+# the engine user can write (its HOME, a .pth, a usercustomize) runs as root.
 # Monitoring (HostConfig.monitoring): Debian's prometheus-node-exporter, its settings, and the
 # textfiles sparkform writes for its collector: one per writer, each replaced whole.
 NODE_EXPORTER_PACKAGE = "prometheus-node-exporter"
@@ -50,11 +59,9 @@ NODE_EXPORTER_DROP_IN = f"{UNIT_DIR}/prometheus-node-exporter.service.d/sparkfor
 RECORD_TEXTFILE = "sparkform.prom"  # the host record's metrics, written with the record
 GUARD_TEXTFILE = "sparkform-guard.prom"  # the guard's alerts, written by the guard
 GPU_TEXTFILE = "sparkform-gpu.prom"  # the GPU's temperature, clock and clock-event reasons, sampled by the guard
-# Written last into a venv or a checkpoint folder: without it the folder is unfinished, and the
-# launch script refuses the checkpoint.
-COMPLETE_MARKER = ".sparkform-complete"
-# Path, size, sha256 and mtime of every verified checkpoint file, beside the marker.
-CHECKPOINT_MANIFEST = ".sparkform-manifest.json"
+# COMPLETE_MARKER (sparkform.host.folders) is written last into a venv or a checkpoint folder:
+# without it the folder is unfinished, and the launch script refuses the checkpoint.
+# CHECKPOINT_MANIFEST beside it holds the path, size, sha256 and mtime of every verified file.
 VENV_LOCK = "sparkform-lock.txt"  # the lock a venv was installed from, inside that venv
 RECORD_NAME = "host-record.json"
 # In the record folder: one JSON line per engine start that served, with the KV pool vLLM printed
@@ -63,14 +70,10 @@ KV_LEDGER_NAME = "kv-ledger.jsonl"
 KV_LEDGER_ROWS = 1000  # the rows kept: the oldest go first
 # `sparkform bench`'s ledger in the record folder: one JSON line per bench, appended by root.
 BENCH_LEDGER_NAME = "bench-ledger.jsonl"
-# In an engine's kept folder (kept_dir): what the kept settings are, and, after they were put
-# back, why (written by sparkform-rollback, dropped when the engine serves new settings).
-KEPT_RECORD = "kept.json"
-ROLLBACK_RECORD = "rolled-back.json"
-KEPT_FILES = ("unit", "env", "args")  # the kept copies, in the order of HostPaths.engine_files
-# In a kept folder: the settings kept before the last ones (the same files and KEPT_RECORD), what
-# `sparkform rollback` goes back to from a change that served but misbehaves.
-KEPT_PREVIOUS = "previous"
+# In an engine's kept folder (kept_dir), as sparkform-rollback names them (sparkform.host.kept):
+# KEPT_FILES (copies, in the order of HostPaths.engine_files), KEPT_RECORD (what they are),
+# ROLLBACK_RECORD (after they were put back, why) and KEPT_PREVIOUS/ (the settings kept before
+# the last ones, what `sparkform rollback` goes back to from a change that served but misbehaves).
 
 
 def monitored_units_pattern() -> str:
@@ -229,12 +232,27 @@ class HostPaths:
         return f"{self.state_dir}/locks"
 
     @property
+    def host_modules(self) -> str:
+        """The modules the host programs share (the package's sparkform/host), on their sys.path."""
+        return f"{self.lib_dir}/python"
+
+    @property
     def guard_config(self) -> str:
-        return f"{self.config_dir}/guard.json"
+        """The guard's settings, beside it (sparkform.host.settings_path)."""
+        return f"{self.guard}{SETTINGS_SUFFIX}"
 
     @property
     def scrub_config(self) -> str:
-        return f"{self.config_dir}/scrub.json"
+        return f"{self.scrub}{SETTINGS_SUFFIX}"
+
+    @property
+    def rollback_config(self) -> str:
+        return f"{self.rollback}{SETTINGS_SUFFIX}"
+
+    @property
+    def retired_settings(self) -> tuple[str, str]:
+        """Where the guard's and the scrub's settings were before they moved beside them: removed."""
+        return f"{self.config_dir}/guard.json", f"{self.config_dir}/scrub.json"
 
     @property
     def engines_dir(self) -> str:

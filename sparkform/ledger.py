@@ -3,7 +3,7 @@ prediction for the same settings (docs/incidents.md#kv-pool-ledger kept it by ha
 
 The host keeps it: after each start that served (the deploy's, systemd's restarts, the guard's
 retries, a rollback's), `sparkform-guard served ENGINE` reads that start's journal, the settings
-the engine started with (its args file) and the prediction the deploy rendered into guard.json
+the engine started with (its args file) and the prediction the deploy rendered into the guard's settings
 (`guard_ledger`, here), and appends one JSON line to `<state_dir>/record/kv-ledger.jsonl`. This
 module is the control machine's side: the prediction rendered for the host, the rows read back
 (every value checked before use), the table `sparkform ledger` prints, and the newest matching
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sparkform import planner
 from sparkform.engine import Engine, Measured
+from sparkform.host.kvlog import CHECKPOINT, KV_DTYPE, LINE_CHARS, MAX_GIB, MAX_TOKENS
 from sparkform.layout import KV_LEDGER_ROWS
 from sparkform.model import Host
 from sparkform.modelconfig import GIB
@@ -28,17 +29,8 @@ from sparkform.remote import LINK
 from sparkform.schema import HostConfig
 from sparkform.shapes import NAME_PATTERN
 
-# A ledger line longer than this is none sparkform-guard wrote (its rows are ~600 characters).
-LINE_CHARS = 4096
-MAX_TOKENS = 10**12
-MAX_GIB = 100_000.0
-
 _TIME = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z$"
 _VERSION = r"^[0-9]+\.[0-9]+[0-9A-Za-z.+-]{0,40}$"
-# What sparkform-guard takes from an args file too (rendered into it): a checkpoint folder's name
-# (owner--name@commit) and a KV dtype.
-CHECKPOINT_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}@[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
-KV_DTYPE_PATTERN = r"[a-z0-9_]{1,32}"
 _SOURCE = r"^[A-Za-z0-9 .,;:()_+/-]{1,200}$"
 
 
@@ -80,13 +72,13 @@ class LedgerRow(_Checked):
     engine: str = Field(pattern=NAME_PATTERN)
     vllm: str | None = Field(None, pattern=_VERSION)
     """The version the API server printed at this start."""
-    checkpoint: str = Field(pattern=f"^{CHECKPOINT_PATTERN}$")
+    checkpoint: str = Field(pattern=f"^{CHECKPOINT.pattern}$")
     """The checkpoint folder it served (owner--name@commit)."""
     max_model_len: int = Field(gt=0, le=MAX_TOKENS)
     gpu_memory_utilization: float | None = Field(None, gt=0, le=0.95)
     """None when kv_cache_memory_bytes pins the pool (the utilization is not passed then)."""
     kv_cache_memory_bytes: int | None = Field(None, gt=0, le=int(MAX_GIB * GIB))
-    kv_cache_dtype: str = Field(pattern=f"^{KV_DTYPE_PATTERN}$")
+    kv_cache_dtype: str = Field(pattern=f"^{KV_DTYPE.pattern}$")
     measured: PrintedPool
     predicted: PredictedPool | None = None
     """None when the engine started on settings other than the deploy's (a rollback's kept ones)."""
@@ -96,7 +88,7 @@ class LedgerRow(_Checked):
         return self.time.replace("T", " ")[:16]
 
 
-# --- what the deploy renders for the host (guard.json) ---------------------------------------------
+# --- what the deploy renders for the host (sparkform-guard.json) ---------------------------------------------
 
 
 def engine_settings(config: HostConfig, engine: Engine) -> dict:
@@ -126,7 +118,7 @@ def prediction(host: Host, engine: Engine) -> dict:
 
 
 def guard_ledger(host: Host, engine: Engine) -> dict:
-    """An engine's entry in guard.json for the ledger: its args file, settings and prediction."""
+    """An engine's entry in sparkform-guard.json for the ledger: its args file, settings and prediction."""
     return {
         "args": host.config.paths.engine_settings(engine.name)[1],
         "settings": engine_settings(host.config, engine),

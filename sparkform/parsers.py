@@ -11,36 +11,11 @@ import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from sparkform.host import kvlog
+
 KIB_PER_GIB = 1024 * 1024
 
-# Match the message text anywhere in the line: the prefix differs between vLLM versions
-# (`(EngineCore pid=N) INFO MM-DD HH:MM:SS [file.py:N] `) and journald output modes.
-# The device word is GPU, CPU or XPU (<= 0.29 always GPU); 0.33 may add ` + host` after it.
-_KV_SIZE_RE = re.compile(
-    r"\b(?P<device>[A-Z]{3})(?:\s*\+\s*[A-Za-z]+)*\s+KV cache size:\s*(?P<tokens>\d[\d,]*)\s+tokens"
-)
-_KV_CONCURRENCY_RE = re.compile(
-    r"Maximum concurrency for (?P<max_model_len>\d[\d,]*) tokens per request:\s*"
-    r"(?P<concurrency>\d[\d,]*(?:\.\d+)?)x"
-)
-_KV_AVAILABLE_RE = re.compile(r"Available KV cache memory:\s*(?P<gib>\d+(?:\.\d+)?) GiB")
-# Printed once per start (with the version, VLLM_VERSION_RE): lets a new boot drop a stale
-# "Available" figure left by a boot that died before it logged its pool.
-KV_BOOT_MARKER = "vLLM API server version"
-# The version a start runs: the API server's line (<= 0.29), or the EngineCore's "Initializing a V1
-# LLM engine (v0.32.0) with config" (0.32 prints its version only there and in an ASCII banner).
-VLLM_VERSION_RE = re.compile(
-    r"(?:" + KV_BOOT_MARKER + r" |Initializing a V1 LLM engine \(v)(?P<version>[0-9]+\.[0-9]+[0-9A-Za-z.+-]{0,40})"
-)
-# The patterns the host's own KV ledger (sparkform-guard, which cannot import sparkform) reads one
-# start's journal with: the same as parse_kv_pool's, rendered into the script.
-KV_LOG_PATTERNS = {
-    "version": VLLM_VERSION_RE.pattern,
-    "available": _KV_AVAILABLE_RE.pattern,
-    "size": _KV_SIZE_RE.pattern,
-    "concurrency": _KV_CONCURRENCY_RE.pattern,
-}
-
+# vLLM's KV pool lines are read by the patterns the host's KV ledger uses (sparkform.host.kvlog).
 _CUDA_VERSION_RE = re.compile(r"CUDA Version:\s*(?P<version>\d+(?:\.\d+)*)")
 _COMPUTE_CAP_RE = re.compile(r"^\d+\.\d+$")
 
@@ -102,12 +77,12 @@ def parse_kv_pool(lines: list[str]) -> KvPool | None:
     pools: list[KvPool] = []
     pending_available_gib: float | None = None
     for line in lines:
-        if VLLM_VERSION_RE.search(line):  # a new start: what an earlier one printed is stale
+        if kvlog.KV_VERSION.search(line):  # a new start: what an earlier one printed is stale
             pending_available_gib = None
-        available = _KV_AVAILABLE_RE.search(line)
+        available = kvlog.KV_AVAILABLE.search(line)
         if available:
             pending_available_gib = float(available["gib"])
-        size = _KV_SIZE_RE.search(line)
+        size = kvlog.KV_SIZE.search(line)
         if size:
             pools.append(
                 KvPool(
@@ -119,7 +94,7 @@ def parse_kv_pool(lines: list[str]) -> KvPool | None:
                 )
             )
             pending_available_gib = None
-        concurrency = _KV_CONCURRENCY_RE.search(line)
+        concurrency = kvlog.KV_CONCURRENCY.search(line)
         # The concurrency belongs to the pool logged just before it (same line from 0.28 on).
         if concurrency and pools and not pools[-1].complete:
             pools[-1] = replace(
@@ -135,7 +110,7 @@ def parse_kv_pool(lines: list[str]) -> KvPool | None:
 
 def parse_vllm_version(lines: list[str]) -> str | None:
     """The vLLM version the latest API server start in a log printed, or None."""
-    versions = [match["version"] for line in lines if (match := VLLM_VERSION_RE.search(line))]
+    versions = [match["version"] for line in lines if (match := kvlog.KV_VERSION.search(line))]
     return versions[-1] if versions else None
 
 

@@ -11,39 +11,31 @@ import json
 import re
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import jinja2
 
-from sparkform import bootchain, layout, ledger
+from sparkform import bootchain, layout
 from sparkform.bundle import TEMPLATES
 from sparkform.engine import Engine
+from sparkform.host.kvlog import SETTING_FLAGS
 from sparkform.layout import (
-    CHECKPOINT_MANIFEST,
     COMPLETE_MARKER,
     ENGINES_TARGET,
     FRONT_CONFIG,
     FRONT_DROP_IN,
     GUARD_UNIT,
-    KEPT_FILES,
-    KEPT_PREVIOUS,
-    KEPT_RECORD,
-    KV_LEDGER_ROWS,
     NODE_EXPORTER_DEFAULTS,
     NODE_EXPORTER_DROP_IN,
     NODE_EXPORTER_PACKAGE,
     PROFILE_CAPS,
     RECOVER_UNIT,
-    ROLLBACK_RECORD,
     SCRUB_TIMER,
     SCRUB_UNIT,
-    kept_root,
     record_dir,
     unit_path,
 )
-from sparkform.model import Host
-from sparkform.modelconfig import GIB
-from sparkform.parsers import KV_LOG_PATTERNS
+from sparkform.programs import checkpoint_fetch, guard_files, min_available_kib, program_files  # noqa: F401  (the names tests and tasks take from here)
+from sparkform.rendered import RenderedFile
 from sparkform.schema import HostConfig
 from sparkform.shapes import CONTROL_CHARACTERS, NAME_PATTERN
 
@@ -106,10 +98,6 @@ def prerequisite_packages(device: str) -> list[str]:
     return packages + ["libnuma1"] if device == "cpu" else packages
 
 
-# How long a rank this host runs for a head elsewhere may take from its start to its connection to
-# the head's master port (importing vLLM; tens of seconds on the sandbox's two cores) before the
-# guard judges that connection.
-RANK_JOIN_S = 120
 # The front's allow-list: the OpenAI routes a chat or completion client uses. Every other path
 # (vLLM's /invocations, /tokenize, /generative_scoring, /scale_elastic_ep, /docs, ...) gets 404.
 FRONT_ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -120,21 +108,6 @@ VLLM_UNGUARDED_ROUTES = (
     "/invocations", "/generative_scoring", "/tokenize", "/detokenize", "/metrics", "/docs", "/openapi.json",
     "/scale_elastic_ep", "/version", "/load", "/ping",
 )  # fmt: skip
-# journalctl MESSAGE_ID=... lists every alert the guard sent.
-ALERT_MESSAGE_ID = "7d3f5c2a9e8b4f61a0c4d2e6b8f1a3c5"
-
-
-@dataclass(frozen=True)
-class RenderedFile:
-    path: str
-    content: str
-    mode: str
-    engine: str | None = None  # the engine that must restart when this file changes
-
-    @property
-    def is_unit(self) -> bool:
-        """systemd reads it: a unit file or a drop-in."""
-        return layout.is_unit_path(self.path)
 
 
 def engine_environment(config: HostConfig, engine: Engine) -> dict[str, str]:
@@ -182,9 +155,10 @@ def span_environment(config: HostConfig, engine: Engine) -> dict[str, str]:
 
 
 def engine_args(config: HostConfig, engine: Engine) -> list[str]:
-    """Arguments of the API server, one token each (the args file holds one per line)."""
+    """Arguments of the API server, one token each (the args file holds one per line; the guard
+    reads the KV pool's settings back from it by SETTING_FLAGS)."""
     args = [
-        "--model",
+        SETTING_FLAGS["checkpoint"],
         config.checkpoint_dir(engine),
         "--served-model-name",
         *engine.names,
@@ -195,7 +169,7 @@ def engine_args(config: HostConfig, engine: Engine) -> list[str]:
         str(config.internal_port(engine)),
         # /docs and /openapi.json describe every route, guarded or not.
         "--disable-fastapi-docs",
-        "--max-model-len",
+        SETTING_FLAGS["max_model_len"],
         str(engine.max_model_len),
         "--max-num-seqs",
         str(engine.max_num_seqs),
@@ -203,11 +177,11 @@ def engine_args(config: HostConfig, engine: Engine) -> list[str]:
         engine.generation_config,
     ]
     if engine.kv_cache_memory_bytes:
-        args += ["--kv-cache-memory-bytes", str(engine.kv_cache_memory_bytes)]
+        args += [SETTING_FLAGS["kv_cache_memory_bytes"], str(engine.kv_cache_memory_bytes)]
     else:
-        args += ["--gpu-memory-utilization", f"{engine.gpu_memory_utilization:g}"]
+        args += [SETTING_FLAGS["gpu_memory_utilization"], f"{engine.gpu_memory_utilization:g}"]
     if engine.kv_cache_dtype != "auto":
-        args += ["--kv-cache-dtype", engine.kv_cache_dtype]
+        args += [SETTING_FLAGS["kv_cache_dtype"], engine.kv_cache_dtype]
     if engine.quantization:
         args += ["--quantization", engine.quantization]
     if not engine.enable_prefix_caching:
@@ -237,127 +211,9 @@ def span_args(config: HostConfig, engine: Engine) -> list[str]:
     return args + (["--headless"] if config.is_worker(engine) else [])
 
 
-def min_available_kib(config: HostConfig, engine: Engine) -> int:
-    """MemAvailable the launch script wants before it starts this engine."""
-    if engine.kv_cache_memory_bytes:
-        share = engine.kv_cache_memory_bytes
-    else:
-        share = engine.gpu_memory_utilization * config.memory_total_gib * GIB
-    return int((share + config.memory_available_margin_gib * GIB) // 1024)
-
-
-def guard_files(config: HostConfig) -> tuple[str, str, str, str]:
-    """The guard's settings, script, unit and the engines' OnFailure= unit: a change to any of
-    them restarts the guard."""
-    return config.paths.guard_config, config.paths.guard, unit_path(GUARD_UNIT), unit_path(RECOVER_UNIT)
-
-
-def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None = None) -> dict:
-    """What sparkform-guard knows about the host (no secret: the webhook URL stays in its file).
-    `model_configs` (engine -> config.json, the inventory's model_config_path) feed the planner's
-    prediction that each start's KV ledger row carries."""
-    host = Host("", config, dict(model_configs or {}))
-    return {
-        # need_gib: the MemAvailable the launch script wants before it starts the engine.
-        "engines": [
-            {
-                "name": e.name,
-                "unit": e.unit,
-                "port": config.internal_port(e),
-                "names": e.names,
-                "priority": e.priority,
-                "need_gib": round(min_available_kib(config, e) / 2**20, 2),
-                "ledger": ledger.guard_ledger(host, e),
-                # A rank this host runs headless: where its head's master port is (no API to probe here).
-                "head": [config.span(e).master_address, e.master_port] if config.is_worker(e) else None,
-            }
-            for e in config.enabled_engines
-        ],
-        "state_dir": record_dir(config.state_dir),
-        "webhook_file": config.paths.alert_webhook if config.alert_webhook_file else None,
-        "alert_command": config.alert_command,
-        "textfile": config.monitoring.guard_textfile if config.monitoring.enabled else None,
-        "gpu_textfile": config.monitoring.gpu_textfile if config.monitoring.enabled else None,
-        "kv_ledger": config.paths.kv_ledger,
-        "kv_ledger_rows": KV_LEDGER_ROWS,
-        **{
-            key: getattr(config, key)
-            for key in (
-                "recover_cooldown_s",
-                "recover_backoff_max_s",
-                "watchdog_interval_s",
-                "watchdog_deadline_s",
-                "watchdog_failures",
-                "memory_warn_gib",
-                "memory_critical_gib",
-                "memory_margin_gib",
-            )
-        },
-        "memory_poll_s": 2,
-        "rank_join_s": RANK_JOIN_S,
-        "vllm_cli": config.paths.vllm_cli,
-        "memory_settle_s": 10,
-        "gpu_poll_s": 15,
-    }
-
-
-def checkpoint_fetch(config: HostConfig, engine: Engine) -> list[str]:
-    """The fetch of an engine's checkpoint, as the deploy and the scrub run it (argv; HF_TOKEN and
-    HF_ENDPOINT go in its environment, never here)."""
-    includes = [word for pattern in engine.checkpoint.include for word in ("--include", pattern)]
+def scrub_units(config: HostConfig) -> list[RenderedFile]:
+    """The scrub's service and timer (the timer restarts when it changes)."""
     return [
-        f"{config.venv}/bin/python",
-        "-I",  # root runs it: no PYTHON* variables, no user site, no script folder on sys.path
-        config.paths.checkpoint,
-        engine.checkpoint.repo,
-        config.commit(engine) or engine.checkpoint.revision,
-        config.checkpoint_dir(engine),
-        *includes,
-        "--workers",
-        str(config.checkpoint_workers),
-    ]
-
-
-def scrub_settings(config: HostConfig) -> dict:
-    """What sparkform-scrub knows: each checkpoint an enabled engine serves, with its fetch and the
-    engines to restart after a repair; the token's path, never the token."""
-    folders: dict[str, dict] = {}
-    for engine in config.enabled_engines:
-        checkpoint = folders.setdefault(
-            config.checkpoint_dir(engine),
-            {
-                "folder": config.checkpoint_dir(engine),
-                "repo": engine.checkpoint.repo,
-                "commit": config.commit(engine),
-                "fetch": checkpoint_fetch(config, engine),
-                "engines": [],
-            },
-        )
-        checkpoint["engines"].append({"name": engine.name, "unit": engine.unit})
-    return {
-        "checkpoints": list(folders.values()),
-        "rate_mib_s": config.scrub.rate_mib_s,
-        "hf_endpoint": config.hf_endpoint,
-        "hf_token_file": config.paths.hf_token if config.hf_token_file else None,
-        "guard": config.paths.guard,
-    }
-
-
-def scrub_files(config: HostConfig) -> list[RenderedFile]:
-    """The scrub's script, settings, service and timer (the timer restarts when it changes)."""
-    paths = config.paths
-    return [
-        RenderedFile(
-            paths.scrub,
-            template(
-                "sparkform-scrub.py.j2",
-                scrub_config=paths.scrub_config,
-                complete_marker=COMPLETE_MARKER,
-                manifest=CHECKPOINT_MANIFEST,
-            ),
-            "644",
-        ),
-        RenderedFile(paths.scrub_config, json.dumps(scrub_settings(config), indent=2) + "\n", "644"),
         RenderedFile(
             unit_path(SCRUB_UNIT),
             template("sparkform-scrub.service.j2", config=config, writable=root_writable(config, config.models_dir)),
@@ -400,26 +256,6 @@ def node_exporter_files(config: HostConfig) -> list[RenderedFile]:
     ]
 
 
-def rollback_script(config: HostConfig) -> str:
-    """sparkform-rollback for this host: the files of each engine it can put back, and where they are kept."""
-    engines = {
-        engine.name: {"unit": engine.unit, "files": list(config.paths.engine_files(engine.name))}
-        for engine in config.engines
-    }
-    return template(
-        "sparkform-rollback.py.j2",
-        engines=json.dumps(engines, indent=4, sort_keys=True),
-        kept_root=kept_root(config.state_dir),
-        kept_files=json.dumps(list(KEPT_FILES)),
-        kept_record=KEPT_RECORD,
-        kept_previous=KEPT_PREVIOUS,
-        rollback_record=ROLLBACK_RECORD,
-        complete_marker=COMPLETE_MARKER,
-        guard=config.paths.guard,
-        target=ENGINES_TARGET,
-    )
-
-
 def template(name: str, **context) -> str:
     """templates/NAME rendered with `context`."""
     return _env.get_template(name).render(**context)
@@ -427,29 +263,14 @@ def template(name: str, **context) -> str:
 
 def render_host(config: HostConfig, model_configs: Mapping[str, dict] | None = None) -> list[RenderedFile]:
     """Every file sparkform puts on the host, with its path and mode (`model_configs`: the
-    checkpoints' config.json by engine, for the KV ledger's prediction in guard.json)."""
+    checkpoints' config.json by engine, for the KV ledger's prediction in the guard's settings)."""
     paths = config.paths
     files = [
         RenderedFile(
             paths.launch, template("sparkform-launch.sh.j2", config=config, complete_marker=COMPLETE_MARKER), "755"
         ),
         RenderedFile(paths.wait_ready, template("sparkform-wait-ready.sh.j2", config=config), "755"),
-        # Run by the venv's python (it needs huggingface_hub), so not executable on its own.
-        RenderedFile(
-            paths.checkpoint,
-            template("sparkform-checkpoint.py.j2", complete_marker=COMPLETE_MARKER, manifest=CHECKPOINT_MANIFEST),
-            "644",
-        ),
-        # Run by the system's python3 at the end of a converge.
-        RenderedFile(paths.record, template("sparkform-record.py.j2"), "644"),
-        # Run by the system's python3 after a changed engine's failed start, or by hand.
-        RenderedFile(paths.rollback, rollback_script(config), "644"),
-        # Run by the venv's python for the ranks of an engine across hosts.
-        *(
-            [RenderedFile(paths.vllm_cli, template("sparkform-vllm-serve.py.j2"), "644")]
-            if any(engine.nodes for engine in config.engines)
-            else []
-        ),
+        *program_files(config, model_configs),
         RenderedFile(
             PROFILE_CAPS, template("profile-caps.sh.j2", config=config, caps=config.compile_caps.as_env()), "644"
         ),
@@ -458,39 +279,18 @@ def render_host(config: HostConfig, model_configs: Mapping[str, dict] | None = N
         files.append(
             RenderedFile(unit_path(ENGINES_TARGET), template("sparkform-engines.target.j2", config=config), "644")
         )
-    guard_config, guard_script, guard_unit, recover_unit = guard_files(config)
     files += [
         RenderedFile(
-            guard_script,
-            template(
-                "sparkform-guard.py.j2",
-                guard_config=guard_config,
-                message_id=ALERT_MESSAGE_ID,
-                kv_patterns={name: repr(pattern) for name, pattern in KV_LOG_PATTERNS.items()},
-                checkpoint_pattern=repr(ledger.CHECKPOINT_PATTERN),
-                kv_dtype_pattern=repr(ledger.KV_DTYPE_PATTERN),
-            ),
-            "644",
-        ),
-        RenderedFile(guard_config, json.dumps(guard_settings(config, model_configs), indent=2) + "\n", "644"),
-        RenderedFile(
-            guard_unit,
-            template(
-                "sparkform-guard.service.j2", config=config, guard_config=guard_config, writable=root_writable(config)
-            ),
+            unit_path(GUARD_UNIT),
+            template("sparkform-guard.service.j2", config=config, writable=root_writable(config)),
             "644",
         ),
         RenderedFile(
-            recover_unit,
-            template(
-                "sparkform-recover@.service.j2",
-                config=config,
-                guard_config=guard_config,
-                writable=root_writable(config),
-            ),
+            unit_path(RECOVER_UNIT),
+            template("sparkform-recover@.service.j2", config=config, writable=root_writable(config)),
             "644",
         ),
-        *scrub_files(config),
+        *scrub_units(config),
     ]
     listen, listen_options = front_listen(config)
     files += [

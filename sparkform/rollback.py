@@ -1,7 +1,7 @@
 """`sparkform rollback INVENTORY [--engine NAME] [--host HOST]`: put engines back by hand on the
 settings they last served with, for a change that starts but misbehaves.
 
-Runs the host's own sparkform-rollback (templates/sparkform-rollback.py.j2) over SSH, the same
+Runs the host's own sparkform-rollback (sparkform/host/rollback.py) over SSH, the same
 the deploy runs after a changed engine's failed start: it writes the kept files back, records
 why (the next dry-run names the change while the inventory still renders it), alerts, and
 restarts the engine to readiness. An engine that runs its last serving settings (the change

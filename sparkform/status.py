@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sparkform.engine import Engine
 from sparkform.gpu import NvmlReport, NvmlReportError, parse_nvml_report, report_command
+from sparkform.host.alerts import MESSAGE_ID as ALERT_MESSAGE_ID
 from sparkform.hostrecord import (
     CACHE_KEY_PATTERN,
     ENGINE_NAME_PATTERN,
@@ -41,7 +42,6 @@ from sparkform.parsers import (
 )
 from sparkform.readback import named_lines
 from sparkform.remote import plain_file, plain_files, section, split_sections
-from sparkform.render import ALERT_MESSAGE_ID
 from sparkform.schema import HostConfig
 
 SCHEMA_VERSION = 1

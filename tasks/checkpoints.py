@@ -11,7 +11,7 @@ from pyinfra.api import operation
 from sparkform.converge import checkpoint_complete, kept_checkpoints
 from sparkform.engine import Engine
 from sparkform.layout import COMPLETE_MARKER
-from sparkform.render import checkpoint_fetch
+from sparkform.programs import checkpoint_fetch
 from sparkform.schema import HostConfig
 from sparkform.snapshot import Snapshot
 from tasks.files import replaced_file

@@ -36,10 +36,10 @@ from deploy_helpers import (
     wait_for,
 )
 
+from sparkform.host.alerts import MESSAGE_ID as ALERT_MESSAGE_ID
 from sparkform.inventory import load_inventory
 from sparkform.layout import SCRUB_UNIT
 from sparkform.parsers import parse_kv_pool, parse_vllm_version
-from sparkform.render import ALERT_MESSAGE_ID
 from sparkform.sandbox import stage
 from sparkform.sandbox.alerts import read_alerts
 

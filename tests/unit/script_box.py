@@ -15,14 +15,17 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from sparkform.engine import Span
+from sparkform.host.alerts import MESSAGE_ID as ALERT_MESSAGE_ID
 from sparkform.inventory import load_host
-from sparkform.render import ALERT_MESSAGE_ID, RenderedFile, render_host
+from sparkform.render import render_host
+from sparkform.rendered import RenderedFile
 from sparkform.schema import HostConfig
 
 # What every launch path (the unit, the env file, the launch script) hands the engine: its cache
@@ -131,6 +134,17 @@ def cpu_host_under(root: Path) -> dict[str, str]:
     }
 
 
+def put(files: Iterable[RenderedFile], root: Path) -> None:
+    """Write each file that lies under `root` with its mode, as the deploy puts it (the host
+    programs with the modules they share and the settings beside them); nothing outside root."""
+    for file in files:
+        if Path(file.path).is_relative_to(root):
+            target = Path(file.path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(file.content)
+            target.chmod(int(file.mode, 8))
+
+
 INTERNAL_OFFSET = 10000  # free ports are ephemeral ones (above 32767), so the front's stay above 1023
 
 
@@ -193,13 +207,8 @@ def build_box(
     if head_port is not None:
         config = config.spanned({"b": Span("127.0.0.1", "127.0.0.1", "127.0.0.0/8")})
     box = Box(root, config)
-    for file in render_host(config):
-        box.files[file.path] = file
-        if file.path.startswith(str(root)):  # never write outside tmp_path
-            target = Path(file.path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(file.content)
-            target.chmod(int(file.mode, 8))
+    box.files = {file.path: file for file in render_host(config)}
+    put(box.files.values(), root)
     box.lock_dir.mkdir(parents=True)
     box.record.mkdir()
     python = Path(config.venv) / "bin" / "python"

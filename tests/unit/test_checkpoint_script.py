@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib.machinery
-import importlib.util
 import json
 import os
 import re
@@ -17,13 +15,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from pyinfra.api import StringCommand
+from script_box import put
 
+from sparkform.host import checkpoint
 from sparkform.inventory import load_host
 from sparkform.layout import COMPLETE_MARKER
-from sparkform.render import render_host
+from sparkform.programs import program_files
 from sparkform.sandbox.fakehub import FakeHub
 from sparkform.sandbox.models import TINY_MODELS, cached_checkpoint
 from sparkform.schema import HostConfig
@@ -35,10 +36,10 @@ SHARD = "model-00001-of-00002.safetensors"
 
 @pytest.fixture(scope="module")
 def script(tmp_path_factory) -> Path:
-    rendered = {f.path: f for f in render_host(HostConfig())}
-    path = tmp_path_factory.mktemp("lib") / "sparkform-checkpoint"
-    path.write_text(rendered["/usr/local/lib/sparkform/sparkform-checkpoint"].content)
-    return path
+    lib = tmp_path_factory.mktemp("lib")
+    config = HostConfig(lib_dir=str(lib))
+    put(program_files(config), lib)
+    return Path(config.paths.checkpoint)
 
 
 @pytest.fixture
@@ -171,12 +172,9 @@ def test_the_deploy_s_fetch_command_keeps_the_token_out_of_every_argv(script, hu
 
 @pytest.fixture(scope="module")
 def checkpoint_module(script):
-    """The rendered script imported, for its pure formatting functions."""
-    loader = importlib.machinery.SourceFileLoader("sparkform_checkpoint", str(script))  # no .py suffix
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The fetcher as the host runs it, imported (the installed file is the module's own text)."""
+    assert script.read_text() == Path(checkpoint.__file__).read_text()
+    return checkpoint
 
 
 def test_progress_lines_give_bytes_rate_and_time_left(checkpoint_module):
@@ -390,6 +388,43 @@ def test_a_resumed_file_that_does_not_match_is_fetched_again_from_its_start(scri
     assert f"{SHARD}: sha256 differs from the hub's after a resume; fetching it from its start" in result.stderr
     assert [r["range"] for r in shard_gets(hub)] == [f"bytes={served.stat().st_size // 2}-", None]
     assert (folder / SHARD).read_bytes() == served.read_bytes()
+
+
+def hub_file(hub: FakeHub, folder: Path, monkeypatch) -> tuple[checkpoint.Fetch, bytes, str]:
+    """(the fetcher's Fetch of the hub's shard into `folder`, its bytes, its commit), its URLs the fake hub's."""
+    commit = hub.resolve(QWEN, "main")
+    served = (hub.repo_dir(QWEN) / commit / SHARD).read_bytes()
+    monkeypatch.setattr(
+        checkpoint, "hf_hub_url", lambda repo, path, revision: f"{hub.url}/{repo}/resolve/{revision}/{path}"
+    )
+    monkeypatch.setattr(checkpoint, "build_hf_headers", lambda: {"authorization": "Bearer hf_test_token"})
+    entry = SimpleNamespace(
+        path=SHARD, size=len(served), lfs=SimpleNamespace(sha256=hashlib.sha256(served).hexdigest())
+    )
+    return checkpoint.Fetch(1, entry, folder), served, commit
+
+
+def test_the_fetcher_resumes_from_the_bytes_an_earlier_run_left_called_directly(hub, tmp_path, monkeypatch):
+    """Fetch.download, imported: the bytes in .partial/ (ending mid-block) are kept, the rest asked
+    for as a range, and the file moved in place whole."""
+    fetch, served, commit = hub_file(hub, tmp_path / "ckpt", monkeypatch)
+    kept = len(served) // 3 + 1  # not on a 4 KiB block boundary: the resume rewrites that block
+    fetch.partial.parent.mkdir(parents=True)
+    fetch.partial.write_bytes(served[:kept])
+    assert fetch.resumable() == kept
+    fetch.download(QWEN, commit, "[1/1]", threading.Event())
+    assert [(r["range"], r["sent"]) for r in shard_gets(hub)] == [(f"bytes={kept}-", len(served) - kept)]
+    assert fetch.local.read_bytes() == served and not fetch.partial.exists()
+    assert fetch.digests.mismatch(fetch.entry) is None
+
+
+def test_the_fetcher_fetches_from_the_start_what_a_resume_made_wrong_called_directly(hub, tmp_path, monkeypatch):
+    fetch, served, commit = hub_file(hub, tmp_path / "ckpt", monkeypatch)
+    fetch.partial.parent.mkdir(parents=True)
+    fetch.partial.write_bytes(b"\0" * 5000)  # not the hub's bytes
+    fetch.download(QWEN, commit, "[1/1]", threading.Event())
+    assert [r["range"] for r in shard_gets(hub)] == ["bytes=5000-", None]
+    assert fetch.local.read_bytes() == served
 
 
 def test_a_disk_that_fills_during_the_fetch_ends_with_the_numbers_and_the_next_run_resumes(script, hub, tmp_path):

@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 from samples import SERVED_PAIR
 
+import sparkform.host as host_package
 from sparkform import bundle, cli, ssh
+from sparkform.programs import PROGRAMS
 
 REPO = Path(__file__).resolve().parents[2]
 INVENTORIES = REPO / "tests" / "fixtures" / "inventories"
@@ -30,6 +32,7 @@ BROKEN = INVENTORIES / "broken"
 SEED_INVENTORY = SERVED_PAIR
 SHIPPED_SPARK = REPO / "inventory" / "spark.py"  # the owner's: one test plans it, no other reads it
 CONSOLE_SCRIPT = Path(sys.executable).with_name("sparkform")
+SHARED_MODULE_FILES = [p.name for p in Path(host_package.__file__).parent.glob("*.py") if p.stem not in PROGRAMS]
 
 # file: (text stderr must contain, naming the field (and the engine where there is one), more text)
 EXPECTED = {
@@ -627,14 +630,17 @@ def test_render_writes_every_file_with_its_mode(tmp_path):
             "etc/sparkform/engines/q38.args",
             "etc/nginx/conf.d/sparkform.conf",
             "etc/systemd/system/nginx.service.d/sparkform-hardening.conf",
+            "usr/local/lib/sparkform/sparkform-rollback.json",
             "usr/local/lib/sparkform/sparkform-guard",
-            "etc/sparkform/guard.json",
+            "usr/local/lib/sparkform/sparkform-guard.json",
             "etc/systemd/system/sparkform-guard.service",
             "etc/systemd/system/sparkform-recover@.service",
             "usr/local/lib/sparkform/sparkform-scrub",
-            "etc/sparkform/scrub.json",
+            "usr/local/lib/sparkform/sparkform-scrub.json",
             "etc/systemd/system/sparkform-scrub.service",
             "etc/systemd/system/sparkform-scrub.timer",
+            "usr/local/lib/sparkform/python/sparkform/__init__.py",
+            *(f"usr/local/lib/sparkform/python/sparkform/host/{name}" for name in SHARED_MODULE_FILES),
         ]
     )
     assert result.stdout.splitlines() == [

@@ -16,10 +16,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from script_box import Journal, cpu_host_under
+from script_box import Journal, cpu_host_under, put
 
+from sparkform.host import guard as guard_program
 from sparkform.inventory import load_host
-from sparkform.render import guard_files, render_host
+from sparkform.render import render_host
 from sparkform.sandbox.alerts import make_server, read_alerts
 
 WEBHOOK_SECRET = "sf-webhook-token-0123456789"
@@ -149,12 +150,11 @@ class Guard:
                 **settings,
             },
         ).config
-        settings_path, script_path, _, _ = guard_files(config)
-        rendered = {f.path: f.content for f in render_host(config)}
-        self.script = Path(script_path)
-        self.script.parent.mkdir(parents=True)
-        self.script.write_text(rendered[script_path])
-        guard_config = json.loads(rendered[settings_path])
+        rendered = render_host(config)
+        put(rendered, root)
+        self.script = Path(config.paths.guard)
+        self.config_path = Path(config.paths.guard_config)
+        guard_config = json.loads(self.config_path.read_text())
         guard_config.update(
             journal_socket=str(self.journal.path),
             meminfo=str(self.meminfo),
@@ -166,9 +166,8 @@ class Guard:
         Path(config.paths.alert_webhook).write_text(webhook_file.read_text())
         Path(guard_config["state_dir"]).mkdir(parents=True)
         self.state_dir = Path(guard_config["state_dir"])
-        self.config_path = root / "guard.json"
         self.config_path.write_text(json.dumps(guard_config))
-        self.env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SPARKFORM_GUARD_CONFIG": str(self.config_path)}
+        self.env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
         self.daemon: subprocess.Popen | None = None
 
     def set_available_gib(self, gib: float) -> None:
@@ -380,3 +379,48 @@ def test_a_rank_whose_head_went_is_restarted_once_it_lost_the_head_and_its_join_
         main.wait()
         store.close()
         head.close()
+
+
+# --- the watchdog's decision, called directly ---------------------------------------------------
+
+
+class Counters:
+    """The token counters' sums an engine's /metrics gives, one per read (None: no answer)."""
+
+    def __init__(self, *values: float | None):
+        self.values, self.reads = list(values), 0
+
+    def __call__(self) -> float | None:
+        self.reads += 1
+        return self.values.pop(0)
+
+
+@pytest.mark.parametrize(
+    ("probes", "counters", "verdicts"),
+    [
+        # Three failures in a row with the counters still: hung, on the third.
+        ([False, False, False], [10.0, 10.0], ["waits", "waits", "hung"]),
+        # A long prefill: the counters moved between the first failure and the limit.
+        ([False, False, False], [10.0, 12.0], ["waits", "waits", "busy"]),
+        # Counters that did not answer prove no progress.
+        ([False, False, False], [None, 12.0], ["waits", "waits", "hung"]),
+        ([False, False, False], [10.0, None], ["waits", "waits", "hung"]),
+        # An answer in between starts the count again: five failures, never three in a row.
+        ([False, False, True, False, False], [1.0, 1.0], ["waits", "waits", "serves", "waits", "waits"]),
+        # After a verdict the count starts again: the next failure is a first one.
+        ([False, False, False, False], [5.0, 5.0, 5.0], ["waits", "waits", "hung", "waits"]),
+    ],
+)
+def test_the_watchdog_calls_hung_only_after_its_limit_of_failed_probes_without_progress(probes, counters, verdicts):
+    judge = guard_program.HangJudge(3)
+    read = Counters(*counters)
+    assert [judge.judge(answered, read) for answered in probes] == verdicts
+    assert read.values == []  # read at each first failure and at each limit, never more
+
+
+def test_a_start_forgets_the_failures_counted_before_it():
+    judge = guard_program.HangJudge(2)
+    assert judge.judge(False, lambda: 1.0) == "waits"
+    judge.forget()  # what the watchdog does while the unit is not active
+    assert judge.judge(False, lambda: 1.0) == "waits"
+    assert judge.judge(False, lambda: 1.0) == "hung"

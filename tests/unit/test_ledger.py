@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 from samples import SERVED_PAIR
-from script_box import cpu_host_under
+from script_box import cpu_host_under, put
 
 from sparkform import cli, ledger
 from sparkform.inventory import load_host
 from sparkform.layout import KV_LEDGER_ROWS
 from sparkform.parsers import parse_kv_pool, parse_vllm_version
-from sparkform.render import guard_files, render_host
+from sparkform.render import render_host
 from sparkform.sandbox import models
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,14 +62,11 @@ class HostGuard:
             REPO / "inventory",
         )
         self.config = host.config
-        rendered = {f.path: f.content for f in render_host(host.config, host.model_configs)}
-        settings_path, script_path, _, _ = guard_files(host.config)
-        for path in (script_path, settings_path, *host.config.paths.engine_settings("q38")):
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(rendered[path])
-        self.guard_config = json.loads(rendered[settings_path])
+        put(render_host(host.config, host.model_configs), root)
+        self.settings = Path(host.config.paths.guard_config)
+        self.guard_config = json.loads(self.settings.read_text())
         Path(self.guard_config["state_dir"]).mkdir(parents=True)
-        self.script = Path(script_path)
+        self.script = Path(host.config.paths.guard)
         self.args_file = Path(host.config.paths.engine_settings("q38")[1])
         self.ledger = Path(host.config.paths.kv_ledger)
         self.log = root / "start.log"
@@ -79,11 +76,7 @@ class HostGuard:
         for name, text in (("journalctl", STUB_JOURNALCTL), ("systemctl", STUB_SYSTEMCTL)):
             (bin_dir / name).write_text(text.format(calls=self.calls, log=self.log))
             (bin_dir / name).chmod(0o755)
-        self.env = {
-            "PATH": f"{bin_dir}:/usr/bin:/bin",
-            "SPARKFORM_GUARD_CONFIG": settings_path,
-            "INVOCATION_ID": INVOCATION,
-        }
+        self.env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "INVOCATION_ID": INVOCATION}
 
     def served(self, log: list[str], **env: str) -> subprocess.CompletedProcess:
         self.log.write_text("\n".join(log) + "\n")
@@ -160,7 +153,7 @@ def test_gpu_lines_carry_the_available_memory_of_the_same_start(guard):
 
 def test_each_start_is_one_more_row_and_only_the_last_are_kept(guard):
     guard.guard_config["kv_ledger_rows"] = 3
-    Path(guard.env["SPARKFORM_GUARD_CONFIG"]).write_text(json.dumps(guard.guard_config))
+    guard.settings.write_text(json.dumps(guard.guard_config))
     for tokens in ("1,000", "2,000", "3,000", "4,000"):
         guard.served(cpu_start(tokens=tokens))
     assert [row["measured"]["tokens"] for row in guard.rows()] == [2000, 3000, 4000]

@@ -27,9 +27,12 @@ import pytest
 from samples import SERVED_PAIR
 from script_box import CACHE_VARS, CAPS
 
+import sparkform.host as host_package
 from sparkform.inventory import load_host, load_inventory
 from sparkform.layout import ENGINES_TARGET, GUARD_UNIT, ROOT_PYTHON, SCRUB_TIMER, record_dir
-from sparkform.render import RenderedFile, checkpoint_fetch, engine_args, min_available_kib, render_host
+from sparkform.programs import PROGRAMS, checkpoint_fetch, code_files, min_available_kib
+from sparkform.render import engine_args, render_host
+from sparkform.rendered import RenderedFile
 from sparkform.schema import HostConfig, Scrub
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,6 +40,7 @@ GOLDEN = REPO / "tests" / "fixtures" / "golden" / "spark.local"
 OPERATOR_GUIDE = REPO / "docs" / "operator.md"
 UPDATE_GOLDEN = os.environ.get("SPARKFORM_UPDATE_GOLDEN") == "1"
 SYSTEM_UNITS = Path("/lib/systemd/system")
+SHARED_MODULES = sorted(p for p in Path(host_package.__file__).parent.glob("*.py") if p.stem not in PROGRAMS)
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -122,20 +126,45 @@ def manifest(files: list[RenderedFile]) -> str:
 
 
 def test_golden_files(monkeypatch):
-    files = render_host(seed_config(monkeypatch))
+    """The golden tree holds the rendered configuration (units, nginx, env, args, settings); the
+    host's programs and their modules are the package's own files, listed in MANIFEST only."""
+    config = seed_config(monkeypatch)
+    files = render_host(config)
+    code = {f.path for f in code_files(config)}
+    configuration = [f for f in files if f.path not in code]
     if UPDATE_GOLDEN:
         shutil.rmtree(GOLDEN, ignore_errors=True)
-        write_tree(GOLDEN, files)
-        for file in files:  # goldens are data, not executables
+        write_tree(GOLDEN, configuration)
+        for file in configuration:  # goldens are data, not executables
             (GOLDEN / file.path.lstrip("/")).chmod(0o644)
         (GOLDEN / "MANIFEST").write_text(manifest(files))
     assert (GOLDEN / "MANIFEST").read_text() == manifest(files), (
         "the set of rendered files changed; SPARKFORM_UPDATE_GOLDEN=1 regenerates the goldens"
     )
     stored = {str(p.relative_to(GOLDEN)) for p in GOLDEN.rglob("*") if p.is_file()} - {"MANIFEST"}
-    assert stored == {f.path.lstrip("/") for f in files}
-    differing = [f.path for f in files if (GOLDEN / f.path.lstrip("/")).read_text() != f.content]
+    assert stored == {f.path.lstrip("/") for f in configuration}
+    differing = [f.path for f in configuration if (GOLDEN / f.path.lstrip("/")).read_text() != f.content]
     assert not differing, f"rendering differs from the golden files: {differing} (SPARKFORM_UPDATE_GOLDEN=1)"
+
+
+def test_the_host_gets_each_program_and_shared_module_as_the_package_holds_it(monkeypatch):
+    """Byte for byte, under its role's name: nothing of the inventory is written into code."""
+    config = seed_config(monkeypatch)
+    source = Path(host_package.__file__).parent
+    installed = {f.path: f.content for f in code_files(config)}
+    programs = {
+        config.paths.guard: "guard", config.paths.scrub: "scrub", config.paths.rollback: "rollback",
+        config.paths.record: "record", config.paths.checkpoint: "checkpoint",
+    }  # fmt: skip
+    for path, module in programs.items():
+        assert installed.pop(path) == (source / f"{module}.py").read_text(), path
+    modules = f"{config.paths.host_modules}/sparkform/host/"
+    shared = {path[len(modules) :]: text for path, text in installed.items() if path.startswith(modules)}
+    assert shared and all(text == (source / name).read_text() for name, text in shared.items())
+    # sparkform-vllm-serve lands only on a host that runs a rank of a span (test_nodes.py).
+    every_module = {p.stem for p in source.glob("*.py")}
+    assert {name[:-3] for name in shared} | set(programs.values()) == every_module - {"vllm_serve"}
+    assert not any("{{" in text or "{%" in text for text in installed.values())
 
 
 def test_root_runs_every_python_program_isolated(seed_files, seed_data, make_host):
@@ -153,7 +182,9 @@ def test_root_runs_every_python_program_isolated(seed_files, seed_data, make_hos
     assert [line for line in exec_lines if f"{' '.join(ROOT_PYTHON)} " not in line] == []
     config = make_host(seed_data).config
     assert checkpoint_fetch(config, config.engines[0])[:2] == [f"{config.venv}/bin/python", "-I"]
-    programs = [f for f in seed_files.values() if f.content.startswith('"""Rendered by sparkform')]
+    # The programs spawn Python only as ROOT_PYTHON (sparkform.host, which holds it, is exempt).
+    code = {f.path for f in code_files(config)} - {f"{config.paths.host_modules}/sparkform/host/__init__.py"}
+    programs = [f for f in seed_files.values() if f.path in code]
     assert len(programs) >= 4
     for program in programs:  # a spawned Python is the isolated one, never this interpreter again
         assert "sys.executable" not in program.content and '"/usr/bin/python3"' not in program.content, program.path
@@ -173,18 +204,24 @@ def test_rendered_file_list_and_modes(seed_files):
         "/usr/local/lib/sparkform/sparkform-checkpoint",
         "/usr/local/lib/sparkform/sparkform-record",
         "/usr/local/lib/sparkform/sparkform-rollback",
+        "/usr/local/lib/sparkform/sparkform-rollback.json",
+        "/usr/local/lib/sparkform/sparkform-guard",
+        "/usr/local/lib/sparkform/sparkform-guard.json",
+        "/usr/local/lib/sparkform/sparkform-scrub",
+        "/usr/local/lib/sparkform/sparkform-scrub.json",
         "/etc/profile.d/sparkform-caps.sh",
         "/etc/systemd/system/sparkform-engines.target",
         "/etc/nginx/conf.d/sparkform.conf",
         "/etc/systemd/system/nginx.service.d/sparkform-hardening.conf",
-        "/usr/local/lib/sparkform/sparkform-guard",
-        "/etc/sparkform/guard.json",
         "/etc/systemd/system/sparkform-guard.service",
         "/etc/systemd/system/sparkform-recover@.service",
-        "/usr/local/lib/sparkform/sparkform-scrub",
-        "/etc/sparkform/scrub.json",
         "/etc/systemd/system/sparkform-scrub.service",
         "/etc/systemd/system/sparkform-scrub.timer",
+    ]
+    # The modules the programs share, beside them as the package lays them out.
+    host_files += [
+        f"/usr/local/lib/sparkform/python/sparkform/{name}"
+        for name in ("__init__.py", *(f"host/{p.name}" for p in SHARED_MODULES))
     ]
     engine_files = [
         "/etc/systemd/system/vllm-{}.service",
@@ -781,7 +818,7 @@ def test_no_secret_in_any_rendered_file(seed_data, tmp_path):
         os.chmod(tmp_path / name, 0o600)
     seed_data.update(hf_token_file=str(tmp_path / "hf"), api_key_file=str(tmp_path / "key"))
     files = render_host(load_host("spark", seed_data).config)
-    assert len(files) == 23
+    assert len(files) == len(render_host(load_host("spark", {**seed_data, "hf_token_file": None}).config))
     for file in files:
         assert token not in file.content and key not in file.content, file.path
         assert "SECRET" not in file.content, file.path

@@ -72,7 +72,7 @@ class RolledHost:
         guard = json.loads(Path(paths.guard_config).read_text()) | {"journal_socket": str(self.journal.path)}
         Path(guard["state_dir"]).mkdir(parents=True, exist_ok=True)
         Path(paths.guard_config).write_text(json.dumps(guard))
-        self.env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SPARKFORM_GUARD_CONFIG": paths.guard_config}
+        self.env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
         self.served = self.texts("a")
         self.kept = self.keep(self.config)
 
@@ -94,14 +94,14 @@ class RolledHost:
 
     def put(self, config, engine: str | None = None) -> None:
         """Write what `config` renders (only `engine`'s files when named), as the deploy puts it;
-        the rollback script with the unit folder moved."""
+        the rollback's settings with the unit folder moved."""
         for file in render_host(config):
             if engine is not None and file.engine != engine:
                 continue
             target = self.path(file.path)
             target.parent.mkdir(parents=True, exist_ok=True)
             content = file.content
-            if file.path == config.paths.rollback:
+            if file.path == config.paths.rollback_config:
                 content = content.replace(f'"{UNIT_DIR}/', f'"{self.units}/')
             target.write_text(content)
 

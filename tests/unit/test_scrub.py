@@ -6,8 +6,6 @@ its calls; the sandbox runs the real one (tests/integration/test_watchful.py).""
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,10 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from script_box import Journal
+from script_box import Journal, put
 
+from sparkform.host import scrub
 from sparkform.inventory import load_host
 from sparkform.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
+from sparkform.programs import program_files
 from sparkform.render import render_host
 from sparkform.sandbox.fakehub import FakeHub
 from sparkform.sandbox.models import TINY_MODELS, cached_checkpoint
@@ -72,9 +72,7 @@ class ScrubbedHost:
         self.config = config.pinned({name: hub.resolve(repo, "main") for name, repo in engines.items()})
         rendered = {f.path: f.content for f in render_host(self.config)}
         paths = self.config.paths
-        for path in (paths.scrub, paths.guard, paths.checkpoint, paths.scrub_config, paths.guard_config):
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(rendered[path])
+        put(program_files(self.config), root)
         Path(paths.hf_token).parent.mkdir(parents=True)
         Path(paths.hf_token).write_text(token.read_text())
         self.journal = Journal(root / "journal.sock")
@@ -87,11 +85,7 @@ class ScrubbedHost:
             checkpoint["fetch"][0] = sys.executable
         Path(paths.scrub_config).write_text(json.dumps(settings))
         self.settings = settings
-        self.env = {
-            "PATH": f"{bin_dir}:/usr/bin:/bin",
-            "SPARKFORM_SCRUB_CONFIG": paths.scrub_config,
-            "SPARKFORM_GUARD_CONFIG": paths.guard_config,
-        }
+        self.env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
         for checkpoint in settings["checkpoints"]:
             env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HOME": str(root / "hf")}
             subprocess.run(checkpoint["fetch"], env=env, check=True, capture_output=True, timeout=120)
@@ -226,11 +220,9 @@ def test_a_checkpoint_not_complete_at_its_commit_is_left_to_the_deploy(host):
 
 
 def scrub_module(host: ScrubbedHost):
-    loader = importlib.machinery.SourceFileLoader("sparkform_scrub", host.config.paths.scrub)  # no .py suffix
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The scrub as the host runs it, imported: the installed file is the module's own text."""
+    assert Path(host.config.paths.scrub).read_text() == Path(scrub.__file__).read_text()
+    return scrub
 
 
 class Clock:

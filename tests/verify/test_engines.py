@@ -132,7 +132,7 @@ def test_after_edges_point_at_enabled_units(remote, engine, config):
 def test_guard_watches_and_every_engine_fails_over_to_its_recovery(remote, engine, config):
     guard = remote.service("sparkform-guard.service")
     assert guard.is_enabled and guard.is_running, "nothing watches the engines' generation and memory"
-    settings = remote.file(f"{config.config_dir}/guard.json")
+    settings = remote.file(config.paths.guard_config)
     assert (settings.user, settings.mode) == ("root", 0o644)
     props = remote.service(engine.unit).systemd_properties
     assert props["OnFailure"] == f"sparkform-recover@{engine.name}.service"

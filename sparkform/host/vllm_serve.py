@@ -1,4 +1,3 @@
-# Rendered by sparkform from templates/sparkform-vllm-serve.py.j2: edit the inventory, not this file.
 """sparkform-vllm-serve: vLLM's own `vllm serve` command line, run by the venv's python for the
 ranks of an engine that spans hosts (`--headless`, a rank without an API, exists only there, not
 in the API server module that sparkform-launch runs otherwise).

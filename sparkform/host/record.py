@@ -1,6 +1,4 @@
-"""Rendered by sparkform from templates/sparkform-record.py.j2.
-
-sparkform-record [--textfile PROM] RECORD_FILE RECORD_JSON [ENGINE=UNIT[:cold]]...: write the
+"""sparkform-record [--textfile PROM] RECORD_FILE RECORD_JSON [ENGINE=UNIT[:cold]]...: write the
 host record at the end of a successful converge (and, with --textfile, its metrics for
 node_exporter's textfile collector). RECORD_JSON is the record as the deploy planned it (versions,
 cache keys, times it already knew); each ENGINE=UNIT the converge started gets the seconds
@@ -23,13 +21,19 @@ import sys
 import tempfile
 import time
 
+if __name__ == "__main__":  # run by path on the host: its shared modules beside it (sparkform.host)
+    sys.dont_write_bytecode, sys.path[:0] = True, [os.path.join(os.path.dirname(os.path.abspath(__file__)), "python")]
+
+from sparkform.host.textfile import metric_family, write_textfile  # noqa: E402
+
 PROPERTIES = "ExecMainStartTimestamp,ExecMainStartTimestampMonotonic,ActiveEnterTimestampMonotonic,ActiveState"
 
 
 def measured_start(unit: str) -> tuple[float, float]:
     """(unix time the main process started, seconds from then to active)."""
-    out = subprocess.run(["systemctl", "show", "--timestamp=unix", "-p", PROPERTIES, unit],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["systemctl", "show", "--timestamp=unix", "-p", PROPERTIES, unit], capture_output=True, text=True, check=True
+    ).stdout
     props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
     started = int(props.get("ExecMainStartTimestampMonotonic") or 0)
     active = int(props.get("ActiveEnterTimestampMonotonic") or 0)
@@ -39,9 +43,6 @@ def measured_start(unit: str) -> tuple[float, float]:
     return float(props["ExecMainStartTimestamp"].lstrip("@")), round((active - started) / 1e6, 1)
 
 
-{% include "textfile.py.j2" %}
-
-
 def record_metrics(record: dict, written_at: float) -> str:
     """The record as metrics, in Prometheus' text format."""
     engines = sorted(record["engines"].items())
@@ -49,22 +50,47 @@ def record_metrics(record: dict, written_at: float) -> str:
     def per_engine(key):
         return [({"engine": name}, entry[key]) for name, entry in engines if entry.get(key) is not None]
 
-    return "".join([
-        metric_family("sparkform_host_info", "gauge", "What the last converge found on the host (the host record's "
-                      "versions; empty: not reported).",
-                      [({name: value or "" for name, value in record["versions"].items()}, 1)]),
-        metric_family("sparkform_converge_timestamp_seconds", "gauge", "When a converge last wrote the host record "
-                      "(one that started an engine or found other versions; a no-op converge writes nothing).",
-                      [({}, written_at)]),
-        metric_family("sparkform_engine_cache_key_info", "gauge", "The key the engine's JIT caches were built under.",
-                      [({"engine": name, "cache_key": entry["cache_key"]}, 1) for name, entry in engines]),
-        metric_family("sparkform_engine_cold_start_seconds", "gauge", "The engine's last cold start (JIT caches "
-                      "rebuilt), from start to serving.", per_engine("cold_start_s")),
-        metric_family("sparkform_engine_start_seconds", "gauge", "The engine's last recorded start, from start to "
-                      "serving.", per_engine("start_s")),
-        metric_family("sparkform_engine_started_timestamp_seconds", "gauge", "When that start began.",
-                      per_engine("started_at")),
-    ])
+    return "".join(
+        [
+            metric_family(
+                "sparkform_host_info",
+                "gauge",
+                "What the last converge found on the host (the host record's versions; empty: not reported).",
+                [({name: value or "" for name, value in record["versions"].items()}, 1)],
+            ),
+            metric_family(
+                "sparkform_converge_timestamp_seconds",
+                "gauge",
+                "When a converge last wrote the host record "
+                "(one that started an engine or found other versions; a no-op converge writes nothing).",
+                [({}, written_at)],
+            ),
+            metric_family(
+                "sparkform_engine_cache_key_info",
+                "gauge",
+                "The key the engine's JIT caches were built under.",
+                [({"engine": name, "cache_key": entry["cache_key"]}, 1) for name, entry in engines],
+            ),
+            metric_family(
+                "sparkform_engine_cold_start_seconds",
+                "gauge",
+                "The engine's last cold start (JIT caches rebuilt), from start to serving.",
+                per_engine("cold_start_s"),
+            ),
+            metric_family(
+                "sparkform_engine_start_seconds",
+                "gauge",
+                "The engine's last recorded start, from start to serving.",
+                per_engine("start_s"),
+            ),
+            metric_family(
+                "sparkform_engine_started_timestamp_seconds",
+                "gauge",
+                "When that start began.",
+                per_engine("started_at"),
+            ),
+        ]
+    )
 
 
 def main() -> None:

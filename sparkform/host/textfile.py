@@ -1,4 +1,8 @@
-# --- metrics for node_exporter's textfile collector (included from templates/textfile.py.j2) ---
+"""Metrics for node_exporter's textfile collector, in Prometheus' text format (written by
+sparkform-guard and sparkform-record on the host)."""
+
+import os
+
 
 def label_value(value):
     """A label value as Prometheus' text format writes it: backslash, double quote and newline escaped."""
@@ -10,7 +14,7 @@ def metric_family(name, kind, help_text, samples):
     lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
     for labels, value in samples:
         pairs = ",".join(f'{key}="{label_value(label)}"' for key, label in sorted(labels.items()))
-        selector = "{" + pairs + "}" if pairs else ""  # (no doubled braces: this file is a jinja template)
+        selector = "{" + pairs + "}" if pairs else ""
         lines.append(f"{name}{selector} {float(value)!r}")
     return "\n".join(lines) + "\n"
 
@@ -26,8 +30,10 @@ def write_textfile(path, text):
     try:
         info = os.fstat(folder_fd)
         if info.st_uid != os.geteuid() or info.st_mode & 0o022:
-            raise PermissionError(f"{folder} is not the writer's alone (owner uid {info.st_uid}, mode "
-                                  f"{info.st_mode & 0o7777:o}): no metrics written into it")
+            raise PermissionError(
+                f"{folder} is not the writer's alone (owner uid {info.st_uid}, mode "
+                f"{info.st_mode & 0o7777:o}): no metrics written into it"
+            )
         temp = f".{name}.{os.getpid()}.tmp"  # not *.prom: the collector skips it
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644, dir_fd=folder_fd)
         with os.fdopen(fd, "w") as out:

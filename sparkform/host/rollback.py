@@ -1,17 +1,16 @@
-"""Rendered by sparkform from templates/sparkform-rollback.py.j2 (run as root by the system's python3).
-
-sparkform-rollback ENGINE [--by deploy|hand]: put ENGINE back on the settings it last served
-with, which the deploy keeps in {{ kept_root }}/ENGINE/ once the engine served them (copies of
-its unit, env and args files, and kept.json: when, the venv and checkpoint folder, their digest),
-or, when it runs those (a change that served but misbehaves), on the ones kept before them
-(ENGINE/{{ kept_previous }}/, which then trade places with the last ones).
-The deploy runs it when a changed engine's start failed, with the journal's why-lines on stdin;
-`sparkform rollback` runs it by hand (--by hand, the reason on stdin). It writes the kept files
-back, records why in rolled-back.json beside them (the next deploy's dry-run names it), tells a
-human through the guard's alert (event rolled-back), stops the engine, reloads systemd and starts
-it to readiness (the readiness helper holds `systemctl start` until it serves), then the engines
-target again when it is enabled (it stopped with the engine). The other engines
-are not touched.
+"""sparkform-rollback ENGINE [--by deploy|hand] (run as root by the system's python3): put ENGINE
+back on the settings it last served with, which the deploy keeps in KEPT_ROOT/ENGINE/ once the
+engine served them (copies of its unit, env and args files, and kept.json: when, the venv and
+checkpoint folder, their digest), or, when it runs those (a change that served but misbehaves),
+on the ones kept before them (ENGINE/previous/, which then trade places with the last ones). The
+host's engines, KEPT_ROOT and the guard come from the settings file beside it,
+sparkform-rollback.json. The deploy runs it when a changed engine's start failed, with the
+journal's why-lines on stdin; `sparkform rollback` runs it by hand (--by hand, the reason on
+stdin). It writes the kept files back, records why in rolled-back.json beside them (the next
+deploy's dry-run names it), tells a human through the guard's alert (event rolled-back), stops
+the engine, reloads systemd and starts it to readiness (the readiness helper holds `systemctl
+start` until it serves), then the engines target again when it is enabled (it stopped with the
+engine). The other engines are not touched.
 
 Exit codes:
   0  back on its kept settings, and serving
@@ -22,7 +21,6 @@ Exit codes:
   4  the kept settings are back, but the engine's start on them failed too
 """
 
-import hashlib
 import json
 import os
 import re
@@ -32,29 +30,20 @@ import sys
 import tempfile
 import time
 
-ENGINES = {{ engines }}  # name -> {"unit": ..., "files": [unit file, env file, args file]}
-KEPT_ROOT = "{{ kept_root }}"
-KEPT_FILES = {{ kept_files }}
-KEPT_RECORD = "{{ kept_record }}"
-KEPT_PREVIOUS = "{{ kept_previous }}"
-ROLLBACK_RECORD = "{{ rollback_record }}"
-COMPLETE_MARKER = "{{ complete_marker }}"
-GUARD = "{{ guard }}"
-ROOT_PYTHON = {{ layout.ROOT_PYTHON }}  # how root runs Python: isolated (sparkform.layout.ROOT_PYTHON)
-TARGET = "{{ target }}"
+if __name__ == "__main__":  # run by path on the host: its shared modules beside it (sparkform.host)
+    sys.dont_write_bytecode, sys.path[:0] = True, [os.path.join(os.path.dirname(os.path.abspath(__file__)), "python")]
+
+from sparkform.host import ROOT_PYTHON, settings_path  # noqa: E402
+from sparkform.host.folders import COMPLETE_MARKER, CONTROL  # noqa: E402
+from sparkform.host.kept import KEPT_FILES, KEPT_PREVIOUS, KEPT_RECORD, ROLLBACK_RECORD, day, settings_digest  # noqa: E402
+
 DIGEST = re.compile(r"[0-9a-f]{32}")
 PATH = re.compile(r"(/[A-Za-z0-9._+@-]+)+")
-CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 REASON_MAX = 1000
 
 
 class NothingToGoBackTo(Exception):
     pass
-
-
-def settings_digest(contents):
-    """The digest of an engine's unit, env and args texts (sparkform.kept.settings_digest)."""
-    return hashlib.sha256("\0".join(contents).encode()).hexdigest()[:32]
 
 
 def root_only(path, folder):
@@ -85,20 +74,25 @@ def kept_settings(folder, engine):
         return None
     except (OSError, ValueError) as err:
         raise NothingToGoBackTo(f"the kept settings in {folder} cannot be read: {err}") from None
-    if not (isinstance(record, dict) and record.get("engine") == engine and isinstance(record.get("since"), int)
-            and all(isinstance(record.get(key), str) and PATH.fullmatch(record[key]) for key in ("venv", "checkpoint"))
-            and isinstance(record.get("digest"), str) and DIGEST.fullmatch(record["digest"])):
+    if not (
+        isinstance(record, dict)
+        and record.get("engine") == engine
+        and isinstance(record.get("since"), int)
+        and all(isinstance(record.get(key), str) and PATH.fullmatch(record[key]) for key in ("venv", "checkpoint"))
+        and isinstance(record.get("digest"), str)
+        and DIGEST.fullmatch(record["digest"])
+    ):
         raise NothingToGoBackTo(f"{os.path.join(folder, KEPT_RECORD)} is not what the deploy writes")
     if settings_digest(texts) != record["digest"]:
         raise NothingToGoBackTo(f"the kept files in {folder} are not those its {KEPT_RECORD} describes")
     return record, texts
 
 
-def settings_to_go_back_to(engine, running):
+def settings_to_go_back_to(kept_root, engine, running):
     """(folder, kept.json's values, texts): the last serving settings, or, when the engine runs
     those (`running`: their digest), the ones kept before them; each checked, venv and
     checkpoint still complete."""
-    folder = os.path.join(KEPT_ROOT, engine)
+    folder = os.path.join(kept_root, engine)
     last = kept_settings(folder, engine)
     if last is None:
         raise NothingToGoBackTo(f"{engine} has no kept settings yet (none served since sparkform keeps them)")
@@ -168,32 +162,43 @@ def why_lines():
     return sys.stdin.buffer.read(64 * 1024).decode("utf-8", "replace").splitlines()
 
 
-def day(unix):
-    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(unix))
-
-
 def systemctl(*args):
     return subprocess.run(["systemctl", *args], check=False).returncode == 0
 
 
-def roll_back(engine, by, lines):
-    unit, files = ENGINES[engine]["unit"], ENGINES[engine]["files"]
+def roll_back(settings, engine, by, lines):
+    """Put `engine` back (settings: the file beside this program, as the deploy rendered it)."""
+    unit, files = settings["engines"][engine]["unit"], settings["engines"][engine]["files"]
+    kept = os.path.join(settings["kept_root"], engine)
     failed = settings_digest(current_texts(files))
-    chosen, record, texts = settings_to_go_back_to(engine, failed)
+    chosen, record, texts = settings_to_go_back_to(settings["kept_root"], engine, failed)
     reason = reason_of(lines, by)
     # The record first: whatever the start below does, the next dry-run knows why the engine's
     # files are not the inventory's.
-    replaced(os.path.join(KEPT_ROOT, engine, ROLLBACK_RECORD),
-             json.dumps({"engine": engine, "at": round(time.time()), "by": by, "reason": reason, "failed": failed},
-                        sort_keys=True) + "\n", 0o600)
-    if chosen != os.path.join(KEPT_ROOT, engine):
-        swapped(os.path.join(KEPT_ROOT, engine))
-    for path, text in zip(files, texts):
+    replaced(
+        os.path.join(kept, ROLLBACK_RECORD),
+        json.dumps(
+            {"engine": engine, "at": round(time.time()), "by": by, "reason": reason, "failed": failed}, sort_keys=True
+        )
+        + "\n",
+        0o600,
+    )
+    if chosen != kept:
+        swapped(kept)
+    for path, text in zip(files, texts, strict=True):
         replaced(path, text, 0o644)
     back_to = f"its settings of {day(record['since'])} (venv {record['venv']}, checkpoint {record['checkpoint']})"
-    subprocess.run([*ROOT_PYTHON, GUARD, "alert", "rolled-back", engine,
-                    f"{unit} {'failed to start' if by == 'deploy' else 'was rolled back by hand'}: {reason}; "
-                    f"back on {back_to}"], check=False)
+    subprocess.run(
+        [
+            *ROOT_PYTHON,
+            settings["guard"],
+            "alert",
+            "rolled-back",
+            engine,
+            f"{unit} {'failed to start' if by == 'deploy' else 'was rolled back by hand'}: {reason}; back on {back_to}",
+        ],
+        check=False,
+    )
     print(f"sparkform-rollback: {engine} goes back to {back_to}", flush=True)
     # Stopped first: after a failed start systemd would start it again on the files that failed
     # (Restart=always) while they are being replaced.
@@ -201,17 +206,22 @@ def roll_back(engine, by, lines):
     systemctl("daemon-reload")
     systemctl("reset-failed", unit)
     if not systemctl("start", unit):
-        print(f"sparkform-rollback: {unit} failed to start on its kept settings too: "
-              f"journalctl -u {unit}", file=sys.stderr)
+        print(
+            f"sparkform-rollback: {unit} failed to start on its kept settings too: journalctl -u {unit}",
+            file=sys.stderr,
+        )
         return 4
     # The target stopped with the engine (it Requires= the engines); the deploy would start it
     # again, so does this: it waits for nothing once the engines serve.
-    if systemctl("is-enabled", "--quiet", TARGET):
-        systemctl("start", TARGET)
-    print(f"sparkform-rollback: {engine} serves again on {back_to}\n"
-          f"sparkform-rollback: the settings it left: {reason}\n"
-          "sparkform-rollback: to retry, change them in the inventory and deploy again "
-          "(until then a dry-run names them)", flush=True)
+    if systemctl("is-enabled", "--quiet", settings["target"]):
+        systemctl("start", settings["target"])
+    print(
+        f"sparkform-rollback: {engine} serves again on {back_to}\n"
+        f"sparkform-rollback: the settings it left: {reason}\n"
+        "sparkform-rollback: to retry, change them in the inventory and deploy again "
+        "(until then a dry-run names them)",
+        flush=True,
+    )
     return 0
 
 
@@ -222,12 +232,21 @@ def main(argv):
     elif len(argv) != 1:
         print("usage: sparkform-rollback ENGINE [--by deploy|hand] (the reason on stdin)", file=sys.stderr)
         return 2
+    try:
+        with open(settings_path(__file__)) as handle:
+            settings = json.load(handle)
+    except (OSError, ValueError) as err:
+        print(f"sparkform-rollback: cannot read its settings: {err}", file=sys.stderr)
+        return 2
     engine = argv[0]
-    if engine not in ENGINES:
-        print(f"sparkform-rollback: this host runs no engine {engine!r} ({', '.join(ENGINES)})", file=sys.stderr)
+    if engine not in settings["engines"]:
+        print(
+            f"sparkform-rollback: this host runs no engine {engine!r} ({', '.join(settings['engines'])})",
+            file=sys.stderr,
+        )
         return 2
     try:
-        return roll_back(engine, by, why_lines())
+        return roll_back(settings, engine, by, why_lines())
     except NothingToGoBackTo as err:
         print(f"sparkform-rollback: {err}; nothing was changed", file=sys.stderr)
         return 3

@@ -1,9 +1,8 @@
-"""Rendered by sparkform from templates/sparkform-scrub.py.j2 (run as root by the system's python3).
-
-sparkform-scrub [--check-only] [--rate-mib-s R]: re-hash every file of the checkpoints the engines serve against
-the manifest written when it was verified, reading no faster than the config's rate_mib_s
-(sparkform-scrub.service runs it at idle I/O priority, from sparkform-scrub.timer). Everything it
-knows is in {{ scrub_config }} (rendered from the inventory).
+"""sparkform-scrub [--check-only] [--rate-mib-s R] (run as root by the system's python3): re-hash
+every file of the checkpoints the engines serve against the manifest written when it was
+verified, reading no faster than the config's rate_mib_s (sparkform-scrub.service runs it at
+idle I/O priority, from sparkform-scrub.timer). Everything it knows is in the settings file
+beside it, sparkform-scrub.json (rendered from the inventory).
 
 A deploy trusts a file whose size and mtime are as its manifest recorded; bit rot, a bad sector
 or a write that kept both are found only here. A checkpoint with a file that no longer matches
@@ -35,12 +34,15 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
-CONFIG = "{{ scrub_config }}"
-ROOT_PYTHON = {{ layout.ROOT_PYTHON }}  # how root runs Python: isolated (sparkform.layout.ROOT_PYTHON)
-MARKER = "{{ complete_marker }}"
-MANIFEST = "{{ manifest }}"
+if __name__ == "__main__":  # run by path on the host: its shared modules beside it (sparkform.host)
+    sys.dont_write_bytecode, sys.path[:0] = True, [os.path.join(os.path.dirname(os.path.abspath(__file__)), "python")]
+
+from sparkform.host import ROOT_PYTHON, settings_path  # noqa: E402
+from sparkform.host.folders import COMPLETE_MARKER as MARKER  # noqa: E402
+from sparkform.host.folders import MANIFEST, relative_file  # noqa: E402
+
 CHUNK = 8 * 1024 * 1024
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -81,9 +83,6 @@ def hashed(path, pace):
         os.close(handle)
 
 
-{% include "inside_folder.py.j2" %}
-
-
 def manifest_files(folder, checkpoint):
     """The manifest's files ({path, size, sha256}), or a line saying why it is not one written
     for this checkpoint."""
@@ -96,8 +95,12 @@ def manifest_files(folder, checkpoint):
     if (manifest.get("repo"), manifest.get("commit")) != (checkpoint["repo"], checkpoint["commit"]):
         return f"{MANIFEST} names another checkpoint"
     for entry in manifest["files"]:
-        if not (isinstance(entry, dict) and relative_file(entry.get("path"))
-                and isinstance(entry.get("size"), int) and SHA256.fullmatch(str(entry.get("sha256")))):
+        if not (
+            isinstance(entry, dict)
+            and relative_file(entry.get("path"))
+            and isinstance(entry.get("size"), int)
+            and SHA256.fullmatch(str(entry.get("sha256")))
+        ):
             return f"{MANIFEST} holds an entry of another shape"
     return manifest["files"]
 
@@ -145,8 +148,12 @@ def repair(settings, checkpoint, found):
     folder = Path(checkpoint["folder"])
     names = ", ".join(engine["name"] for engine in checkpoint["engines"])
     for engine in checkpoint["engines"]:
-        alert(settings, "checkpoint-corrupt", engine["name"],
-              f"{folder} (served by {names}): {'; '.join(found)}: fetching it again")
+        alert(
+            settings,
+            "checkpoint-corrupt",
+            engine["name"],
+            f"{folder} (served by {names}): {'; '.join(found)}: fetching it again",
+        )
     (folder / MARKER).unlink(missing_ok=True)
     try:
         fetched = subprocess.run(checkpoint["fetch"], env=fetch_environment(settings), check=False).returncode
@@ -154,16 +161,27 @@ def repair(settings, checkpoint, found):
         fetched = f"{type(err).__name__}: {err.strerror}"
     if fetched != 0:
         for engine in checkpoint["engines"]:
-            alert(settings, "checkpoint-corrupt", engine["name"],
-                  f"{folder}: fetching it again failed (exit {fetched}; journalctl -u sparkform-scrub): "
-                  f"{engine['name']} keeps what it loaded but starts on it only once a deploy fetched it")
+            alert(
+                settings,
+                "checkpoint-corrupt",
+                engine["name"],
+                f"{folder}: fetching it again failed (exit {fetched}; journalctl -u sparkform-scrub): "
+                f"{engine['name']} keeps what it loaded but starts on it only once a deploy fetched it",
+            )
         return False
     for engine in checkpoint["engines"]:
         restarted = subprocess.run(["systemctl", "try-restart", engine["unit"]], check=False).returncode
-        outcome = ("restarted on it (if it ran)" if restarted == 0
-                   else f"its restart failed (exit {restarted}; journalctl -u {engine['unit']})")
-        alert(settings, "checkpoint-repaired", engine["name"], f"{folder}: fetched again and verified; "
-              f"{engine['unit']} {outcome}")
+        outcome = (
+            "restarted on it (if it ran)"
+            if restarted == 0
+            else f"its restart failed (exit {restarted}; journalctl -u {engine['unit']})"
+        )
+        alert(
+            settings,
+            "checkpoint-repaired",
+            engine["name"],
+            f"{folder}: fetched again and verified; {engine['unit']} {outcome}",
+        )
     return True
 
 
@@ -181,10 +199,12 @@ def mib_per_s(text):
 def main():
     parser = argparse.ArgumentParser(prog="sparkform-scrub")
     parser.add_argument("--check-only", action="store_true", help="report, change nothing")
-    parser.add_argument("--rate-mib-s", type=mib_per_s, metavar="R", help="read at most R MiB/s (the config's unless told)")
+    parser.add_argument(
+        "--rate-mib-s", type=mib_per_s, metavar="R", help="read at most R MiB/s (the config's unless told)"
+    )
     args = parser.parse_args()
     try:
-        settings = json.loads(Path(os.environ.get("SPARKFORM_SCRUB_CONFIG", CONFIG)).read_text())
+        settings = json.loads(Path(settings_path(__file__)).read_text())
     except (OSError, ValueError) as err:
         print(f"sparkform-scrub: cannot read its config: {err}", file=sys.stderr)
         return 2
@@ -204,8 +224,10 @@ def main():
         found, read = ([files], 0) if isinstance(files, str) else mismatches(folder, files, pace)
         took = time.monotonic() - started
         if not found:
-            say(f"{folder}: {len(files)} files, {read / 2**20:,.0f} MiB as their manifest recorded "
-                f"({took:.0f} s, {read / 2**20 / max(took, 0.001):,.0f} MiB/s)")
+            say(
+                f"{folder}: {len(files)} files, {read / 2**20:,.0f} MiB as their manifest recorded "
+                f"({took:.0f} s, {read / 2**20 / max(took, 0.001):,.0f} MiB/s)"
+            )
         elif args.check_only:
             say(f"{folder}: {'; '.join(found)}")
             failed = True

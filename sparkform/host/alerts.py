@@ -1,0 +1,163 @@
+"""How sparkform tells a human, on the host: a journal entry with the alerts' MESSAGE_ID, the
+webhook, the alert command, and the count of each alert in node_exporter's textfile (used by
+sparkform-guard, which every other program alerts through)."""
+
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+from sparkform.host.textfile import metric_family, write_textfile
+
+# `journalctl MESSAGE_ID=...` lists every alert of every sparkform program.
+MESSAGE_ID = "7d3f5c2a9e8b4f61a0c4d2e6b8f1a3c5"
+JOURNAL_SOCKET = "/run/systemd/journal/socket"
+SEVERITY = {"memory-low": 4, "recovered": 5, "memory-recovered": 5, "drift": 5, "checkpoint-repaired": 5}  # else 3
+# The alerts each engine can get, and those of the host (engine "-"): counted from zero.
+ENGINE_EVENTS = (
+    "hung",
+    "failed",
+    "recovered",
+    "memory-critical",
+    "memory-recovered",
+    "checkpoint-corrupt",
+    "checkpoint-repaired",
+    "rolled-back",
+)  # the last three from sparkform-scrub and sparkform-rollback
+HOST_EVENTS = ("memory-low", "drift")
+
+
+# --- telling a human ---------------------------------------------------------------------------
+
+
+def journal(config, message, priority=6, **fields):
+    """One structured journal entry (journald's native protocol), on stderr when there is none."""
+    lines = [
+        f"MESSAGE={message}",
+        f"PRIORITY={priority}",
+        "SYSLOG_IDENTIFIER=sparkform-guard",
+        *(f"{key.upper()}={value}" for key, value in fields.items()),
+    ]
+    data = "\n".join(line.replace("\n", " ") for line in lines).encode() + b"\n"
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(data, config.get("journal_socket", JOURNAL_SOCKET))
+    except OSError:
+        print(message, file=sys.stderr, flush=True)
+
+
+def alert(config, event, engine, message):
+    """Journal entry with the fixed MESSAGE_ID, then the webhook and the command (failures of
+    either are journaled, never raised: an alert must not take the guard down)."""
+    journal(
+        config, message, SEVERITY.get(event, 3), message_id=MESSAGE_ID, sparkform_event=event, sparkform_engine=engine
+    )
+    counted(config, event, engine)
+    payload = json.dumps(
+        {
+            "host": socket.gethostname(),
+            "event": event,
+            "engine": engine,
+            "message": message,
+            "time": round(time.time(), 3),
+        }
+    ).encode()
+    webhook_file = config.get("webhook_file")
+    if webhook_file and os.path.exists(webhook_file):
+        with open(webhook_file) as handle:
+            url = handle.read().strip()  # root's file: the URL often carries a token
+        request = urllib.request.Request(url, data=payload, headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=10).close()
+        except (OSError, ValueError) as err:
+            journal(config, f"sparkform-guard: the alert webhook failed: {type(err).__name__}", 4)
+    command = config.get("alert_command")
+    if command:
+        try:
+            subprocess.run([command], input=payload, timeout=30, check=True, capture_output=True)
+        except (OSError, subprocess.SubprocessError) as err:
+            journal(config, f"sparkform-guard: the alert command {command} failed: {type(err).__name__}", 4)
+
+
+def read_json(path, default):
+    try:
+        with open(path) as handle:
+            value = json.load(handle)
+    except (OSError, ValueError):
+        return default
+    return value if isinstance(value, dict) else default
+
+
+def write_json(path, value):
+    """Root's file, replaced whole (temp file and rename in the same root-only folder)."""
+    fd, temp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".guard-")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(value, handle)
+    os.replace(temp, path)
+
+
+# --- the alerts as metrics (node_exporter's textfile collector) -----------------------------------
+
+
+def alert_counts(config):
+    """(event, engine) -> {"count", "time"} from the guard's state, every known pair from zero;
+    an entry of another shape counts as none."""
+    counts = {(event, e["name"]): {"count": 0} for e in config["engines"] for event in ENGINE_EVENTS}
+    counts |= {(event, "-"): {"count": 0} for event in HOST_EVENTS}
+    for key, entry in read_json(os.path.join(config["state_dir"], "alerts.json"), {}).items():
+        event, _, engine = key.partition(" ")
+        if isinstance(entry, dict) and isinstance(entry.get("count"), int) and isinstance(entry.get("time"), float):
+            counts[(event, engine)] = {"count": entry["count"], "time": entry["time"]}
+    return counts
+
+
+def alert_metrics(counts):
+    pairs = sorted(counts.items())
+    return "".join(
+        [
+            metric_family(
+                "sparkform_guard_alerts_total",
+                "counter",
+                'Alerts the guard sent, by event and engine (engine "-": the host).',
+                [({"event": event, "engine": engine}, entry["count"]) for (event, engine), entry in pairs],
+            ),
+            metric_family(
+                "sparkform_guard_last_alert_timestamp_seconds",
+                "gauge",
+                "When the guard last sent that alert.",
+                [
+                    ({"event": event, "engine": engine}, entry["time"])
+                    for (event, engine), entry in pairs
+                    if "time" in entry
+                ],
+            ),
+        ]
+    )
+
+
+def counted(config, event=None, engine=None):
+    """Count one alert (none: only write the textfile) and rewrite the textfile. Under a lock:
+    the daemon's threads, the recovery units and the deploy alert at the same time. A failure is
+    journaled, never raised: metrics must not take the guard down."""
+    if not config.get("textfile"):
+        return
+    try:
+        with open(os.path.join(config["state_dir"], "alerts.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            counts = alert_counts(config)
+            if event is not None:
+                before = counts.get((event, engine), {"count": 0})
+                counts[(event, engine)] = {"count": before["count"] + 1, "time": round(time.time(), 3)}
+                write_json(
+                    os.path.join(config["state_dir"], "alerts.json"),
+                    {f"{e} {n}": entry for (e, n), entry in counts.items() if "time" in entry},
+                )
+            write_textfile(config["textfile"], alert_metrics(counts))
+    except OSError as err:
+        journal(config, f"sparkform-guard: the alert metrics were not written: {err}", 4)

@@ -1,0 +1,215 @@
+"""The programs sparkform puts on a host (sparkform.host, byte for byte) and the settings files
+rendered beside them: what each knows about the host, as JSON.
+
+Pure: files and dicts from a validated host; nothing here opens a connection.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from importlib import resources
+
+from sparkform import ledger
+from sparkform.engine import Engine
+from sparkform.layout import ENGINES_TARGET, GUARD_UNIT, KV_LEDGER_ROWS, RECOVER_UNIT, kept_root, record_dir, unit_path
+from sparkform.model import Host
+from sparkform.modelconfig import GIB
+from sparkform.rendered import RenderedFile
+from sparkform.schema import HostConfig
+
+# How long a rank this host runs for a head elsewhere may take from its start to its connection to
+# the head's master port (importing vLLM; tens of seconds on the sandbox's two cores) before the
+# guard judges that connection.
+RANK_JOIN_S = 120
+# The modules of sparkform.host that are programs (each lands as LIB_DIR/sparkform-NAME, at the
+# HostPaths property of the same role); the rest are the modules they share.
+PROGRAMS = ("checkpoint", "guard", "record", "rollback", "scrub", "vllm_serve")
+
+
+def host_source(module: str) -> str:
+    """A module of sparkform.host as it lands on the host: its text, byte for byte."""
+    return resources.files("sparkform.host").joinpath(f"{module}.py").read_text(encoding="utf-8")
+
+
+def shared_modules(config: HostConfig) -> list[RenderedFile]:
+    """The modules the programs share, under HostPaths.host_modules as the package lays them out
+    (each program puts that folder first on its sys.path)."""
+    base = f"{config.paths.host_modules}/sparkform"
+    names = sorted(
+        entry.name[: -len(".py")]
+        for entry in resources.files("sparkform.host").iterdir()
+        if entry.name.endswith(".py") and entry.name[: -len(".py")] not in PROGRAMS
+    )
+    package = resources.files("sparkform").joinpath("__init__.py").read_text(encoding="utf-8")
+    return [
+        RenderedFile(f"{base}/__init__.py", package, "644"),
+        *(RenderedFile(f"{base}/host/{name}.py", host_source(name), "644") for name in names),
+    ]
+
+
+def module_folders(config: HostConfig) -> list[str]:
+    """The folders shared_modules lands in, parents first."""
+    base = config.paths.host_modules
+    return [base, f"{base}/sparkform", f"{base}/sparkform/host"]
+
+
+def min_available_kib(config: HostConfig, engine: Engine) -> int:
+    """MemAvailable the launch script wants before it starts this engine."""
+    if engine.kv_cache_memory_bytes:
+        share = engine.kv_cache_memory_bytes
+    else:
+        share = engine.gpu_memory_utilization * config.memory_total_gib * GIB
+    return int((share + config.memory_available_margin_gib * GIB) // 1024)
+
+
+def guard_files(config: HostConfig) -> list[str]:
+    """The guard's program, settings and shared modules, its unit and the engines' OnFailure=
+    unit: a change to any of them restarts the guard."""
+    return [
+        config.paths.guard,
+        config.paths.guard_config,
+        *(f.path for f in shared_modules(config)),
+        unit_path(GUARD_UNIT),
+        unit_path(RECOVER_UNIT),
+    ]
+
+
+def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None = None) -> dict:
+    """What sparkform-guard knows about the host (no secret: the webhook URL stays in its file).
+    `model_configs` (engine -> config.json, the inventory's model_config_path) feed the planner's
+    prediction that each start's KV ledger row carries."""
+    host = Host("", config, dict(model_configs or {}))
+    return {
+        # need_gib: the MemAvailable the launch script wants before it starts the engine.
+        "engines": [
+            {
+                "name": e.name,
+                "unit": e.unit,
+                "port": config.internal_port(e),
+                "names": e.names,
+                "priority": e.priority,
+                "need_gib": round(min_available_kib(config, e) / 2**20, 2),
+                "ledger": ledger.guard_ledger(host, e),
+                # A rank this host runs headless: where its head's master port is (no API to probe here).
+                "head": [config.span(e).master_address, e.master_port] if config.is_worker(e) else None,
+            }
+            for e in config.enabled_engines
+        ],
+        "state_dir": record_dir(config.state_dir),
+        "webhook_file": config.paths.alert_webhook if config.alert_webhook_file else None,
+        "alert_command": config.alert_command,
+        "textfile": config.monitoring.guard_textfile if config.monitoring.enabled else None,
+        "gpu_textfile": config.monitoring.gpu_textfile if config.monitoring.enabled else None,
+        "kv_ledger": config.paths.kv_ledger,
+        "kv_ledger_rows": KV_LEDGER_ROWS,
+        **{
+            key: getattr(config, key)
+            for key in (
+                "recover_cooldown_s",
+                "recover_backoff_max_s",
+                "watchdog_interval_s",
+                "watchdog_deadline_s",
+                "watchdog_failures",
+                "memory_warn_gib",
+                "memory_critical_gib",
+                "memory_margin_gib",
+            )
+        },
+        "memory_poll_s": 2,
+        "rank_join_s": RANK_JOIN_S,
+        "vllm_cli": config.paths.vllm_cli,
+        "memory_settle_s": 10,
+        "gpu_poll_s": 15,
+    }
+
+
+def checkpoint_fetch(config: HostConfig, engine: Engine) -> list[str]:
+    """The fetch of an engine's checkpoint, as the deploy and the scrub run it (argv; HF_TOKEN and
+    HF_ENDPOINT go in its environment, never here)."""
+    includes = [word for pattern in engine.checkpoint.include for word in ("--include", pattern)]
+    return [
+        f"{config.venv}/bin/python",
+        "-I",  # root runs it: no PYTHON* variables, no user site, no script folder on sys.path
+        config.paths.checkpoint,
+        engine.checkpoint.repo,
+        config.commit(engine) or engine.checkpoint.revision,
+        config.checkpoint_dir(engine),
+        *includes,
+        "--workers",
+        str(config.checkpoint_workers),
+    ]
+
+
+def scrub_settings(config: HostConfig) -> dict:
+    """What sparkform-scrub knows: each checkpoint an enabled engine serves, with its fetch and the
+    engines to restart after a repair; the token's path, never the token."""
+    folders: dict[str, dict] = {}
+    for engine in config.enabled_engines:
+        checkpoint = folders.setdefault(
+            config.checkpoint_dir(engine),
+            {
+                "folder": config.checkpoint_dir(engine),
+                "repo": engine.checkpoint.repo,
+                "commit": config.commit(engine),
+                "fetch": checkpoint_fetch(config, engine),
+                "engines": [],
+            },
+        )
+        checkpoint["engines"].append({"name": engine.name, "unit": engine.unit})
+    return {
+        "checkpoints": list(folders.values()),
+        "rate_mib_s": config.scrub.rate_mib_s,
+        "hf_endpoint": config.hf_endpoint,
+        "hf_token_file": config.paths.hf_token if config.hf_token_file else None,
+        "guard": config.paths.guard,
+    }
+
+
+def rollback_settings(config: HostConfig) -> dict:
+    """What sparkform-rollback knows: the files of each engine it can put back, where they are
+    kept, the guard it alerts through and the engines target it starts again."""
+    return {
+        "engines": {
+            engine.name: {"unit": engine.unit, "files": list(config.paths.engine_files(engine.name))}
+            for engine in config.engines
+        },
+        "kept_root": kept_root(config.state_dir),
+        "guard": config.paths.guard,
+        "target": ENGINES_TARGET,
+    }
+
+
+def settings_file(path: str, settings: dict) -> RenderedFile:
+    return RenderedFile(path, json.dumps(settings, indent=2, sort_keys=True) + "\n", "644")
+
+
+def code_files(config: HostConfig) -> list[RenderedFile]:
+    """The programs and the modules they share: sparkform.host's own text, byte for byte."""
+    paths = config.paths
+    programs = [
+        # Run by the venv's python (it needs huggingface_hub).
+        (paths.checkpoint, "checkpoint"),
+        # Run by the system's python3: at the end of a converge, after a changed engine's failed
+        # start (or by hand), as the guard's daemon and units, from the scrub's timer.
+        (paths.record, "record"),
+        (paths.rollback, "rollback"),
+        (paths.guard, "guard"),
+        (paths.scrub, "scrub"),
+    ]
+    if any(engine.nodes for engine in config.engines):
+        # Run by the venv's python for the ranks of an engine across hosts.
+        programs.append((paths.vllm_cli, "vllm_serve"))
+    return [RenderedFile(path, host_source(module), "644") for path, module in programs] + shared_modules(config)
+
+
+def program_files(config: HostConfig, model_configs: Mapping[str, dict] | None = None) -> list[RenderedFile]:
+    """Every program, the modules they share and the settings beside them (`model_configs`: the
+    checkpoints' config.json by engine, for the KV ledger's prediction in the guard's settings)."""
+    paths = config.paths
+    return [
+        *code_files(config),
+        settings_file(paths.rollback_config, rollback_settings(config)),
+        settings_file(paths.guard_config, guard_settings(config, model_configs)),
+        settings_file(paths.scrub_config, scrub_settings(config)),
+    ]
