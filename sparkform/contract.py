@@ -3,7 +3,7 @@ that hold a live engine's answers against it.
 
 Pure: no connection. `check_engine` sends its requests through an `ask` callable (the caller's
 transport: `sparkform contract` and the verify suite run curl on the host over SSH,
-sparkform/contract_command.py), and every answer, live or captured (tests/fixtures/captured/), is
+sparkform/commands/contract.py), and every answer, live or captured (tests/fixtures/captured/), is
 judged by the same functions here.
 
 What vLLM does with a prompt + `max_tokens` over the window changed in 0.32: up to 0.31 the
@@ -15,17 +15,13 @@ contains n input tokens ...); from 0.32 it no longer subtracts `max_tokens` from
 
 from __future__ import annotations
 
-import base64
 import json
 import re
-import struct
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from sparkform.engine import Engine
-from sparkform.schema import HostConfig
 
 Answer = Literal["error", "truncate"]
 
@@ -157,12 +153,12 @@ def _printable(text: str, limit: int = 200) -> str:
     return clean if len(clean) <= limit else clean[: limit - 3] + "..."
 
 
-def _int(value: Any) -> int | None:
+def as_int(value: Any) -> int | None:
     """An integer from a JSON answer (a bool or anything else: None)."""
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _error(reply: Reply) -> str:
+def reply_error(reply: Reply) -> str:
     """HTTP status and vLLM's error message (or the start of the body) of an answer that is not 200."""
     body = reply.json()
     message = (
@@ -180,8 +176,8 @@ def _usage(reply: Reply) -> tuple[int | None, int | None, str | None]:
     choices = body.get("choices") if isinstance(body.get("choices"), list) and body.get("choices") else [{}]
     reason = choices[0].get("finish_reason") if isinstance(choices[0], dict) else None
     return (
-        _int(usage.get("prompt_tokens")),
-        _int(usage.get("completion_tokens")),
+        as_int(usage.get("prompt_tokens")),
+        as_int(usage.get("completion_tokens")),
         reason if isinstance(reason, str) else None,
     )
 
@@ -206,10 +202,10 @@ def _table_span() -> str:
 def judge_window(engine: Engine, reply: Reply) -> Finding:
     """/v1/models lists every served name with the inventory's max_model_len."""
     if reply.status != 200:
-        return Finding("window", "fail", f"/v1/models: {_error(reply)}")
+        return Finding("window", "fail", f"/v1/models: {reply_error(reply)}")
     body = reply.json()
     entries = body.get("data") if isinstance(body, dict) and isinstance(body.get("data"), list) else []
-    windows = {e.get("id"): _int(e.get("max_model_len")) for e in entries if isinstance(e, dict)}
+    windows = {e.get("id"): as_int(e.get("max_model_len")) for e in entries if isinstance(e, dict)}
     missing = [name for name in engine.names if name not in windows]
     if missing:
         return Finding("window", "fail", f"/v1/models does not list {', '.join(missing)}")
@@ -231,7 +227,7 @@ def judge_served_name(name: str, reply: Reply) -> Finding:
     """A one-token completion asked of `name` comes back."""
     check = f"name {name}"
     if reply.status != 200:
-        return Finding(check, "fail", f"a one-token completion: {_error(reply)}")
+        return Finding(check, "fail", f"a one-token completion: {reply_error(reply)}")
     _, completion, _ = _usage(reply)
     if completion != 1:
         return Finding(check, "fail", f"a one-token completion came back with completion_tokens {completion}")
@@ -241,11 +237,11 @@ def judge_served_name(name: str, reply: Reply) -> Finding:
 def judge_tokenize(tokenized: Reply, chat: Reply) -> Finding:
     """/tokenize of the text counts no more than the chat's usage.prompt_tokens (the template adds)."""
     if tokenized.status != 200:
-        return Finding("tokenize", "fail", f"/tokenize: {_error(tokenized)}")
+        return Finding("tokenize", "fail", f"/tokenize: {reply_error(tokenized)}")
     if chat.status != 200:
-        return Finding("tokenize", "fail", f"the chat of the same text: {_error(chat)}")
+        return Finding("tokenize", "fail", f"the chat of the same text: {reply_error(chat)}")
     body = tokenized.json()
-    count = _int(body.get("count")) if isinstance(body, dict) else None
+    count = as_int(body.get("count")) if isinstance(body, dict) else None
     prompt, _, _ = _usage(chat)
     if count is None or prompt is None:
         return Finding("tokenize", "fail", "no count in /tokenize's answer or no usage.prompt_tokens in the chat's")
@@ -283,7 +279,7 @@ def judge_over_window(row: Contract, window: int, max_tokens: int, reply: Reply)
         error = body.get("error") if isinstance(body, dict) else None
         match = OVER_WINDOW_400.search(error.get("message", "")) if isinstance(error, dict) else None
         if reply.status != 400 or match is None:
-            return Finding(check, "fail", f"{_error(reply)}: not the over-window error of vLLM {row.versions}")
+            return Finding(check, "fail", f"{reply_error(reply)}: not the over-window error of vLLM {row.versions}")
         said = {key: int(value) for key, value in match.groupdict().items()}
         if (said["window"], said["requested"]) != (window, max_tokens):
             return Finding(
@@ -300,7 +296,7 @@ def judge_over_window(row: Contract, window: int, max_tokens: int, reply: Reply)
             {"status": 400, "answer": "error", "max_tokens": max_tokens, "window": window},
         )
     if reply.status != 200:
-        return Finding(check, "fail", f"{_error(reply)}: vLLM {row.versions} cuts max_tokens instead")
+        return Finding(check, "fail", f"{reply_error(reply)}: vLLM {row.versions} cuts max_tokens instead")
     prompt, completion, reason = _usage(reply)
     observed = {
         "status": 200,
@@ -344,11 +340,11 @@ def judge_reasoning(max_tokens: int, reply: Reply) -> Finding:
     check = "reasoning"
     body = reply.json()
     if reply.status != 200 or not isinstance(body, dict):
-        return Finding(check, "fail", f"a chat of max_tokens {max_tokens}: {_error(reply)}")
+        return Finding(check, "fail", f"a chat of max_tokens {max_tokens}: {reply_error(reply)}")
     _, completion, reason = _usage(reply)
     usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
     details = usage.get("completion_tokens_details")
-    reasoning = _int(details.get("reasoning_tokens")) if isinstance(details, dict) else None
+    reasoning = as_int(details.get("reasoning_tokens")) if isinstance(details, dict) else None
     choices = body.get("choices") if isinstance(body.get("choices"), list) and body.get("choices") else [{}]
     message = choices[0].get("message") if isinstance(choices[0], dict) else None
     message = message if isinstance(message, dict) else {}
@@ -390,128 +386,6 @@ def judge_reasoning(max_tokens: int, reply: Reply) -> Finding:
 def judge_vision(name: str, reply: Reply) -> Finding:
     check = f"vision {name}"
     if reply.status != 200:
-        return Finding(check, "fail", f"a chat with an image: {_error(reply)}")
+        return Finding(check, "fail", f"a chat with an image: {reply_error(reply)}")
     prompt, completion, _ = _usage(reply)
     return Finding(check, "pass", f"a chat with an image answered ({prompt} prompt tokens, {completion} generated)")
-
-
-# --- the requests --------------------------------------------------------------------------------
-
-# A filler word for prompts of a known length: one token a repeat with most tokenizers.
-FILLER = " hello"
-TOKENIZE_TEXT_SAMPLE = "What does a client of this engine need to know about its window?"
-OVER_BY = 16  # how far past the window prompt + max_tokens goes
-GAP = 16  # the prompt stays this many tokens (up to twice this) under the window
-REASONING_MAX_TOKENS = 16
-CALIBRATION_TRIES = 6
-
-
-def png_pixel() -> str:
-    """A data URL of an 8x8 grey PNG: the smallest image a vision model takes."""
-    width = height = 8
-    raw = b"".join(b"\x00" + b"\x80\x80\x80" * width for _ in range(height))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    png = (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-        + chunk(b"IDAT", zlib.compress(raw))
-        + chunk(b"IEND", b"")
-    )
-    return "data:image/png;base64," + base64.b64encode(png).decode()
-
-
-def _chat(name: str, content: Any, max_tokens: int, **extra: Any) -> dict[str, Any]:
-    return {
-        "model": name,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        **extra,
-    }
-
-
-def _count(ask: Ask, name: str, text: str) -> int | None:
-    """/tokenize's count of `text` (None: refused, e.g. over the window)."""
-    reply = ask(Request("/tokenize", {"model": name, "prompt": text}, front=False))
-    body = reply.json() if reply.status == 200 else None
-    return _int(body.get("count")) if isinstance(body, dict) else None
-
-
-def near_window_prompt(ask: Ask, name: str, window: int) -> tuple[str, int] | None:
-    """A prompt of window - 2*GAP .. window - 1 tokens, found with /tokenize (None: not found)."""
-    low, high, target = window - 2 * GAP, window - 1, window - GAP
-    small, large = _count(ask, name, FILLER * 64), _count(ask, name, FILLER * 128)
-    if small is None or large is None or large <= small:
-        return None
-    per_repeat = (large - small) / 64
-    repeats = max(1, round(64 + (target - small) / per_repeat))
-    for _ in range(CALIBRATION_TRIES):
-        count = _count(ask, name, FILLER * repeats)
-        if count is None:  # refused: over the window
-            repeats = int(repeats * 0.9)
-            continue
-        if low <= count <= high:
-            return FILLER * repeats, count
-        repeats = max(1, repeats + (round((target - count) / per_repeat) or (1 if target > count else -1)))
-    return None
-
-
-def check_engine(ask: Ask, config: HostConfig, engine: Engine, live_version: str) -> list[Finding]:
-    """Every check of the contract against one engine, in order. NoAnswer passes through."""
-    name = engine.names[0]
-    version, row = judge_version(live_version, config.vllm_version)
-    findings = [version, judge_window(engine, ask(Request("/v1/models")))]
-    for served in engine.names:
-        findings.append(
-            judge_served_name(
-                served, ask(Request("/v1/completions", {"model": served, "prompt": "hello", "max_tokens": 1}))
-            )
-        )
-    findings.append(
-        judge_tokenize(
-            ask(Request("/tokenize", {"model": name, "prompt": TOKENIZE_TEXT_SAMPLE}, front=False)),
-            ask(Request("/v1/chat/completions", _chat(name, TOKENIZE_TEXT_SAMPLE, 1))),
-        )
-    )
-    findings.append(_over_window(ask, engine, row))
-    if engine.reasoning_parser:
-        reply = ask(
-            Request(
-                "/v1/chat/completions", _chat(name, "Think, then answer: 2 + 2?", REASONING_MAX_TOKENS, ignore_eos=True)
-            )
-        )
-        findings.append(judge_reasoning(REASONING_MAX_TOKENS, reply))
-    else:
-        findings.append(Finding("reasoning", "skip", "no reasoning_parser: nothing is split off as reasoning"))
-    if engine.multimodal:
-        alias = engine.names[-1]
-        image = [
-            {"type": "text", "text": "What is in this image?"},
-            {"type": "image_url", "image_url": {"url": png_pixel()}},
-        ]
-        findings.append(judge_vision(alias, ask(Request("/v1/chat/completions", _chat(alias, image, 4)))))
-    else:
-        findings.append(Finding("vision", "skip", "multimodal is not set: this engine takes no image"))
-    return findings
-
-
-def _over_window(ask: Ask, engine: Engine, row: Contract | None) -> Finding:
-    window = engine.max_model_len
-    found = near_window_prompt(ask, engine.names[0], window)
-    if found is None:
-        return Finding("over window", "fail", f"/tokenize found no prompt of {window - 2 * GAP}..{window - 1} tokens")
-    text, tokens = found
-    max_tokens = window - tokens + OVER_BY
-    reply = ask(
-        Request(
-            "/v1/completions",
-            {"model": engine.names[0], "prompt": text, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0},
-        )
-    )
-    if row is None:
-        observed = "error" if reply.status == 400 else "truncation" if reply.status == 200 else _error(reply)
-        return Finding("over window", "fail", f"observed {observed}; no contract row to hold it against")
-    return judge_over_window(row, window, max_tokens, reply)

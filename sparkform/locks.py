@@ -10,15 +10,10 @@ platform of the device's host; the repo ships them in `locks/`.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shlex
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from sparkform.bundle import LOCKS
 
@@ -132,96 +127,3 @@ def lock_problems(text: str, package: str, version: str) -> list[str]:
     if not any((pin.name, pin.version) == (normalized(package), version) for pin in pins):
         problems.append(f"it does not pin {package}=={version}")
     return problems
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for block in iter(lambda: file.read(2**20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def hash_local_wheels(text: str, folders: Sequence[Path]) -> str:
-    """uv hashes no file of a --find-links folder (astral-sh/uv#3874, #10308): give each pin it
-    left without a hash the sha256 of its wheels in `folders`."""
-    wheels: dict[tuple[str, str], list[str]] = {}
-    for folder in folders:
-        for wheel in sorted(Path(folder).glob("*.whl")):
-            name, version = wheel.name.split("-")[:2]
-            wheels.setdefault((normalized(name), version), []).append(_sha256_file(wheel))
-    lines = []
-    for line in text.splitlines():
-        match = PIN.fullmatch(line)  # a pin on a line of its own: uv found no hash for it
-        hashes = wheels.get((normalized(match["name"]), match["version"]), []) if match else []
-        lines.append(" \\\n".join([line, *(f"    --hash=sha256:{digest}" for digest in hashes)]))
-    return "\n".join(lines) + "\n"
-
-
-def make_lock(
-    version: str,
-    device: str,
-    package: str | None = None,
-    pins: Path | None = None,
-    find_links: Sequence[Path] = (),
-    out: Path | None = None,
-    uv_args: Sequence[str] = (),
-    command_line: str = "sparkform lock",
-) -> Path:
-    """Write the hashed lock of `package==version` for the host of `device` (default: into
-    `locks/`) and return its path.
-
-    Without `pins` uv resolves every dependency; with `pins` (a requirements file of exact pins,
-    e.g. a lock to re-hash) it keeps those versions and resolves nothing. Wheels only; for a CPU
-    host without CPU_EXCLUDED. The file is replaced only by a complete hashed lock.
-    """
-    target = TARGETS[device]
-    package = package or target.package
-    out = Path(out or default_lock(package, version, device))
-    uv = Path(sys.executable).with_name("uv")
-    if not uv.exists():
-        raise LockError(f"uv is missing beside {sys.executable}: {Path(sys.executable).with_name('pip')} install uv")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)[1])
-    command = [
-        str(uv),
-        "pip",
-        "compile",
-        str(pins) if pins else "-",
-        "--quiet",
-        "--no-python-downloads",
-        "--python-platform",
-        target.platform,
-        "--python-version",
-        target.python,
-        "--generate-hashes",
-        "--only-binary",
-        ":all:",
-        "--custom-compile-command",
-        command_line,
-        "--output-file",
-        str(staging),
-    ]
-    command += ["--no-deps"] if pins else []
-    command += [arg for folder in find_links for arg in ("--find-links", str(folder))]
-    command += [arg for name in CPU_EXCLUDED for arg in ("--no-emit-package", name)] if device == "cpu" else []
-    try:
-        # UV_NO_CONFIG: the lock follows from its command line, not from this machine's uv.toml.
-        result = subprocess.run(
-            [*command, *uv_args],
-            input="" if pins else f"{package}=={version}\n",
-            text=True,
-            env={**os.environ, "UV_NO_CONFIG": "1"},
-        )
-        if result.returncode:
-            raise LockError(f"uv pip compile exited {result.returncode}")
-        text = hash_local_wheels(staging.read_text(), find_links)
-        problems = lock_problems(text, package, version)
-        if problems:
-            raise LockError("not a complete hashed lock: " + "; ".join(problems))
-        staging.write_text(text)
-        staging.chmod(0o644)
-        staging.replace(out)
-    finally:
-        staging.unlink(missing_ok=True)
-    return out

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sparkform.engine import Engine
 from sparkform.gpu import NvmlReport, NvmlReportError, parse_nvml_report, report_command
-from sparkform.host.alerts import MESSAGE_ID as ALERT_MESSAGE_ID
+from sparkform.host import ALERT_MESSAGE_ID
 from sparkform.hostrecord import (
     CACHE_KEY_PATTERN,
     ENGINE_NAME_PATTERN,

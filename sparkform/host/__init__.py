@@ -17,6 +17,8 @@ import os
 # How root runs Python on a host: isolated (no environment variable, user site or script folder
 # on sys.path that another user could shape).
 ROOT_PYTHON = ("/usr/bin/python3", "-I")
+# `journalctl MESSAGE_ID=...` lists every alert of every sparkform program (sparkform.host.alerts).
+ALERT_MESSAGE_ID = "7d3f5c2a9e8b4f61a0c4d2e6b8f1a3c5"
 RETRY_UNIT_PREFIX = "sparkform-retry-"  # the guard's delayed start of ENGINE: sparkform-retry-ENGINE.timer
 SETTINGS_SUFFIX = ".json"
 

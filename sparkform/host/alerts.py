@@ -13,10 +13,9 @@ import time
 import urllib.error
 import urllib.request
 
+from sparkform.host import ALERT_MESSAGE_ID as MESSAGE_ID
 from sparkform.host.textfile import metric_family, write_textfile
 
-# `journalctl MESSAGE_ID=...` lists every alert of every sparkform program.
-MESSAGE_ID = "7d3f5c2a9e8b4f61a0c4d2e6b8f1a3c5"
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 SEVERITY = {"memory-low": 4, "recovered": 5, "memory-recovered": 5, "drift": 5, "checkpoint-repaired": 5}  # else 3
 # The alerts each engine can get, and those of the host (engine "-"): counted from zero.

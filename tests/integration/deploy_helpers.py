@@ -115,12 +115,18 @@ def serving(box: machine.Sandbox, unit: str) -> bool:
     return ssh(box, f"systemctl is-active {unit}", check=False).stdout.strip() == "active"
 
 
+DEPLOY_PREFIX = "sparkform | "  # tasks.converge.converge_host
+
+
 def changed_operations(inventory: Path) -> list[str]:
-    """Names of the operations a --dry run would change (pyinfra has no 'changes pending' code)."""
+    """Names of the operations a --dry run would change (pyinfra has no 'changes pending' code),
+    without the packaged deploy's name that pyinfra puts before each ("sparkform | ")."""
     result = pyinfra(inventory, "--dry", "--json")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)["plan"]
-    return [op["name"] for op in plan if op["hosts_with_change"]]
+    names = [op["name"] for op in plan if op["hosts_with_change"]]
+    assert all(name.startswith(DEPLOY_PREFIX) for name in names), names
+    return [name.removeprefix(DEPLOY_PREFIX) for name in names]
 
 
 def edited_inventory(

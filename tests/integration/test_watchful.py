@@ -36,7 +36,7 @@ from deploy_helpers import (
     wait_for,
 )
 
-from sparkform.host.alerts import MESSAGE_ID as ALERT_MESSAGE_ID
+from sparkform.host import ALERT_MESSAGE_ID
 from sparkform.inventory import load_inventory
 from sparkform.layout import SCRUB_UNIT
 from sparkform.parsers import parse_kv_pool, parse_vllm_version

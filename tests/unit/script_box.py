@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkform.engine import Span
-from sparkform.host.alerts import MESSAGE_ID as ALERT_MESSAGE_ID
+from sparkform.host import ALERT_MESSAGE_ID
 from sparkform.inventory import load_host
 from sparkform.render import render_host
 from sparkform.rendered import RenderedFile

@@ -24,8 +24,6 @@ from sparkform.bench import (
     Settings,
     UntrustedRow,
     combine,
-    format_history,
-    format_row,
     generator_command,
     overlap,
     phase_command,
@@ -34,7 +32,8 @@ from sparkform.bench import (
     read_row,
     settings_problems,
 )
-from sparkform.bench_command import append_command, busy, busy_command
+from sparkform.bench_table import format_history, format_row
+from sparkform.commands.bench import append_command, busy, busy_command
 from sparkform.inventory import load_inventory
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "bench"

@@ -23,7 +23,9 @@ import pytest
 from samples import SERVED_PAIR
 
 import sparkform.host as host_package
-from sparkform import bundle, cli, ssh
+from sparkform import bundle, cli
+from sparkform.commands import rebuild as rebuild_command
+from sparkform.commands import ssh
 from sparkform.programs import PROGRAMS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -496,7 +498,7 @@ def test_rebuild_waits_for_a_host_that_may_still_be_booting(tmp_path, free_port)
         "rebuild", str(unreachable_inventory(tmp_path, free_port())), "--wait", "6", cwd=tmp_path
     )
     assert result.returncode == 1 and "Connection refused" in result.stderr
-    assert cli.WAIT_POLL_S < elapsed < 30
+    assert rebuild_command.WAIT_POLL_S < elapsed < 30
 
 
 def test_a_refused_host_key_ends_the_wait_at_once():

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from sparkform.commands.contract import HostAsker, curl_script, parse_curl
 from sparkform.contract import (
     CONTRACTS,
-    GAP,
     NoAnswer,
     Reply,
     Request,
@@ -26,9 +26,8 @@ from sparkform.contract import (
     judge_version,
     judge_vision,
     judge_window,
-    near_window_prompt,
 )
-from sparkform.contract_command import HostAsker, curl_script, parse_curl
+from sparkform.contract_requests import GAP, near_window_prompt
 from sparkform.inventory import load_host
 
 REPO = Path(__file__).resolve().parents[2]

@@ -37,6 +37,23 @@ def test_the_deploy_runs_from_any_folder(tmp_path, hub):
     assert "Engine slow serving" in result.stdout + result.stderr
 
 
+def planned_operations(inventory: Path, deploy: str) -> list[str]:
+    result = _pyinfra(str(inventory), deploy, "--dry", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [op["name"] for op in json.loads(result.stdout)["plan"]]
+
+
+def test_the_packaged_deploy_run_by_import_path_plans_what_deploy_py_plans(tmp_path, hub):
+    """pyinfra's packaged form: tasks.converge.converge_host by import path is the deploy file's
+    whole plan, each operation under the deploy's name."""
+    publish(hub, tmp_path, "v1")
+    inventory = local_inventory(tmp_path, endpoint=hub.url)
+    by_file = planned_operations(inventory, "deploy.py")
+    assert "sparkform | Engine slow serving" in by_file and all(n.startswith("sparkform | ") for n in by_file)
+    assert planned_operations(inventory, "tasks.converge.converge_host") == by_file
+    assert not (tmp_path / "lib").exists(), "--dry changed the host"
+
+
 def test_dry_run_plans_every_task_and_changes_nothing(tmp_path, hub):
     commit = publish(hub, tmp_path, "v1")
     result = _pyinfra(str(local_inventory(tmp_path, endpoint=hub.url)), "deploy.py", "--dry")

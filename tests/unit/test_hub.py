@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sparkform.cli import main
-from sparkform.hub import HubError, resolve_pins, resolve_revision
+from sparkform.commands.hub import HubError, resolve_pins, resolve_revision
 from sparkform.inventory import load_host
 from sparkform.model import InventoryError
 from sparkform.sandbox.fakehub import FakeHub

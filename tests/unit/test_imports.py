@@ -77,3 +77,83 @@ def test_no_two_test_modules_share_a_name():
     names = [path.name for path in modules]
     assert len(names) > 20
     assert sorted({name for name in names if names.count(name) > 1}) == []
+
+
+# --- the layout by role ----------------------------------------------------------------------------
+
+# What a module of the pure core must never import, at module level or in a function: whatever
+# spawns a process or opens a connection.
+CONNECTS_OR_SPAWNS = (
+    "subprocess", "socket", "ssl", "http.client", "urllib.request", "asyncio", "multiprocessing", "pty",
+    "pyinfra", "paramiko", "huggingface_hub", "requests", "httpx", "urllib3",
+)  # fmt: skip
+# sparkform/*.py is the pure core, but for the entry point that dispatches to the commands.
+ENTRY_POINT = "sparkform.cli"
+MAX_LINES = 450
+
+
+def outside_imports(path: Path) -> set[str]:
+    """Every module `path` imports that is not the project's, anywhere in its body."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+def connecting(names: set[str]) -> set[str]:
+    return {n for n in names if any(n == bad or n.startswith(f"{bad}.") for bad in CONNECTS_OR_SPAWNS)}
+
+
+def pure_core(modules: dict[str, Path]) -> list[str]:
+    return sorted(n for n in modules if n.count(".") == 1 and n.startswith("sparkform.") and n != ENTRY_POINT)
+
+
+def reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = {start}, [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_pure_core_imports_nothing_that_connects_or_spawns():
+    """The schema, validation, planner, rendering and parsers, and every module they reach, import
+    no process or network module: the commands that do live in sparkform/commands/, the programs
+    that run on a host in sparkform/host/, the sandbox in sparkform/sandbox/."""
+    modules = project_modules()
+    graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
+    core = pure_core(modules)
+    assert {
+        "sparkform.schema",
+        "sparkform.validate",
+        "sparkform.planner",
+        "sparkform.render",
+        "sparkform.parsers",
+    } <= set(core)
+    found = {
+        f"{name} (through {other}): {sorted(bad)}"
+        for name in core
+        for other in reached(graph, name)
+        if (bad := connecting(outside_imports(modules[other])))
+    }
+    assert sorted(found) == []
+
+
+def test_the_purity_check_finds_a_spawn_inside_a_function(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def later():\n    import subprocess.run\n    from pyinfra.api import operation\n")
+    assert connecting(outside_imports(module)) == {"subprocess.run", "pyinfra.api"}
+    module.write_text("import shlex\nfrom pathlib import Path\n")
+    assert connecting(outside_imports(module)) == set()
+
+
+def test_no_module_of_the_project_is_over_the_line_limit():
+    modules = project_modules()
+    lengths = {name: len(path.read_text().splitlines()) for name, path in modules.items()}
+    assert {"sparkform.host.guard", "sparkform.commands.status", "deploy"} <= set(lengths)
+    assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}

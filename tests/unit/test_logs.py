@@ -9,7 +9,7 @@ import pytest
 from samples import SERVED_PAIR
 
 from sparkform import cli
-from sparkform.logs import engine_host, journal_command
+from sparkform.commands.logs import engine_host, journal_command
 
 
 def test_the_journal_command_quotes_every_value():

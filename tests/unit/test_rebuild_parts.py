@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from sparkform.bootchain import holes as boot_chain_holes
-from sparkform.cli import start_table
+from sparkform.commands.rebuild import start_table
 from sparkform.converge import planned_record
 from sparkform.hostrecord import EngineRecord, HostRecord, HostVersions, cache_key
 from sparkform.inventory import load_host

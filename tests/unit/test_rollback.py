@@ -19,11 +19,11 @@ from script_box import Journal
 
 from facts.snapshot import HostSnapshot
 from sparkform import bootchain, cli, converge
+from sparkform.commands.rollback import chosen, rollback_command
 from sparkform.inventory import load_host
 from sparkform.kept import KeptSettings, settings_digest
 from sparkform.layout import COMPLETE_MARKER, UNIT_DIR, kept_root
 from sparkform.render import render_host
-from sparkform.rollback import chosen, rollback_command
 from sparkform.snapshot import Snapshot
 from tasks import engines
 

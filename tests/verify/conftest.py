@@ -3,7 +3,7 @@
     sparkform verify inventory/spark.py      (runs: pytest tests/verify --inventory ...)
 
 The same suite checks the sandbox and a real Spark. testinfra has no pyinfra backend, so an SSH
-config is written from each host's pyinfra data (sparkform.ssh).
+config is written from each host's pyinfra data (sparkform.commands.ssh).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import testinfra
 
-from sparkform import nodes, ssh
+from sparkform import nodes
+from sparkform.commands import ssh
 from sparkform.inventory import load_inventory, raw_inventory
 from sparkform.schema import HostConfig
 

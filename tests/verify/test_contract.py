@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from sparkform import ssh
-from sparkform.contract import check_engine
-from sparkform.contract_command import REQUEST_TIMEOUT_S, live_version, ssh_asker
+from sparkform.commands import ssh
+from sparkform.commands.contract import REQUEST_TIMEOUT_S, live_version, ssh_asker
+from sparkform.contract_requests import check_engine
 
 
 def test_engine_keeps_the_request_contract_of_its_vllm(target, engine, ssh_folder):

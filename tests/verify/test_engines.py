@@ -10,7 +10,7 @@ import shlex
 import pytest
 
 from sparkform import bootchain
-from sparkform.contract_command import KEY_FROM_SNIPPET, key_header
+from sparkform.commands.contract import KEY_FROM_SNIPPET, key_header
 from sparkform.hostrecord import HostRecord
 from sparkform.kept import KeptSettings, settings_digest
 from sparkform.layout import (

@@ -18,10 +18,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sparkform import bootchain, ssh
+from sparkform import bootchain
+from sparkform.commands import ssh
+from sparkform.commands.logs import engine_host
 from sparkform.inventory import load_inventory, raw_inventory
 from sparkform.layout import ROOT_PYTHON
-from sparkform.logs import engine_host
 from sparkform.model import Host
 
 EXIT_USAGE = 2

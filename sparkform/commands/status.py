@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from sparkform import ssh
+from sparkform.commands import ssh
 from sparkform.inventory import load_inventory, raw_inventory
 from sparkform.model import Host
 from sparkform.status import HostStatus, read_status, status_command, unreachable

@@ -22,12 +22,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sparkform import ssh
-from sparkform.contract import Finding, NoAnswer, Reply, Request, check_engine, contract_table, major_minor
+from sparkform.commands import ssh
+from sparkform.commands.status import positive_seconds
+from sparkform.contract import Finding, NoAnswer, Reply, Request, contract_table, major_minor
+from sparkform.contract_requests import check_engine
 from sparkform.engine import Engine
 from sparkform.inventory import load_inventory, raw_inventory
 from sparkform.schema import HostConfig
-from sparkform.status_command import positive_seconds
 
 EXIT_FAILED, EXIT_NO_ANSWER = 1, 3
 REQUEST_TIMEOUT_S = 300.0

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparkform import ssh
+from sparkform.commands import ssh
 from sparkform.inventory import load_inventory, raw_inventory
 from sparkform.ledger import LedgerRow, format_ledger, read_command, read_rows
 from sparkform.model import Host

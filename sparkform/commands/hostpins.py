@@ -1,7 +1,7 @@
 """`sparkform render`'s question to a host: which commit each branch or tag resolved to there.
 
 The deploy pins a branch or tag to the commit it names once and records it on the host
-(sparkform/hub.py); render writes those commits, as the deploy does, by reading the host's pins
+(sparkform/commands/hub.py); render writes those commits, as the deploy does, by reading the host's pins
 over SSH in one round trip, checked as the deploy checks them (sparkform/readback.py). When it
 cannot ask, render writes the revision as written and `why_not` says why.
 """
@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparkform import readback, remote, ssh
+from sparkform import readback, remote
+from sparkform.commands import ssh
 from sparkform.engine import Engine
 from sparkform.schema import HostConfig
 

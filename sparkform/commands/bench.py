@@ -25,7 +25,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sparkform import hostpins, ssh
 from sparkform.bench import (
     PHASE_SLACK_S,
     TOGETHER,
@@ -34,8 +33,6 @@ from sparkform.bench import (
     Figures,
     Settings,
     combine,
-    format_history,
-    format_row,
     phase_command,
     read_ledger,
     read_phase,
@@ -43,6 +40,8 @@ from sparkform.bench import (
     settings_problems,
     utc_date,
 )
+from sparkform.bench_table import format_history, format_row
+from sparkform.commands import hostpins, ssh
 from sparkform.inventory import load_inventory, raw_inventory
 from sparkform.layout import record_dir
 from sparkform.model import Host

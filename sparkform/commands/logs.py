@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sparkform import ssh
+from sparkform.commands import ssh
 from sparkform.inventory import load_inventory, raw_inventory
 from sparkform.model import Host
 

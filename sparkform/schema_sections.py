@@ -1,0 +1,110 @@
+"""The inventory's nested sections (compile_caps, monitoring, scrub) and the address check they
+share with the host's own fields (sparkform.schema)."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from pydantic import Field, field_validator
+
+from sparkform.layout import GPU_TEXTFILE, GUARD_TEXTFILE, RECORD_TEXTFILE
+from sparkform.shapes import StrictModel, checked_calendar, checked_managed_folder
+
+
+class CompileCaps(StrictModel):
+    """Compile parallelism caps exported on every launch path (docs/incidents.md#compile-storm)."""
+
+    max_jobs: int = Field(4, ge=1)
+    """MAX_JOBS: ninja -j for FlashInfer/CUTLASS JIT builds (4 held a Spark's compile storm to 74 GiB:
+    docs/incidents.md#compile-storm)."""
+    nvcc_threads: int = Field(1, ge=1)
+    """NVCC_THREADS: nvcc threads per compiler (source builds)."""
+    flashinfer_nvcc_threads: int = Field(1, ge=1)
+    """FLASHINFER_NVCC_THREADS: the variable FlashInfer's JIT actually reads."""
+    torchinductor_compile_threads: int = Field(4, ge=1)
+    """TORCHINDUCTOR_COMPILE_THREADS (vLLM forces 1 on import; exported for other launch paths)."""
+
+    def as_env(self) -> dict[str, str]:
+        return {
+            "MAX_JOBS": str(self.max_jobs),
+            "NVCC_THREADS": str(self.nvcc_threads),
+            "FLASHINFER_NVCC_THREADS": str(self.flashinfer_nvcc_threads),
+            "TORCHINDUCTOR_COMPILE_THREADS": str(self.torchinductor_compile_threads),
+        }
+
+
+class Monitoring(StrictModel):
+    """Debian's prometheus-node-exporter on the host (docs/operator.md, Monitoring); who may scrape it is
+    `metrics_allow`."""
+
+    enabled: bool = Field(False)
+    """Install prometheus-node-exporter with its systemd collector limited to sparkform's units and textfiles of
+    sparkform's (host record, cache keys, cold starts, last converge, the guard's alerts, the GPU's clock-event
+    reasons)."""
+    listen_address: str = Field("127.0.0.1")
+    """Address node_exporter listens on (its --web.listen-address); a LAN address or 0.0.0.0 lets `metrics_allow`
+    scrape it from the LAN (its unit allows loopback and `metrics_allow` only)."""
+    port: int = Field(9100, ge=1, le=65535)
+    """node_exporter's port (Debian's default 9100)."""
+    textfile_dir: str = Field("/var/lib/prometheus/node-exporter")
+    """node_exporter's textfile collector folder (Debian's default); root's, 0755; sparkform writes sparkform.prom,
+    sparkform-guard.prom and sparkform-gpu.prom into it."""
+
+    @field_validator("listen_address")
+    @classmethod
+    def _an_address(cls, value: str) -> str:
+        return checked_address(value)
+
+    @field_validator("textfile_dir")
+    @classmethod
+    def _managed_folder(cls, value: str) -> str:
+        return checked_managed_folder(value)
+
+    @property
+    def record_textfile(self) -> str:
+        """The host record's metrics, written with the record."""
+        return f"{self.textfile_dir}/{RECORD_TEXTFILE}"
+
+    @property
+    def guard_textfile(self) -> str:
+        """The guard's alert counts, written by the guard."""
+        return f"{self.textfile_dir}/{GUARD_TEXTFILE}"
+
+    @property
+    def gpu_textfile(self) -> str:
+        """The GPU as nvidia-smi reports it, sampled by the guard."""
+        return f"{self.textfile_dir}/{GPU_TEXTFILE}"
+
+    @property
+    def textfiles(self) -> list[str]:
+        """Every textfile sparkform writes."""
+        return [self.record_textfile, self.guard_textfile, self.gpu_textfile]
+
+
+class Scrub(StrictModel):
+    """The checkpoint scrub (docs/operator.md, Unattended): sparkform-scrub.timer re-hashes every file of the
+    engines' checkpoints against its manifest, at idle I/O priority; a file that no longer matches is reported,
+    fetched again, and the engines that serve it are restarted on the good bytes."""
+
+    enabled: bool = Field(True)
+    """Run the scrub on its timer; false stops and disables the timer (`systemctl start sparkform-scrub` still runs
+    one)."""
+    period: str = Field("weekly")
+    """When the scrub runs: an OnCalendar= event (weekly, daily, 'Sun *-*-* 03:00'); a run missed while the host was
+    off happens after the next boot, once the engines serve."""
+    rate_mib_s: int = Field(200, ge=1, le=100_000)
+    """The most the scrub reads, in MiB a second (40 GB of checkpoints take 3.5 min at 200); its reads also yield
+    to every other read (idle I/O class)."""
+
+    @field_validator("period")
+    @classmethod
+    def _calendar(cls, value: str) -> str:
+        return checked_calendar(value)
+
+
+def checked_address(value: str) -> str:
+    """An IP address, normalized; ValueError naming the forms that are meant."""
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise ValueError(f"{value!r} is not an IP address (e.g. 127.0.0.1, 192.168.1.20 or 0.0.0.0)") from None
