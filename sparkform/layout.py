@@ -27,6 +27,8 @@ UNIT_PREFIX = "vllm-"  # engine NAME runs as unit vllm-NAME.service
 ENGINE_UNIT_GLOB = f"{UNIT_DIR}/{UNIT_PREFIX}*.service"
 ENGINES_TARGET = "sparkform-engines.target"  # reached once every enabled engine serves
 GUARD_UNIT = "sparkform-guard.service"
+# WatchdogSec= of the guard: six of its keep-alives (sparkform.host.guard.KEEPALIVE_S) missed.
+GUARD_WATCHDOG_S = 30
 # RETRY_UNIT_PREFIX (sparkform.host): the guard's delayed start of ENGINE, sparkform-retry-ENGINE.timer
 RECOVER_UNIT = "sparkform-recover@.service"  # the engines' OnFailure=, one instance per engine
 # The checkpoint scrub (HostConfig.scrub): the timer starts the service, a one-shot run.

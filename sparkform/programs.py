@@ -12,7 +12,16 @@ from importlib import resources
 
 from sparkform import ledger
 from sparkform.engine import Engine
-from sparkform.layout import ENGINES_TARGET, GUARD_UNIT, KV_LEDGER_ROWS, RECOVER_UNIT, kept_root, record_dir, unit_path
+from sparkform.layout import (
+    ENGINES_TARGET,
+    FRONT_UNIT,
+    GUARD_UNIT,
+    KV_LEDGER_ROWS,
+    RECOVER_UNIT,
+    kept_root,
+    record_dir,
+    unit_path,
+)
 from sparkform.model import Host
 from sparkform.modelconfig import GIB
 from sparkform.rendered import RenderedFile
@@ -102,6 +111,13 @@ def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None 
         "textfile": config.monitoring.guard_textfile if config.monitoring.enabled else None,
         "gpu_textfile": config.monitoring.gpu_textfile if config.monitoring.enabled else None,
         "kv_ledger": config.paths.kv_ledger,
+        "lock_dir": config.paths.lock_dir,
+        # Where the guard checks that the front passes a keyed request (root's key file).
+        "fronts": [
+            {"engine": e.name, "address": config.front_local_address, "port": e.port} for e in config.served_engines
+        ],
+        "front_key": config.paths.front_key if config.api_key_file else None,
+        "front_unit": FRONT_UNIT,
         "kv_ledger_rows": KV_LEDGER_ROWS,
         **{
             key: getattr(config, key)
@@ -111,12 +127,16 @@ def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None 
                 "watchdog_interval_s",
                 "watchdog_deadline_s",
                 "watchdog_failures",
+                "start_stall_s",
+                "restart_s",
                 "memory_warn_gib",
                 "memory_critical_gib",
                 "memory_margin_gib",
             )
         },
         "memory_poll_s": 2,
+        "start_poll_s": 5,
+        "pressure_starved_pct": 40,
         "rank_join_s": RANK_JOIN_S,
         "vllm_cli": config.paths.vllm_cli,
         "memory_settle_s": 10,

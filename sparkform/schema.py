@@ -126,7 +126,11 @@ class HostConfig(StrictModel):
     """The launch script wants the engine's share plus this much in MemAvailable."""
     # Starts and restarts: the readiness helper, systemd, the guard's recovery
     readiness_budget_s: int = Field(1080, ge=10)
-    """Wall-clock budget of the readiness helper; a timeout fails the start."""
+    """Wall-clock budget of the readiness helper; a timeout fails the start (the outer bound: a stalled start fails
+    sooner, start_stall_s)."""
+    start_stall_s: int = Field(300, ge=30)
+    """A start with no progress this long (no engine log line, under 10 % of a CPU) fails: killed and started again,
+    with an alert. Weights loading and compiling show progress; a process stopped (SIGSTOP) fails in 10 s."""
     timeout_start_s: int = Field(1200, ge=10)
     """TimeoutStartSec=; must exceed the readiness budget."""
     start_limit_interval_s: int = Field(3600, ge=1)

@@ -32,6 +32,7 @@ from sparkform.hostrecord import (
     last_cold_starts,
     parse_live_versions,
 )
+from sparkform.layout import FRONT_UNIT, GUARD_UNIT, SCRUB_TIMER
 from sparkform.parsers import (
     SYSTEMCTL_SHOW_PROPERTIES,
     Sample,
@@ -66,6 +67,10 @@ WATCHDOG_EVENT_PATTERN = re.compile(r"[a-z][a-z-]{0,39}")
 MESSAGE_PATTERN = re.compile(r"[\x20-\x7e\u00a0-\uffff]{1,500}")  # printable, one line
 CLOCK_PATTERN = re.compile(r"\d{9,11}(\.\d{1,9})?")
 HTTP_CODE_PATTERN = re.compile(r"\d{3}")
+# The units that keep the engines reachable and watched, beside the engines themselves.
+SERVICE_UNITS = (GUARD_UNIT, FRONT_UNIT, SCRUB_TIMER)
+# What the engine's launch says while it starts ("waiting q38": its turn behind a loading neighbour).
+LAUNCH_STATE_PATTERN = re.compile(r"(waiting|loading)( [a-z0-9][a-z0-9-]{0,39})?")
 
 
 class Model(BaseModel):
@@ -80,6 +85,12 @@ class WatchdogEvent(Model):
     engine: str
     """the engine it concerns, "-" for the host"""
     message: str
+
+
+class ServiceStatus(Model):
+    unit: str
+    active_state: str
+    sub_state: str
 
 
 class EngineStatus(Model):
@@ -110,6 +121,11 @@ class EngineStatus(Model):
     """the port clients use (the front's when there is one)"""
     health_http: int | None
     """the HTTP status of the engine's own /health (None: no answer)"""
+    front_http: int | None = None
+    """the HTTP status of /v1/models through the front, with the key (None: no answer)"""
+    launch: str | None = None
+    """what its launch said while it started: "waiting OTHER" (its turn behind a loading neighbour), "loading"; None
+    once it serves"""
     served_names: list[str]
     """the model names the engine answers to (the inventory's; vLLM's /metrics names only the first)"""
     kv_pool_tokens: int | None
@@ -137,7 +153,13 @@ class HostStatus(Model):
     checked_at: float
     """unix time on this machine when the host answered"""
     serving: bool
-    """every enabled engine serves: `sparkform status` exits 0 only when this holds on every host"""
+    """every enabled engine serves, through the front too: `sparkform status` exits 0 only when this holds on every
+    host and `problems` is empty"""
+    problems: list[str] = Field(default_factory=list)
+    """what keeps clients from being served or the box from being watched, one line each (an engine that does not
+    serve, the front not passing a keyed request, the guard not running)"""
+    services: list[ServiceStatus] = Field(default_factory=list)
+    """the guard, the front and the scrub timer"""
     mem_total_bytes: int | None = None
     mem_available_bytes: int | None = None
     unified_in_use_bytes: int | None = None
@@ -165,6 +187,14 @@ def _metrics(engine: Engine, config: HostConfig) -> str:
     return f"curl -sS -m 5 {shlex.quote(url)} | grep -E {_metrics_filter()}"
 
 
+def _front_request(engine: Engine, config: HostConfig) -> str:
+    """/v1/models through the engine's front port, with the key from stdin as a curl config line."""
+    host = config.front_local_address
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{engine.port}/v1/models"
+    header = """printf 'header = "Authorization: Bearer %s"\\n' "$sparkform_key" | """ if config.api_key_file else ""
+    return f"{header}curl -s -o /dev/null -m 5 -w '%{{http_code}}\\n' {'-K - ' if header else ''}{shlex.quote(url)}"
+
+
 def _venv_python(config: HostConfig, code: str) -> str:
     python = shlex.quote(f"{config.venv}/bin/python")
     return f"[ -x {python} ] && {python} -I -c {shlex.quote(code)}"
@@ -174,7 +204,8 @@ def status_command(config: HostConfig, sample_s: float) -> str:
     """The one command that reads the host; `sample_s` apart, /metrics is read twice (tokens/s)."""
     units = " ".join(shlex.quote(e.unit) for e in config.engines)
     clock = "date +%s.%N"
-    sections = [section("clock", clock)]
+    # The API key comes on stdin (never in argv): the first line, read once.
+    sections = ["IFS= read -r sparkform_key || true", section("clock", clock)]
     for engine in config.engines:
         health = f"http://127.0.0.1:{config.internal_port(engine)}/health"
         sections.append(section(f"metrics:{engine.name}", _metrics(engine, config)))
@@ -188,11 +219,16 @@ def status_command(config: HostConfig, sample_s: float) -> str:
         sections.append(
             section(f"health:{engine.name}", f"curl -s -o /dev/null -m 5 -w '%{{http_code}}\\n' {shlex.quote(health)}")
         )
+        if engine in config.served_engines:
+            sections.append(section(f"front:{engine.name}", _front_request(engine, config)))
+            state_file = f"{config.paths.lock_dir}/{engine.name}.state"
+            sections.append(section(f"launch:{engine.name}", plain_file(state_file)))
     sections.append(f"sleep {sample_s:g}")
     sections.append(section("clock2", clock))
     sections += [section(f"metrics2:{e.name}", _metrics(e, config)) for e in config.engines]
     sections += [
         section("units", f"systemctl show --timestamp=unix -p {STATUS_PROPERTIES} {units}"),
+        section("services", f"systemctl show -p Id,ActiveState,SubState {' '.join(SERVICE_UNITS)}"),
         section("meminfo", "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo"),
         section("gpu", report_command(f"{config.venv}/bin/python")),
         section(
@@ -211,6 +247,11 @@ def status_command(config: HostConfig, sample_s: float) -> str:
 def _bytes(value: str) -> int | None:
     # systemd prints "infinity" or "[not set]" where there is no figure.
     return int(value) if value.isdigit() else None
+
+
+def _http_code(lines: list[str]) -> int | None:
+    code = "".join(lines)
+    return int(code) if HTTP_CODE_PATTERN.fullmatch(code) and code != "000" else None
 
 
 def _first_value(samples: list[Sample], name: str) -> float | None:
@@ -295,8 +336,8 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
         state, properties = units.get(engine.unit), shown.get(engine.unit, {})
         first = parse_prometheus(sections.get(f"metrics:{engine.name}", []))
         second = parse_prometheus(sections.get(f"metrics2:{engine.name}", []))
-        health = "".join(sections.get(f"health:{engine.name}", []))
-        health_http = int(health) if HTTP_CODE_PATTERN.fullmatch(health) and health != "000" else None
+        health_http = _http_code(sections.get(f"health:{engine.name}", []))
+        launch = "".join(sections.get(f"launch:{engine.name}", [])).strip()
         active = state is not None and state.active_state == "active"
         since = properties.get("StateChangeTimestamp", "")
         restarts = "".join(sections.get(f"restarts:{engine.name}", [])).strip()
@@ -320,6 +361,8 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
                 memory_max_bytes=_bytes(properties.get("MemoryMax", "")),
                 port=engine.port,
                 health_http=health_http,
+                front_http=_http_code(sections.get(f"front:{engine.name}", [])),
+                launch=launch if LAUNCH_STATE_PATTERN.fullmatch(launch) and not active else None,
                 served_names=engine.names,
                 kv_pool_tokens=_kv_pool_tokens(first),
                 kv_use=kv_use if kv_use is not None and kv_use <= 1 else None,
@@ -352,11 +395,19 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
         untrusted,
     )
     host_drift = drift(record, live, {e.name: keys.get(e.name) for e in config.engines})
+    services = [
+        ServiceStatus(unit=unit, active_state=state.active_state, sub_state=state.sub_state)
+        for unit, state in engine_states(sections.get("services", [])).items()
+        if unit in SERVICE_UNITS
+    ]
+    problems = _problems(config, engines, services)
     return HostStatus(
         host=host_name,
         reachable=True,
         checked_at=checked_at if checked_at is not None else time.time(),
-        serving=all(e.serving for e in engines if e.enabled),
+        serving=not [p for p in problems if not p.startswith(GUARD_UNIT)],
+        problems=problems,
+        services=services,
         mem_total_bytes=total,
         mem_available_bytes=available,
         unified_in_use_bytes=total - available if total is not None and available is not None else None,
@@ -367,6 +418,25 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
         engines=engines,
         untrusted=untrusted,
     )
+
+
+def _problems(config: HostConfig, engines: list[EngineStatus], services: list[ServiceStatus]) -> list[str]:
+    served = {e.name for e in config.served_engines}
+    problems = [
+        f"{e.name} does not serve ({e.active_state}/{e.sub_state})" for e in engines if e.enabled and not e.serving
+    ]
+    problems += [
+        f"{FRONT_UNIT} does not pass a keyed request to {e.name}, which serves (port {e.port}: "
+        f"{e.front_http or 'no answer'})"
+        for e in engines
+        if e.serving and e.name in served and e.front_http != 200
+    ]
+    states = {s.unit: s for s in services}
+    for unit in (GUARD_UNIT, FRONT_UNIT):
+        state = states.get(unit)
+        if state is None or state.active_state != "active":
+            problems.append(f"{unit} is {state.active_state + '/' + state.sub_state if state else 'not read'}")
+    return problems
 
 
 def unreachable(host_name: str, reason: str) -> HostStatus:

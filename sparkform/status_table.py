@@ -41,6 +41,8 @@ def _engine_row(e: EngineStatus, now: float) -> list[str]:
         state += f" (rank {e.rank}, headless)"
     elif e.active_state == "active" and not e.serving:
         state += f" /health {e.health_http or 'no answer'}"
+    elif e.launch and e.launch.startswith("waiting "):
+        state += f" (waits for {e.launch.split()[1]})"
     return [
         e.name,
         state,
@@ -84,13 +86,17 @@ def format_status(status: HostStatus) -> str:
         return f"{status.host}: NOT READ: {status.error}"
     now = status.checked_at
     down = [e.name for e in status.engines if e.enabled and not e.serving]
-    head = f"{status.host}: " + (f"NOT SERVING: {', '.join(down)}" if down else "serving")
+    head = f"{status.host}: " + (
+        f"NOT SERVING: {', '.join(down)}" if down else "NOT SERVING CLIENTS" if not status.serving else "serving"
+    )
     memory = (
         f"memory: {_gib(status.mem_available_bytes)} GiB available of {_gib(status.mem_total_bytes)} GiB "
         f"({_gib(status.unified_in_use_bytes)} GiB in use, CPU and GPU together)"
     )
     lines = [f"{head}   {memory}   vLLM {status.vllm_version or '-'}", *_gpu_lines(status.gpu)]
+    lines.append("units: " + ", ".join(f"{u.unit} {u.active_state}/{u.sub_state}" for u in status.services))
     lines += _table([list(COLUMNS), *(_engine_row(e, now) for e in status.engines)])
+    lines += [f"problem: {line}" for line in status.problems]
     lines += [f"drift since the record: {line}" for line in status.drift]
     lines += [
         f"watchdog {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(w.at))} {w.engine} {w.event}: {w.message}"

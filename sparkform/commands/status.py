@@ -1,8 +1,9 @@
 """`sparkform status INVENTORY [--json] [--watch N]`: each host read in one SSH round trip, all
 hosts at once.
 
-Exit codes: 0 every enabled engine of every host serves; 1 one does not, or a host did not
-answer (named in one line); 2 the inventory is invalid.
+Exit codes: 0 every enabled engine of every host serves, through its front, and the guard runs;
+1 one of those does not hold, or a host did not answer (named in one line each); 2 the
+inventory is invalid.
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ CLEAR_SCREEN = "\033[H\033[2J"
 def read_host(host: Host, data: dict[str, Any], folder: Path, sample_s: float) -> HostStatus:
     """The host's status, or why it could not be read."""
     config = ssh.write_config(host.name, data, folder)
+    # The key goes on stdin, for the keyed request through the front (validation read the file).
+    key = Path(host.config.api_key_file).expanduser().read_text().strip() if host.config.api_key_file else ""
     try:
-        result = ssh.run(config, host.name, status_command(host.config, sample_s), timeout=SSH_TIMEOUT_S + sample_s)
+        result = ssh.run(
+            config, host.name, status_command(host.config, sample_s), timeout=SSH_TIMEOUT_S + sample_s, stdin=key + "\n"
+        )
     except subprocess.TimeoutExpired:
         return unreachable(host.name, f"no answer over SSH within {SSH_TIMEOUT_S + sample_s:.0f} s")
     if result.returncode != 0:  # the command itself always exits 0: this is ssh's 255
@@ -60,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 screen = CLEAR_SCREEN if args.watch and sys.stdout.isatty() else ""
                 print(screen + "\n\n".join(format_status(s) for s in statuses), flush=True)
-            code = 0 if all(s.serving for s in statuses) else 1
+            code = 0 if all(s.serving and not s.problems for s in statuses) else 1
             if not args.watch:
                 return code
             if not args.json:

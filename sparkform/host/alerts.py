@@ -17,9 +17,19 @@ from sparkform.host import ALERT_MESSAGE_ID as MESSAGE_ID
 from sparkform.host.textfile import metric_family, write_textfile
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
-SEVERITY = {"memory-low": 4, "recovered": 5, "memory-recovered": 5, "drift": 5, "checkpoint-repaired": 5}  # else 3
+SEVERITY = {
+    "memory-low": 4,
+    "recovered": 5,
+    "memory-recovered": 5,
+    "drift": 5,
+    "checkpoint-repaired": 5,
+    "rebooted": 5,
+    "front-recovered": 5,
+}  # else 3
 # The alerts each engine can get, and those of the host (engine "-"): counted from zero.
 ENGINE_EVENTS = (
+    "stopped",
+    "stalled",
     "hung",
     "failed",
     "recovered",
@@ -29,7 +39,10 @@ ENGINE_EVENTS = (
     "checkpoint-repaired",
     "rolled-back",
 )  # the last three from sparkform-scrub and sparkform-rollback
-HOST_EVENTS = ("memory-low", "drift")
+HOST_EVENTS = ("memory-low", "drift", "rebooted", "unclean-reboot", "guard-restarted", "front-down", "front-recovered")
+# An alert the webhook did not take waits in the outbox (root's, on disk) and is sent again, the
+# oldest first, after a pause that doubles from OUTBOX_FIRST_S to OUTBOX_MAX_S while it fails.
+OUTBOX_FIRST_S, OUTBOX_MAX_S, OUTBOX_KEPT = 10, 600, 1000
 
 
 # --- telling a human ---------------------------------------------------------------------------
@@ -67,21 +80,83 @@ def alert(config, event, engine, message):
             "time": round(time.time(), 3),
         }
     ).encode()
-    webhook_file = config.get("webhook_file")
-    if webhook_file and os.path.exists(webhook_file):
-        with open(webhook_file) as handle:
-            url = handle.read().strip()  # root's file: the URL often carries a token
-        request = urllib.request.Request(url, data=payload, headers={"Content-Type": "application/json"})
-        try:
-            urllib.request.urlopen(request, timeout=10).close()
-        except (OSError, ValueError) as err:
-            journal(config, f"sparkform-guard: the alert webhook failed: {type(err).__name__}", 4)
+    if webhook_url(config) and (pending(config) or not posted(config, payload)):
+        keep(config, payload)  # after those before it: the receiver gets them in order
     command = config.get("alert_command")
     if command:
         try:
             subprocess.run([command], input=payload, timeout=30, check=True, capture_output=True)
         except (OSError, subprocess.SubprocessError) as err:
             journal(config, f"sparkform-guard: the alert command {command} failed: {type(err).__name__}", 4)
+
+
+def webhook_url(config):
+    webhook_file = config.get("webhook_file")
+    if not webhook_file or not os.path.exists(webhook_file):
+        return None
+    with open(webhook_file) as handle:
+        return handle.read().strip()  # root's file: the URL often carries a token
+
+
+def posted(config, payload):
+    """Whether the webhook took the alert (a failure is journaled by its kind, never its URL)."""
+    request = urllib.request.Request(webhook_url(config), data=payload, headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(request, timeout=10).close()
+        return True
+    except (OSError, ValueError) as err:
+        journal(config, f"sparkform-guard: the alert webhook failed: {type(err).__name__}; kept to send again", 4)
+        return False
+
+
+def outbox(config):
+    path = os.path.join(config["state_dir"], "outbox")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def pending(config):
+    """The kept alerts' files, the oldest first (names start with the nanosecond they were kept)."""
+    folder = outbox(config)
+    return sorted(os.path.join(folder, name) for name in os.listdir(folder) if name.endswith(".json"))
+
+
+def keep(config, payload):
+    folder = outbox(config)
+    fd, temp = tempfile.mkstemp(dir=folder, prefix=".alert-")
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(payload)
+    os.replace(temp, os.path.join(folder, f"{time.time_ns():020d}-{os.getpid()}.json"))
+    for dropped in pending(config)[:-OUTBOX_KEPT]:
+        os.unlink(dropped)
+        journal(config, f"sparkform-guard: more than {OUTBOX_KEPT} alerts wait for the webhook: the oldest dropped", 3)
+
+
+def send_pending(config):
+    """Send the kept alerts in order; True when none is left."""
+    for path in pending(config):
+        with open(path, "rb") as handle:
+            payload = handle.read()
+        if not posted(config, payload):
+            return False
+        os.unlink(path)
+    return True
+
+
+def outbox_watch(config, beats):
+    """The daemon's thread: the kept alerts sent again with a pause doubling while they fail."""
+    first = config.get("outbox_first_s", OUTBOX_FIRST_S)
+    pause = first
+    while True:
+        beats.beat("outbox", pause + 60)  # a send takes at most its 10 s per alert, in practice
+        time.sleep(pause)
+        if not webhook_url(config) or not pending(config):
+            pause = first
+        elif send_pending(config):
+            journal(config, "sparkform-guard: the kept alerts reached the webhook", 5)
+            pause = first
+        else:
+            pause = min(2 * pause, OUTBOX_MAX_S)
 
 
 def read_json(path, default):

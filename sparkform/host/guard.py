@@ -2,20 +2,30 @@
 when nobody watches, and tells a human. Everything it knows about the host is in the settings
 file beside it, sparkform-guard.json (rendered from the inventory).
 
-  watch                  the daemon (sparkform-guard.service). The watchdog: every engine that
-                         systemd counts as started gets a one-token completion with a deadline on
-                         its internal port; after K failures in a row with no progress in the
-                         engine's own /metrics (a long prefill is progress, a hang is not) the
-                         unit's whole cgroup is killed and systemd starts it again. The memory
-                         guard: below the warning floor of MemAvailable an alert, below the
-                         critical floor the lowest-priority engine is stopped before the kernel's
-                         OOM killer picks a victim (cgroups do not see CUDA allocations on GB10),
-                         and started again once memory is back above the warning floor + margin +
-                         what the engine needs (so its start does not stop it again).
+  watch                  the daemon (sparkform-guard.service, Type=notify: systemd restarts a guard
+                         whose keep-alives stop, sparkform.host.keepalive). The watchdog
+                         (sparkform.host.watchdog): a start is watched for progress from the
+                         engine's exec on (a stopped process or no progress for start_stall_s
+                         fails it); an engine that systemd counts as started gets a one-token
+                         completion with a deadline on its internal port; after K failures in a
+                         row with no progress in the engine's own /metrics (a long prefill is
+                         progress, a hang is not; slow probes on a starved machine are not
+                         evidence) the unit's whole cgroup is killed and systemd starts it again.
+                         The front's watch: a keyed request through nginx to each serving engine.
+                         The memory guard: below the warning floor of MemAvailable an alert,
+                         below the critical floor the lowest-priority engine is stopped before
+                         the kernel's OOM killer picks a victim (cgroups do not see CUDA
+                         allocations on GB10), and started again once memory is back above the
+                         warning floor + margin + what the engine needs. The outbox: alerts the
+                         webhook did not take, sent again with a growing pause. At its start, a
+                         reboot or a guard that died is alerted (sparkform.host.outages).
   served ENGINE          after the engine's readiness helper (ExecStartPost=+): a start that
                          served resets the unit's start counter, so only starts that never served
                          count towards the crash-loop limit; an engine back from a failure says so.
                          It also appends the KV pool this start printed to the ledger (below).
+  stopped ENGINE         ExecStopPost=+ of the engine: a stop nobody asked for (no stop or restart
+                         job) opens an outage with one alert (why: exit code, signal, OOM, the
+                         last error line), closed by `served` with "serves again after N s".
   failed ENGINE          OnFailure= of the engine (sparkform-recover@ENGINE.service): the unit
                          spent its start limit. Alert once, then reset and start it again after
                          the cool-down, doubling it each time it fails again (up to the maximum).
@@ -45,26 +55,29 @@ Exit codes: 0 done; 2 usage, an unknown engine, or an unreadable config.
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 
 if __name__ == "__main__":  # run by path on the host: its shared modules beside it (sparkform.host)
     sys.dont_write_bytecode, sys.path[:0] = True, [os.path.join(os.path.dirname(os.path.abspath(__file__)), "python")]
 
-from sparkform.host import RETRY_UNIT_PREFIX, ROOT_PYTHON, settings_path  # noqa: E402
-from sparkform.host.alerts import alert, counted, journal, read_json, write_json  # noqa: E402
+from sparkform.host import RETRY_UNIT_PREFIX, ROOT_PYTHON, outages, settings_path  # noqa: E402  # noqa: E402
+from sparkform.host.alerts import alert, counted, journal, outbox_watch, read_json, write_json  # noqa: E402
+from sparkform.host.front import front_watch  # noqa: E402
 from sparkform.host.gpu_metrics import gpu_watch  # noqa: E402
+from sparkform.host.keepalive import Beats, notify  # noqa: E402
 from sparkform.host.kvlog import INVOCATION_ID, JOURNAL_BYTES, LINE_CHARS, printed_pool, started_settings  # noqa: E402
 from sparkform.host.memory_guard import memory_guard  # noqa: E402
 from sparkform.host.ranks import RankWatch  # noqa: E402
-from sparkform.host.systemd import active_state, systemctl  # noqa: E402
+from sparkform.host.systemd import invocation_journal, systemctl  # noqa: E402
+from sparkform.host.watchdog import Watchdog  # noqa: E402
 
-# Counters that move whenever an engine works on a request (prefill or decode).
-PROGRESS_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+KEEPALIVE_S = 5  # a keep-alive to systemd's watchdog (WatchdogSec= is several of these)
+ALIVE_EVERY_S = 30  # the heartbeat on disk that tells a reboot (or a dead guard) at the next start
 
 
 def load_config(path):
@@ -148,25 +161,6 @@ def cmd_retry(config, engine):
 # --- the KV pool ledger ----------------------------------------------------------------------------
 
 
-def start_journal(engine, invocation):
-    """This start's journal lines (the engine's own output among them), at most JOURNAL_BYTES."""
-    with subprocess.Popen(
-        [
-            "journalctl",
-            "--no-pager",
-            "-o",
-            "cat",
-            f"_SYSTEMD_UNIT={engine['unit']}",
-            f"_SYSTEMD_INVOCATION_ID={invocation}",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    ) as reader:
-        data = reader.stdout.read(JOURNAL_BYTES)
-        reader.kill()
-    return [line[:LINE_CHARS] for line in data.decode("utf-8", "replace").splitlines()]
-
-
 def append_row(config, row):
     """The ledger with `row` appended and only its last kv_ledger_rows kept (replaced whole, under a
     lock: two engines may serve at once)."""
@@ -194,7 +188,7 @@ def record_pool(config, engine):
     invocation = os.environ.get("INVOCATION_ID", "")
     if not INVOCATION_ID.fullmatch(invocation):
         raise ValueError("no INVOCATION_ID of this start (run it as the unit's ExecStartPost=)")
-    version, pool = printed_pool(start_journal(engine, invocation))
+    version, pool = printed_pool(invocation_journal(engine["unit"], invocation, JOURNAL_BYTES, LINE_CHARS))
     if pool is None:
         journal(config, f"sparkform-guard: {engine['unit']} printed no KV cache size this start: no ledger row", 4)
         return
@@ -224,144 +218,71 @@ def cmd_served(config, engine):
     if state is not None:
         os.unlink(path)
         systemctl("stop", f"{RETRY_UNIT_PREFIX}{engine['name']}.timer")
-        # Run outside the engine's cgroup: its IPAddressDeny= would block the webhook from here.
-        subprocess.run(
-            [
-                "systemd-run",
-                "--quiet",
-                "--collect",
-                "--no-block",
-                *ROOT_PYTHON,
-                os.path.abspath(__file__),
-                "alert",
-                "recovered",
-                engine["name"],
-                f"{engine['unit']} serves again after {state.get('failures', '?')} failed start limit(s)",
-            ],
-            check=False,
-        )
+    message = outages.served_again(config, engine, state.get("failures", "?") if state is not None else 0)
+    if message:
+        alert_outside(engine, "recovered", message)
+
+
+def cmd_stopped(config, engine):
+    outages.cmd_stopped(config, engine, lambda event, message: alert_outside(engine, event, message))
+
+
+def alert_outside(engine, event, message):
+    """An alert from a command the engine's unit runs, sent from a unit of its own: the engine's
+    IPAddressDeny= would block the webhook from its cgroup."""
+    subprocess.run(
+        ["systemd-run", "--quiet", "--collect", "--no-block", *ROOT_PYTHON, os.path.abspath(__file__), "alert", event]
+        + [engine["name"], message],
+        check=False,
+    )
 
 
 # --- the daemon: watchdog and memory guard -------------------------------------------------------------
 
 
-def probe(engine, deadline_s):
-    """Whether a one-token completion came back within the deadline."""
-    body = json.dumps({"model": engine["names"][0], "prompt": "ping", "max_tokens": 1}).encode()
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{engine['port']}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=deadline_s) as response:
-            return response.status == 200 and bool(json.load(response).get("choices"))
-    except (OSError, ValueError):
-        return False
-
-
-def progress(engine, deadline_s):
-    """The sum of the engine's token counters (None: /metrics did not answer). The text comes
-    from the engine, the process that parses untrusted prompts: only numbers are taken from it."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{engine['port']}/metrics", timeout=deadline_s) as response:
-            text = response.read(8 * 2**20).decode("utf-8", "replace")
-    except OSError:
-        return None
-    total = 0.0
-    for line in text.splitlines():
-        name, _, rest = line.partition("{") if "{" in line else line.partition(" ")
-        if name.strip() in PROGRESS_COUNTERS:
-            try:
-                total += float(line.rsplit(" ", 1)[1])
-            except (IndexError, ValueError):
-                continue
-    return total
-
-
-class HangJudge:
-    """The watchdog's decision for one engine: hung = `limit` failed probes in a row and no
-    progress in its token counters since the first of them (a long prefill is progress, a hang
-    is not; counters that do not answer prove nothing either way)."""
-
-    def __init__(self, limit):
-        self.limit = limit
-        self.forget()
-
-    def forget(self):
-        """A fresh count: the engine answered, was killed, or is not the watchdog's (starting, stopped)."""
-        self.failures, self.baseline = 0, None
-
-    def judge(self, answered, counters):
-        """This round's verdict: "serves" (it answered), "waits" (a failure short of the limit),
-        "busy" (the limit, but the counters moved) or "hung". `counters()` reads the engine's
-        token counters' sum (None: they did not answer): at the first failure and at the limit."""
-        if answered:
-            self.forget()
-            return "serves"
-        self.failures += 1
-        if self.failures == 1:
-            self.baseline = counters()
-        if self.failures < self.limit:
-            return "waits"
-        now, baseline = counters(), self.baseline
-        self.forget()
-        return "busy" if now is not None and baseline is not None and now > baseline else "hung"
-
-
-class Watchdog(threading.Thread):
-    """One engine's probes, judged by a HangJudge; a hung engine's whole cgroup is killed."""
-
-    def __init__(self, config, engine, held):
-        super().__init__(daemon=True)
-        self.config, self.engine, self.held = config, engine, held
-
-    def run(self):
-        config, engine = self.config, self.engine
-        deadline_s, judge = config["watchdog_deadline_s"], HangJudge(config["watchdog_failures"])
-        next_round = time.monotonic()
-        while True:
-            # Rounds start every interval, however long a probe took: a hang is called within
-            # (K - 1) x interval + two deadlines of its first failed probe.
-            next_round += config["watchdog_interval_s"]
-            time.sleep(max(0.0, next_round - time.monotonic()))
-            if engine["name"] in self.held or active_state(engine["unit"]) != "active":
-                judge.forget()  # starting, restarting or stopped: not the watchdog's
-                continue
-            verdict = judge.judge(probe(engine, deadline_s), lambda: progress(engine, deadline_s))
-            if verdict == "busy":
-                journal(
-                    config,
-                    f"sparkform-guard: {engine['unit']} answered no probe for {judge.limit} rounds "
-                    "but its token counters moved: busy, not hung",
-                    5,
-                )
-            elif verdict == "hung":
-                systemctl("kill", "--signal=SIGKILL", engine["unit"])
-                alert(
-                    config,
-                    "hung",
-                    engine["name"],
-                    f"{engine['unit']} answered none of {judge.limit} one-token probes ({deadline_s} s each, "
-                    f"every {config['watchdog_interval_s']} s) and made no progress: killed, systemd starts it again",
-                )
-                next_round = time.monotonic()
-
-
 def cmd_watch(config):
     counted(config)  # the textfile, with every count, before any alert
-    held = set()
-    for engine in config["engines"]:
-        (RankWatch(config, engine) if engine.get("head") else Watchdog(config, engine, held)).start()
+    outages.after_start(config)
+    outages.alive(config)
+
+    def stop_cleanly(signum, frame):
+        outages.alive(config, clean=True)
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop_cleanly)
+    held, serving, beats = set(), set(), Beats()
+    threads = [
+        RankWatch(config, engine) if engine.get("head") else Watchdog(config, engine, held, serving, beats)
+        for engine in config["engines"]
+    ]
+    threads.append(threading.Thread(target=memory_guard, args=(config, held, beats), daemon=True))
+    threads.append(threading.Thread(target=outbox_watch, args=(config, beats), daemon=True))
+    if config["fronts"]:
+        threads.append(threading.Thread(target=front_watch, args=(config, beats, serving, alert), daemon=True))
     if config.get("gpu_textfile"):
-        threading.Thread(target=gpu_watch, args=(config,), daemon=True).start()
+        threads.append(threading.Thread(target=gpu_watch, args=(config,), daemon=True))
+    for thread in threads:
+        thread.start()
     journal(config, f"sparkform-guard: watching {', '.join(e['name'] for e in config['engines']) or 'no engine'}", 6)
-    memory_guard(config, held)
+    notify("READY=1")
+    # systemd's watchdog hears from the guard only while every thread keeps its promise.
+    last_alive = time.monotonic()
+    while True:
+        late = beats.late()
+        if not late and all(thread.is_alive() for thread in threads):
+            notify("WATCHDOG=1")
+        if time.monotonic() - last_alive >= ALIVE_EVERY_S:
+            outages.alive(config)
+            last_alive = time.monotonic()
+        time.sleep(KEEPALIVE_S)
 
 
 def main(argv):
-    commands = {"watch": 0, "served": 1, "failed": 1, "retry": 1, "alert": 3}
+    commands = {"watch": 0, "served": 1, "stopped": 1, "failed": 1, "retry": 1, "alert": 3}
     if not argv or argv[0] not in commands or len(argv) - 1 != commands[argv[0]]:
         print(
-            "usage: sparkform-guard watch | served ENGINE | failed ENGINE | retry ENGINE | alert EVENT ENGINE MESSAGE",
+            "usage: sparkform-guard watch | served ENGINE | stopped ENGINE | failed ENGINE | retry ENGINE"
+            " | alert EVENT ENGINE MESSAGE",
             file=sys.stderr,
         )
         return 2
@@ -376,7 +297,8 @@ def main(argv):
     elif command == "alert":
         alert(config, *args)
     else:
-        {"served": cmd_served, "failed": cmd_failed, "retry": cmd_retry}[command](config, engine_of(config, args[0]))
+        commands = {"served": cmd_served, "stopped": cmd_stopped, "failed": cmd_failed, "retry": cmd_retry}
+        commands[command](config, engine_of(config, args[0]))
     return 0
 
 

@@ -16,13 +16,14 @@ def mem_available_gib(path="/proc/meminfo"):
     raise ValueError(f"no MemAvailable in {path}")
 
 
-def memory_guard(config, held):
+def memory_guard(config, held, beats):
     """Stop the lowest-priority engine below the critical floor; start it again once memory is
     back above the warning floor + margin. `held` names the engines this guard stopped."""
     warned = False
     # A rank for a head elsewhere is not the guard's to stop: its head's host decides for the pair.
     by_priority = sorted((e for e in config["engines"] if not e.get("head")), key=lambda e: e["priority"])
     while True:
+        beats.beat("memory", config["memory_settle_s"] + config["memory_poll_s"] + 60)
         available = mem_available_gib(config.get("meminfo", "/proc/meminfo"))
         if available < config["memory_critical_gib"]:
             running = [

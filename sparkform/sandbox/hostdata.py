@@ -82,6 +82,8 @@ def host_data(box: machine.Sandbox | None) -> dict[str, Any]:
         # Spark's 10 s would call a starved engine hung. A hang is still called within ~2 min.
         "watchdog_deadline_s": 30,
         "recover_cooldown_s": 30,
+        # A start here shows progress every few seconds; 90 s of none is a stall, not a busy box.
+        "start_stall_s": 90,
         # This machine's memory is the sandbox's: floors it stays well above while tests run.
         "memory_warn_gib": 2.0,
         "memory_critical_gib": 1.0,

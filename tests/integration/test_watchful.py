@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -37,8 +38,9 @@ from deploy_helpers import (
 )
 
 from sparkform.host import ALERT_MESSAGE_ID
+from sparkform.host.starts import STOPPED_S
 from sparkform.inventory import load_inventory
-from sparkform.layout import SCRUB_UNIT
+from sparkform.layout import FRONT_CONFIG, FRONT_UNIT, GUARD_UNIT, GUARD_WATCHDOG_S, SCRUB_UNIT
 from sparkform.parsers import parse_kv_pool, parse_vllm_version
 from sparkform.sandbox import stage
 from sparkform.sandbox.alerts import read_alerts
@@ -60,6 +62,10 @@ DOUBLE_CRASHES = int(os.environ.get("SPARKFORM_DOUBLE_CRASHES", "2"))
 WATCHDOG = load_inventory(SANDBOX_INVENTORY)[0].config
 K, INTERVAL, DEADLINE = WATCHDOG.watchdog_failures, WATCHDOG.watchdog_interval_s, WATCHDOG.watchdog_deadline_s
 HANG_DETECTED_S = max((K - 1) * INTERVAL + DEADLINE, (K + 1) * DEADLINE) + DEADLINE + INTERVAL + 20
+# A process stopped during a start: seen at the guard's next look (every 5 s), failed STOPPED_S
+# later, 20 s of slack. The front's watch: K rounds an interval apart, each request a deadline.
+STALL_FOUND_S = STOPPED_S + 2 * 5 + 20
+FRONT_DOWN_FOUND_S = K * (INTERVAL + DEADLINE) + 30
 
 
 def alerts(box) -> list[dict]:
@@ -218,6 +224,23 @@ def stop_and_wait_for_the_watchdog(box, unit: str, pid: int) -> None:
     print(f"\n{unit}: hang detected after {detected:.0f} s")
 
 
+def guard_pid(box) -> int:
+    return int(unit_properties(box, GUARD_UNIT, "MainPID")["MainPID"])
+
+
+def test_a_stopped_guard_is_restarted_by_systemds_watchdog_and_says_so(box):
+    """Nobody else watches the watcher: a guard that stops telling systemd it is alive is
+    restarted within WatchdogSec (the hang tests below are then caught by the new guard)."""
+    pid, since_alerts = guard_pid(box), len(alerts(box))
+    ssh(box, f"kill -STOP {pid}")
+    try:
+        wait_for(lambda: guard_pid(box) not in (0, pid), GUARD_WATCHDOG_S + RESTART_S + 20, "the guard restarted", 0.5)
+    finally:
+        ssh(box, f"kill -CONT {pid}", check=False)
+    wait_for(lambda: [a for a in alerts(box)[since_alerts:] if a["event"] == "guard-restarted"], 30, "its alert")
+    assert ssh(box, f"systemctl is-active {GUARD_UNIT}").stdout.strip() == "active"
+
+
 def test_a_stopped_api_server_is_detected_and_restarted(box):
     unit = "vllm-nemotron.service"
     stop_and_wait_for_the_watchdog(box, unit, main_pids(box)[unit])
@@ -234,6 +257,48 @@ def test_a_stopped_engine_core_is_detected_while_health_answers(box):
     finally:
         ssh(box, f"kill -CONT {core}")
     stop_and_wait_for_the_watchdog(box, unit, core)
+
+
+def launched_pid(box, unit: str, before: int) -> int:
+    """The engine's new API server (not `before`) once its launch exec'd vLLM, loading; else 0."""
+    pid = int(unit_properties(box, unit, "MainPID")["MainPID"])
+    args = ssh(box, f"tr '\\0' ' ' < /proc/{pid}/cmdline", check=False).stdout if pid not in (0, before) else ""
+    return pid if "vllm.entrypoints" in args else 0
+
+
+def test_an_api_server_stopped_while_it_loads_fails_its_start_at_once_and_holds_no_neighbour_back(box):
+    """SIGSTOP during a start: before, only the readiness budget (1,080 s on a Spark) ended it.
+    Now the guard fails the start within STALL_FOUND_S, nemotron serves again one start later, and
+    q38, restarted in the same second (ordered after nemotron), is not held back past that."""
+    one_start = max(start_seconds(box).values())
+    since, since_alerts, before = now(box), len(alerts(box)), main_pids(box)["vllm-nemotron.service"]
+    ssh(box, "systemctl restart --no-block vllm-nemotron.service vllm-q38.service")
+    pid = wait_for(
+        lambda: launched_pid(box, "vllm-nemotron.service", before), 60, "nemotron's new API server loading", 0.2
+    )
+    stopped = time.monotonic()
+    ssh(box, f"kill -STOP {pid}")
+    try:
+        wait_for(
+            lambda: [a for a in alerts(box)[since_alerts:] if a["event"] == "stalled"],
+            STALL_FOUND_S,
+            "the guard failing the stalled start",
+            0.5,
+        )
+    finally:
+        ssh(box, f"kill -CONT {pid}", check=False)
+    found = time.monotonic() - stopped
+    (alert,) = [a for a in alerts(box)[since_alerts:] if a["event"] == "stalled"]
+    assert alert["engine"] == "nemotron" and f"stopped during its start: process {pid} (" in alert["message"], alert
+    took = both_serve_again(box, 2 * one_start + RESTART_S + 90, since)
+    print(
+        f"\nstalled start failed after {found:.0f} s; the pair serving {took:.0f} s later "
+        f"(one start: {one_start:.0f} s)"
+    )
+    q38_active = float(ssh(box, "systemctl show -p ActiveEnterTimestamp --timestamp=unix --value vllm-q38").stdout[1:])
+    assert q38_active - float(since) <= STALL_FOUND_S + one_start + 60, "q38 was held back by the stalled start"
+    journal = ssh(box, f"journalctl -u vllm-q38 --since @{since} --no-pager -o cat").stdout
+    assert "gives up its turn" not in journal
 
 
 def test_an_engine_under_long_generations_is_not_restarted(box):
@@ -308,8 +373,10 @@ def test_an_engine_that_cannot_serve_is_retried_with_a_growing_back_off_and_serv
     # The guard sends "recovered" from a transient unit it does not wait for (outside the engine's
     # cgroup): it may reach the receiver a moment after q38 answers.
     wait_for(lambda: "recovered" in q38_events(), 60, "the alert that q38 recovered")
-    assert q38_events() == ["failed", "recovered"], q38_events()
-    assert "serves again after 2 failed start limit(s)" in alerts(box)[-1]["message"]
+    # The crash, the spent start limit and the return: three alerts for one outage of many starts.
+    assert q38_events() == ["stopped", "failed", "recovered"], q38_events()
+    recovered = [a for a in alerts(box)[since_alerts:] if a["event"] == "recovered"][-1]["message"]
+    assert re.search(r"serves again after \d+ s dark .* after 2 failed start limit\(s\)", recovered), recovered
     assert (
         ssh(
             box, f"journalctl MESSAGE_ID=7d3f5c2a9e8b4f61a0c4d2e6b8f1a3c5 --since @{since} --no-pager -o cat"
@@ -317,6 +384,36 @@ def test_an_engine_that_cannot_serve_is_retried_with_a_growing_back_off_and_serv
         >= 2
     )
     assert pyinfra(SANDBOX_INVENTORY, "-y").returncode == 0
+
+
+def test_a_front_in_a_restart_loop_is_alerted_and_status_names_it(box):
+    """nginx's config broken and nginx restarting in a loop: both engines serve on loopback,
+    clients get nothing. The guard says so once, status exits 1 naming the front, and the guard
+    says so again once the front passes requests."""
+    since_alerts = len(alerts(box))
+    ssh(box, f"cp {FRONT_CONFIG} /root/front.conf && echo 'broken;' >> {FRONT_CONFIG}")
+    ssh(box, f"kill -9 $(systemctl show -p MainPID --value {FRONT_UNIT})")
+    try:
+        wait_for(
+            lambda: [a for a in alerts(box)[since_alerts:] if a["event"] == "front-down"],
+            FRONT_DOWN_FOUND_S,
+            "the front-down alert",
+        )
+        code, host = status_of(box)
+        assert code == 1 and not host["serving"] and all(e["serving"] for e in host["engines"]), host
+        assert any(p.startswith(f"{FRONT_UNIT} does not pass a keyed request to") for p in host["problems"]), host
+    finally:
+        ssh(
+            box,
+            f"cp /root/front.conf {FRONT_CONFIG} && systemctl reset-failed {FRONT_UNIT}; "
+            f"systemctl restart {FRONT_UNIT}",
+        )
+    wait_for(
+        lambda: [a for a in alerts(box)[since_alerts:] if a["event"] == "front-recovered"],
+        INTERVAL + 2 * DEADLINE + 30,
+        "the front-recovered alert",
+    )
+    assert status_of(box)[0] == 0
 
 
 def mem_available_gib(box) -> float:

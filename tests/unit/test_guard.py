@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from script_box import Journal, cpu_host_under, put
 
-from sparkform.host import guard as guard_program
+from sparkform.host import watchdog
 from sparkform.inventory import load_host
 from sparkform.render import render_host
 from sparkform.sandbox.alerts import make_server, read_alerts
@@ -82,7 +82,12 @@ echo "systemctl $*" >> "{calls}"
 if [ "$1" = show ]; then
   for unit; do :; done
   if [ "$3" = MainPID ]; then cat "{states}/$unit.pid" 2>/dev/null || echo 0; exit 0; fi
-  cat "{states}/$unit" 2>/dev/null || echo active
+  state=$(cat "{states}/$unit" 2>/dev/null || echo active)
+  case "$3" in
+    ActiveState,SubState) echo "ActiveState=${{state% *}}"; echo "SubState=${{state#* }}" ;;
+    ControlGroup) cat "{states}/$unit.cgroup" 2>/dev/null || true ;;
+    *) echo "${{state% *}}" ;;
+  esac
 fi
 """
 STUB_SYSTEMD_RUN = """#!/bin/sh
@@ -108,7 +113,7 @@ def replace_text(path: Path, text: str) -> None:
 class Guard:
     """The rendered guard with its config, stand-ins and receivers, all under `root`."""
 
-    def __init__(self, root: Path, engines: list[StubEngine], **settings):
+    def __init__(self, root: Path, engines: list[StubEngine], fronts=(), outbox_first_s=10, **settings):
         self.root = root
         self.journal = Journal(root / "journal.sock")
         self.calls = root / "calls"
@@ -161,6 +166,9 @@ class Guard:
             webhook_file=str(config.paths.alert_webhook),
             memory_poll_s=0.2,
             memory_settle_s=0.5,
+            start_poll_s=0.2,
+            fronts=list(fronts),
+            outbox_first_s=outbox_first_s,
         )
         Path(config.paths.alert_webhook).parent.mkdir(parents=True)
         Path(config.paths.alert_webhook).write_text(webhook_file.read_text())
@@ -217,10 +225,14 @@ def guard(tmp_path):
     made: list[Guard] = []
     stubs: list[StubEngine] = []
 
-    def _guard(modes=("ok", "ok"), **settings) -> tuple[Guard, list[StubEngine]]:
+    def _guard(modes=("ok", "ok"), front=None, **settings) -> tuple[Guard, list[StubEngine]]:
         engines = [StubEngine(mode) for mode in modes]
         stubs.extend(engines)
-        made.append(Guard(tmp_path, engines, **settings))
+        fronts = []
+        if front is not None:  # a stub as the front of the second engine ("eyes")
+            stubs.append(front)
+            fronts = [{"engine": "eyes", "address": "127.0.0.1", "port": front.port}]
+        made.append(Guard(tmp_path, engines, fronts=fronts, **settings))
         return made[-1], engines
 
     yield _guard
@@ -412,15 +424,62 @@ class Counters:
     ],
 )
 def test_the_watchdog_calls_hung_only_after_its_limit_of_failed_probes_without_progress(probes, counters, verdicts):
-    judge = guard_program.HangJudge(3)
+    judge = watchdog.HangJudge(3)
     read = Counters(*counters)
     assert [judge.judge(answered, read) for answered in probes] == verdicts
     assert read.values == []  # read at each first failure and at each limit, never more
 
 
 def test_a_start_forgets_the_failures_counted_before_it():
-    judge = guard_program.HangJudge(2)
+    judge = watchdog.HangJudge(2)
     assert judge.judge(False, lambda: 1.0) == "waits"
     judge.forget()  # what the watchdog does while the unit is not active
     assert judge.judge(False, lambda: 1.0) == "waits"
     assert judge.judge(False, lambda: 1.0) == "hung"
+
+
+def test_an_unplanned_stop_alerts_once_per_outage_and_serving_again_says_how_long_it_was_dark(guard):
+    box, _ = guard()
+    stop = {**box.env, "SERVICE_RESULT": "signal", "EXIT_CODE": "killed", "EXIT_STATUS": "KILL"}
+    for _ in range(2):  # killed, then its restart failed: one outage, one alert
+        result = subprocess.run(
+            [sys.executable, str(box.script), "stopped", "hands"], env=stop, capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stderr
+    (stopped,) = box.webhook_alerts()
+    assert stopped["event"] == "stopped" and stopped["engine"] == "hands"
+    assert "without a stop anyone asked for: signal SIGKILL" in stopped["message"]
+    assert any("stopped again, still dark since" in e["MESSAGE"] for e in box.journal.read())
+    assert box.run("served", "hands").returncode == 0
+    stopped, recovered = box.webhook_alerts()
+    assert recovered["event"] == "recovered" and "serves again after" in recovered["message"]
+    assert "s dark (since" in recovered["message"] and "signal SIGKILL" in recovered["message"]
+    box.run("served", "hands")  # a start that served with no outage open says nothing
+    assert len(box.webhook_alerts()) == 2
+
+
+def test_an_alert_the_webhook_did_not_take_is_kept_and_sent_again_in_order(guard):
+    box, _ = guard(outbox_first_s=0.5)
+    port = box.webhook.server_address[1]
+    box.webhook.shutdown()
+    box.webhook.server_close()
+    for n in (1, 2):
+        assert box.run("alert", "drift", "-", f"change {n}").returncode == 0
+    assert len(list((box.state_dir / "outbox").glob("*.json"))) == 2
+    box.webhook = make_server("127.0.0.1", port, box.root / "webhook.jsonl")
+    threading.Thread(target=box.webhook.serve_forever, daemon=True).start()
+    box.watch()
+    sent = box.wait(lambda: len(box.webhook_alerts()) == 2 and box.webhook_alerts(), 20, "the kept alerts")
+    assert [a["message"] for a in sent] == ["change 1", "change 2"]
+    assert not list((box.state_dir / "outbox").glob("*.json"))
+
+
+def test_a_front_that_passes_nothing_to_a_serving_engine_alerts_once_and_once_more_when_it_passes(guard):
+    front = StubEngine("hung")  # nginx in a restart loop: nothing answers in time
+    box, _ = guard(front=front, **FAST_WATCHDOG)
+    box.watch()
+    (down,) = box.wait(lambda: box.webhook_alerts(), 30, "the front-down alert")
+    assert down["event"] == "front-down" and f"port(s) {front.port} (eyes)" in down["message"]
+    front.mode = "ok"
+    box.wait(lambda: len(box.webhook_alerts()) == 2, 30, "the front-recovered alert")
+    assert box.webhook_alerts()[1]["event"] == "front-recovered"

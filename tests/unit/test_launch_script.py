@@ -11,6 +11,7 @@ import fcntl
 import os
 import re
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -216,6 +217,33 @@ def test_a_neighbour_systemd_counts_as_started_is_hung_not_loading(make_box):
         result = box.run_launch("a")
     assert result.returncode == 0, result.stderr
     assert time.monotonic() - started < 2 and "waits for" not in result.stderr
+
+
+def test_a_neighbour_whose_process_is_stopped_holds_no_one_back_and_a_live_one_is_named_in_the_state(make_box):
+    # A "loading" that nothing makes progress on (its process stopped): no wait at all.
+    box = make_box()
+    box.complete("a")
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        sleeper.send_signal(signal.SIGSTOP)
+        with loading(box, "b", pid=str(sleeper.pid)):
+            started = time.monotonic()
+            result = box.run_launch("a")
+        assert result.returncode == 0, result.stderr
+        assert time.monotonic() - started < 2 and "waits for" not in result.stderr
+        # The same neighbour running: a waits, and says for whom in its state (status shows it).
+        sleeper.send_signal(signal.SIGCONT)
+        with loading(box, "b", pid=str(sleeper.pid)):
+            waiting = subprocess.Popen([str(box.launch), "a"], env=box.env(), stderr=subprocess.PIPE, text=True)
+            deadline = time.monotonic() + 5
+            while (box.lock_dir / "a.state").read_text().strip() != "waiting b":
+                assert time.monotonic() < deadline, (box.lock_dir / "a.state").read_text()
+                time.sleep(0.05)
+            waiting.kill()
+            waiting.communicate()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_two_engines_restarted_together_load_one_after_the_other(make_box, servers):

@@ -62,6 +62,15 @@ def units(q38: dict[str, str] | None = None) -> list[str]:
     return block("vllm-nemotron.service") + block("vllm-q38.service", **(q38 or {}))
 
 
+def services(**states: str) -> list[str]:
+    """systemctl show -p Id,ActiveState,SubState of the guard, the front and the scrub timer."""
+    lines = []
+    for unit in status.SERVICE_UNITS:
+        active, sub = states.get(unit, "active/running").split("/")
+        lines += [f"Id={unit}", f"ActiveState={active}", f"SubState={sub}", ""]
+    return lines
+
+
 def answer(**sections: list[str]) -> list[str]:
     """A host's answer to status_command: each section under its marker."""
     base = {
@@ -83,6 +92,11 @@ def answer(**sections: list[str]) -> list[str]:
         "record": [],
         "cache_keys": [],
         "watchdog": [],
+        "front:nemotron": ["200"],
+        "front:q38": ["200"],
+        "launch:nemotron": ["loading"],
+        "launch:q38": ["loading"],
+        "services": services(),
     }
     base.update({name.replace("__", ":"): lines for name, lines in sections.items()})
     return [line for name, lines in base.items() for line in (f"{SECTION}{name}", *lines)]
@@ -129,6 +143,32 @@ def test_a_disabled_engine_does_not_count(make_host, seed_data):
     s = status.read_status("spark", host.config, answer(units=failed, health__q38=["000"]), checked_at=T0)
     assert s.serving and not s.engines[1].enabled
     assert "(disabled)" in format_status(s)
+
+
+def test_a_front_that_passes_no_keyed_request_is_not_serving_and_names_the_front(spark):
+    broken = answer(front__q38=["000"], services=services(**{"nginx.service": "activating/auto-restart"}))
+    s = status.read_status("spark", spark.config, broken, checked_at=T0)
+    assert all(e.serving for e in s.engines) and not s.serving
+    assert "nginx.service does not pass a keyed request to q38, which serves (port 8011: no answer)" in s.problems
+    assert "nginx.service is activating/auto-restart" in s.problems
+    table = format_status(s)
+    assert table.startswith("spark: NOT SERVING CLIENTS") and "nginx.service activating/auto-restart" in table
+
+
+def test_a_stopped_guard_is_a_problem_while_the_engines_serve(spark):
+    s = status.read_status(
+        "spark", spark.config, answer(services=services(**{"sparkform-guard.service": "inactive/dead"})), checked_at=T0
+    )
+    assert s.serving and s.problems == ["sparkform-guard.service is inactive/dead"]
+    assert "problem: sparkform-guard.service is inactive/dead" in format_status(s)
+
+
+def test_an_engine_waiting_its_turn_says_for_whom(spark):
+    starting = units({"ActiveState": "activating", "SubState": "start-post"})
+    s = status.read_status("spark", spark.config, answer(units=starting, launch__q38=["waiting nemotron"]))
+    assert s.engines[1].launch == "waiting nemotron" and "(waits for nemotron)" in format_status(s)
+    hostile = answer(units=starting, launch__q38=["waiting ../../etc"])
+    assert status.read_status("spark", spark.config, hostile).engines[1].launch is None
 
 
 def test_tokens_per_second_is_none_across_a_restart_or_without_a_second_sample(spark):

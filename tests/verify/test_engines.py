@@ -137,6 +137,11 @@ def test_guard_watches_and_every_engine_fails_over_to_its_recovery(remote, engin
     props = remote.service(engine.unit).systemd_properties
     assert props["OnFailure"] == f"sparkform-recover@{engine.name}.service"
     assert f"sparkform-guard served {engine.name}" in _exec_start_post(remote, engine)
+    # Every stop passes the guard (an unplanned one is alerted), and systemd watches the guard.
+    stop_post = remote.check_output(f"systemctl show -p ExecStopPost {engine.unit}")
+    assert f"sparkform-guard stopped {engine.name}" in stop_post, "an unplanned stop of the engine reaches nobody"
+    watchdog = remote.check_output("systemctl show -p WatchdogUSec --value sparkform-guard.service")
+    assert watchdog not in ("", "0", "infinity"), "nothing restarts a guard that stopped answering"
 
 
 def test_the_scrub_is_armed_as_the_inventory_says(remote, config):

@@ -1,0 +1,62 @@
+"""The guard's watch over the front: clients are served only while nginx passes a keyed request
+to a serving engine. An engine that serves on its own port but not through the front (nginx in
+a restart loop, a broken configuration) is dark for every client, so after watchdog_failures
+rounds in a row of that the guard alerts once, and once more when the front passes again."""
+
+import re
+import time
+import urllib.request
+
+# The front's key file as the deploy writes it (root's): only a key of the schema's shape is taken.
+KEY_LINE = re.compile(r'set \$sparkform_api_key "([A-Za-z0-9._~+/-]{16,512}=*)";\s*')
+
+
+def front_key(path):
+    if not path:
+        return None
+    try:
+        with open(path) as handle:
+            match = KEY_LINE.fullmatch(handle.read(1024))
+    except OSError:
+        return None
+    return match[1] if match else None
+
+
+def passes(front, key, deadline_s):
+    """Whether the front's port answered /v1/models with 200, with the key."""
+    host = f"[{front['address']}]" if ":" in front["address"] else front["address"]
+    request = urllib.request.Request(f"http://{host}:{front['port']}/v1/models")
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=deadline_s) as response:
+            return response.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+def front_watch(config, beats, serving, alert):
+    """`serving`: the engines the watchdog saw answer in its last round (a dark engine is the
+    watchdog's; the front is judged on those that serve)."""
+    interval, deadline = config["watchdog_interval_s"], config["watchdog_deadline_s"]
+    failures, down = 0, False
+    while True:
+        beats.beat("front", interval + deadline * len(config["fronts"]) + 60)
+        time.sleep(interval)
+        checked = [f for f in config["fronts"] if f["engine"] in serving]
+        key = front_key(config.get("front_key"))
+        failed = [f for f in checked if not passes(f, key, deadline)]
+        failures = failures + 1 if failed else 0
+        if failures >= config["watchdog_failures"] and not down:
+            down = True
+            ports = ", ".join(f"{f['port']} ({f['engine']})" for f in failed)
+            alert(
+                config,
+                "front-down",
+                "-",
+                f"the front ({config['front_unit']}) passes no request to engines that serve: port(s) {ports}; "
+                f"clients get nothing. See: systemctl status {config['front_unit']}",
+            )
+        elif down and checked and not failed:
+            down = False
+            alert(config, "front-recovered", "-", "the front passes requests to the engines again")

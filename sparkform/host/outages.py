@@ -1,0 +1,157 @@
+"""Every unplanned stop reaches a human, once per outage: an engine that exits or is killed
+without a stop anyone asked for, a start that failed, the host back from a reboot. The outage
+opens with one alert (what, when, why as far as the journal says) and closes with one "serves
+again after N s" once the engine served again (guard `served`). Stops inside an outage already
+told (a crash loop) are journaled only, and a stop the guard made itself (a hang, a stalled
+start) was alerted by it."""
+
+import os
+import re
+import time
+
+from sparkform.host.alerts import alert, journal, read_json, write_json
+from sparkform.host.kvlog import JOURNAL_BYTES, LINE_CHARS
+from sparkform.host.procs import shown, strangers, unit_cgroup
+from sparkform.host.systemd import invocation_journal, job_types
+
+PLANNED_JOBS = ("stop", "restart", "try-restart", "reload-or-restart")
+GUARD_KILL_S = 120  # a guard's kill marker older than this is not the reason of this stop
+# The engine's last words worth quoting: sparkform's own helpers, errors, OOM, CUDA; not the
+# launch's "starting" line nor the helper's "died" line, which say nothing of why.
+LAST_WORDS = re.compile(r"sparkform-(launch|wait-ready): |Error|error:|CUDA|Killed|Traceback|out of memory")
+NOT_WHY = re.compile(r"sparkform-launch: starting |sparkform-wait-ready: engine main process \d+ died after")
+RESULTS = {
+    "oom-kill": "the kernel's OOM killer ended it (MemoryMax, or the box out of memory)",
+    "timeout": "it took longer than TimeoutStartSec",
+    "core-dump": "it dumped core",
+    "start-limit-hit": "it spent its start limit",
+}
+
+
+def outage_path(config, name):
+    return os.path.join(config["state_dir"], f"outage-{name}.json")
+
+
+def kill_marker(config, name):
+    return os.path.join(config["state_dir"], f"guard-kill-{name}.json")
+
+
+def guard_kills(config, name, why):
+    """Before the guard kills a unit: its stop is the guard's, alerted by the guard."""
+    write_json(kill_marker(config, name), {"time": time.time(), "why": why})
+
+
+def clock(at):
+    return time.strftime("%H:%M:%S UTC", time.gmtime(at))
+
+
+def why_stopped(result, code, status, lines):
+    """The reason in systemd's words (SERVICE_RESULT, EXIT_CODE, EXIT_STATUS), with the last
+    line of the start's journal that names an error."""
+    if result in RESULTS:
+        reason = RESULTS[result]
+    elif code == "exited":
+        reason = f"exit code {status}" + (" (a fatal engine error can end in exit 0)" if status == "0" else "")
+    elif code in ("killed", "dumped"):
+        reason = f"signal SIG{status}"
+    else:
+        reason = f"{result or 'unknown'}"
+    words = [line for line in lines if LAST_WORDS.search(line) and not NOT_WHY.search(line)]
+    return reason + (f"; its last error line: {shown(words[-1])}" if words else "")
+
+
+def cmd_stopped(config, engine, tell, environ=os.environ):
+    """ExecStopPost= of an engine, as root: every stop of the unit passes here. `tell(event,
+    message)` sends the alert (from outside the engine's cgroup)."""
+    if any(job in PLANNED_JOBS for job in job_types(engine["unit"])):
+        return  # a stop or restart someone asked for (a deploy, an owner, a shutdown)
+    now, name = time.time(), engine["name"]
+    invocation = environ.get("INVOCATION_ID", "")
+    lines = invocation_journal(engine["unit"], invocation, JOURNAL_BYTES, LINE_CHARS) if invocation else []
+    cgroup = unit_cgroup(engine["unit"])  # ExecStopPost= still runs in it
+    held = strangers(engine["port"], cgroup) if cgroup else []
+    why = why_stopped(
+        environ.get("SERVICE_RESULT", ""), environ.get("EXIT_CODE", ""), environ.get("EXIT_STATUS", ""), lines
+    )
+    if held:
+        why += f"; its port 127.0.0.1:{engine['port']} is held by {'; '.join(held)}"
+    marker = read_json(kill_marker(config, name), None)
+    if marker is not None:
+        os.unlink(kill_marker(config, name))
+    by_guard = marker is not None and isinstance(marker.get("time"), float) and now - marker["time"] < GUARD_KILL_S
+    outage = read_json(outage_path(config, name), None)
+    if outage is not None:
+        journal(
+            config,
+            f"sparkform-guard: {engine['unit']} stopped again, still dark since {clock(outage['since'])}: {why}",
+            4,
+        )
+        return
+    short = (marker["why"] if by_guard else why).split("; ")[0]  # the alert has the rest
+    write_json(outage_path(config, name), {"since": now, "why": short})
+    if not by_guard:
+        tell(
+            "stopped",
+            f"{engine['unit']} stopped at {clock(now)} without a stop anyone asked for: {why}; "
+            f"systemd starts it again in {config['restart_s']} s",
+        )
+
+
+def served_again(config, engine, failed_limits):
+    """After a start that served: close the engine's outage with one alert, if one was open."""
+    outage = read_json(outage_path(config, engine["name"]), None)
+    if outage is None and not failed_limits:
+        return None
+    if outage is not None:
+        os.unlink(outage_path(config, engine["name"]))
+    since = outage["since"] if outage and isinstance(outage.get("since"), (int, float)) else None
+    parts = [f"{engine['unit']} serves again"]
+    if since is not None:
+        parts.append(f"after {time.time() - since:.0f} s dark (since {clock(since)}: {outage.get('why', '?')})")
+    if failed_limits:
+        parts.append(f"after {failed_limits} failed start limit(s)")
+    return " ".join(parts)
+
+
+# --- the host's boots and the guard's own life ------------------------------------------------------
+
+
+def boot_id(path="/proc/sys/kernel/random/boot_id"):
+    with open(path) as handle:
+        return handle.read().strip()
+
+
+def alive_path(config):
+    return os.path.join(config["state_dir"], "guard-alive.json")
+
+
+def alive(config, clean=False):
+    """The guard's heartbeat: this boot, now, and whether it stops cleanly (SIGTERM)."""
+    write_json(alive_path(config), {"boot": boot_id(), "time": time.time(), "clean": clean})
+
+
+def after_start(config):
+    """At the daemon's start: a reboot since the last heartbeat, or a guard that died without a
+    clean stop, is alerted; after a reboot each engine's outage opens, to close with its
+    "serves again"."""
+    last = read_json(alive_path(config), None)
+    if last is None or not isinstance(last.get("time"), float):
+        return
+    seen, clean = clock(last["time"]), last.get("clean") is True
+    if last.get("boot") != boot_id():
+        event, how = (
+            ("rebooted", "after a clean shutdown")
+            if clean
+            else ("unclean-reboot", "without a clean shutdown (power lost, a kernel panic or a hard reset)")
+        )
+        alert(config, event, "-", f"the host booted again {how}; the guard last saw it up at {seen}")
+        for engine in config["engines"]:
+            if read_json(outage_path(config, engine["name"]), None) is None:
+                write_json(outage_path(config, engine["name"]), {"since": last["time"], "why": "the host rebooted"})
+    elif not clean:
+        alert(
+            config,
+            "guard-restarted",
+            "-",
+            f"the guard stopped answering or died (last alive at {seen}) and systemd started it again",
+        )

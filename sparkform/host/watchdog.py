@@ -1,0 +1,202 @@
+"""The guard's watchdog: one thread per engine with an API on this host, from the engine's exec
+on. While it starts, its StartJudge (sparkform.host.starts); once systemd counts it started, a
+one-token completion with a deadline every interval, judged by a HangJudge. A failed start's or
+a hung engine's whole cgroup is killed and systemd starts it again."""
+
+import json
+import threading
+import time
+import urllib.request
+
+from sparkform.host import outages, procs
+from sparkform.host.alerts import alert, journal
+from sparkform.host.starts import PROGRESS_CPU_SHARE, StartJudge, launch_state
+from sparkform.host.systemd import active_state, journal_cursor, systemctl, unit_state
+
+# Counters that move whenever an engine works on a request (prefill or decode).
+PROGRESS_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+
+
+def probe(engine, deadline_s):
+    """Whether a one-token completion came back within the deadline."""
+    body = json.dumps({"model": engine["names"][0], "prompt": "ping", "max_tokens": 1}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{engine['port']}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=deadline_s) as response:
+            return response.status == 200 and bool(json.load(response).get("choices"))
+    except (OSError, ValueError):
+        return False
+
+
+def progress(engine, deadline_s):
+    """The sum of the engine's token counters (None: /metrics did not answer). The text comes
+    from the engine, the process that parses untrusted prompts: only numbers are taken from it."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{engine['port']}/metrics", timeout=deadline_s) as response:
+            text = response.read(8 * 2**20).decode("utf-8", "replace")
+    except OSError:
+        return None
+    total = 0.0
+    for line in text.splitlines():
+        name, _, rest = line.partition("{") if "{" in line else line.partition(" ")
+        if name.strip() in PROGRESS_COUNTERS:
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return total
+
+
+def starved(threshold):
+    """Whether the machine is starved now: CPU or IO pressure (PSI, some avg10) at `threshold` %."""
+    for resource in ("cpu", "io"):
+        try:
+            with open(f"/proc/pressure/{resource}") as handle:
+                words = handle.readline().split()
+        except OSError:
+            continue
+        for word in words:
+            key, _, value = word.partition("=")
+            if key == "avg10" and value.replace(".", "", 1).isdigit() and float(value) >= threshold:
+                return True
+    return False
+
+
+class HangJudge:
+    """The watchdog's decision for one engine: hung = `limit` failed probes in a row and no
+    progress in its token counters since the first of them (a long prefill is progress, a hang
+    is not; counters that do not answer prove nothing either way). On a starved machine (PSI)
+    slow probes are not evidence: the verdict waits up to STARVED_ROUNDS x `limit` failures,
+    unless a process of the engine is stopped, which nothing but a SIGCONT ends."""
+
+    STARVED_ROUNDS = 3
+
+    def __init__(self, limit):
+        self.limit = limit
+        self.forget()
+
+    def forget(self):
+        """A fresh count: the engine answered, was killed, or is not the watchdog's (starting, stopped)."""
+        self.failures, self.baseline = 0, None
+
+    def judge(self, answered, counters, starved=lambda: False, stopped=lambda: False):
+        """This round's verdict: "serves" (it answered), "waits" (a failure short of the limit),
+        "busy" (the limit, but the counters moved), "starved" (the limit on a starved machine,
+        nothing stopped: it waits on) or "hung". `counters()` reads the engine's token counters'
+        sum (None: they did not answer): at the first failure and from the limit on."""
+        if answered:
+            self.forget()
+            return "serves"
+        self.failures += 1
+        if self.failures == 1:
+            self.baseline = counters()
+        if self.failures < self.limit:
+            return "waits"
+        if stopped():
+            self.forget()
+            return "hung"
+        now, baseline = counters(), self.baseline
+        if now is not None and baseline is not None and now > baseline:
+            self.forget()
+            return "busy"
+        if self.failures < self.limit * self.STARVED_ROUNDS and starved():
+            return "starved"
+        self.forget()
+        return "hung"
+
+
+class Watchdog(threading.Thread):
+    """One engine, from its exec on: while it starts, its StartJudge; once systemd counts it
+    started, its probes judged by a HangJudge. A failed start's or a hung engine's whole cgroup is
+    killed and systemd starts it again. `serving` holds the engines that answered last round."""
+
+    def __init__(self, config, engine, held, serving, beats):
+        super().__init__(daemon=True)
+        self.config, self.engine, self.held, self.serving, self.beats = config, engine, held, serving, beats
+
+    def kill(self, event, why):
+        outages.guard_kills(self.config, self.engine["name"], why)
+        systemctl("kill", "--signal=SIGKILL", self.engine["unit"])
+        alert(self.config, event, self.engine["name"], f"{self.engine['unit']} {why}: killed, systemd starts it again")
+
+    def has_a_stopped_process(self):
+        cgroup = procs.unit_cgroup(self.engine["unit"])
+        return bool(cgroup and procs.stopped_pids(procs.cgroup_pids(cgroup)))
+
+    def watch_start(self, start):
+        """One look at a start (the unit "activating" with its commands running)."""
+        config, engine = self.config, self.engine
+        cgroup = procs.unit_cgroup(engine["unit"])
+        if not cgroup or launch_state(config["lock_dir"], engine["name"]).startswith("waiting"):
+            start.forget()  # not running yet, or waiting its turn behind a loading neighbour
+            return
+        strangers = procs.strangers(engine["port"], cgroup)
+        if strangers:
+            start.forget()
+            self.kill("stalled", f"cannot serve: its port 127.0.0.1:{engine['port']} is held by {'; '.join(strangers)}")
+            return
+        pids = procs.cgroup_pids(cgroup)
+        stopped = procs.stopped_pids(pids)
+        now = time.monotonic()
+        verdict = start.judge(now, bool(stopped), journal_cursor(engine["unit"]), procs.cpu_seconds(cgroup))
+        if verdict == "stopped":
+            start.forget()
+            self.kill("stalled", f"stopped during its start: process {', '.join(procs.describe(p) for p in stopped)}")
+        elif verdict == "stalled":
+            quiet = start.quiet_s(now)
+            start.forget()
+            self.kill(
+                "stalled",
+                f"made no progress during its start for {quiet:.0f} s (no journal line, under "
+                f"{100 * PROGRESS_CPU_SHARE:.0f} % of a CPU; start_stall_s {config['start_stall_s']})",
+            )
+
+    def run(self):
+        config, engine = self.config, self.engine
+        deadline_s, judge = config["watchdog_deadline_s"], HangJudge(config["watchdog_failures"])
+        start = StartJudge(config["start_stall_s"])
+        next_round = time.monotonic()
+        while True:
+            self.beats.beat(engine["name"], config["watchdog_interval_s"] + 4 * deadline_s + 60)
+            state, sub = unit_state(engine["unit"])
+            if engine["name"] not in self.held and state == "activating" and sub in ("start", "start-post"):
+                judge.forget()
+                self.serving.discard(engine["name"])
+                self.watch_start(start)
+                time.sleep(config["start_poll_s"])
+                next_round = time.monotonic()
+                continue
+            start.forget()
+            # Rounds start every interval, however long a probe took: a hang is called within
+            # (K - 1) x interval + two deadlines of its first failed probe.
+            next_round += config["watchdog_interval_s"]
+            time.sleep(max(0.0, next_round - time.monotonic()))
+            if engine["name"] in self.held or active_state(engine["unit"]) != "active":
+                judge.forget()  # restarting or stopped: not the watchdog's
+                self.serving.discard(engine["name"])
+                continue
+            verdict = judge.judge(
+                probe(engine, deadline_s),
+                lambda: progress(engine, deadline_s),
+                lambda: starved(config["pressure_starved_pct"]),
+                self.has_a_stopped_process,
+            )
+            (self.serving.add if verdict == "serves" else self.serving.discard)(engine["name"])
+            if verdict == "busy":
+                journal(
+                    config,
+                    f"sparkform-guard: {engine['unit']} answered no probe for {judge.limit} rounds "
+                    "but its token counters moved: busy, not hung",
+                    5,
+                )
+            elif verdict == "starved":
+                journal(config, f"sparkform-guard: {engine['unit']} answers no probe on a starved machine: waiting", 5)
+            elif verdict == "hung":
+                self.kill(
+                    "hung",
+                    f"answered none of {judge.limit} one-token probes ({deadline_s} s each, "
+                    f"every {config['watchdog_interval_s']} s) and made no progress",
+                )
+                next_round = time.monotonic()

@@ -1,0 +1,106 @@
+"""The guard's judgements, called directly: a start's progress (StartJudge), the hang verdict on
+a starved machine (HangJudge), the reason an unplanned stop is told with, and the settings the
+guard and the units get for them."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparkform.host.outages import why_stopped
+from sparkform.host.starts import STOPPED_S, StartJudge
+from sparkform.host.watchdog import HangJudge
+
+
+def verdicts(judge: StartJudge, samples: list[tuple[float, bool, str, float | None]]) -> list[str]:
+    return [judge.judge(now, stopped, cursor, cpu) for now, stopped, cursor, cpu in samples]
+
+
+def test_a_start_with_new_log_lines_or_cpu_work_is_never_stalled():
+    judge = StartJudge(stall_s=60)
+    # 10 minutes: a line every 50 s, or 30 % of a CPU between them (weights loading, a compile).
+    samples = [(t, False, f"c{t // 50}", t * 0.3) for t in range(0, 600, 5)]
+    assert set(verdicts(judge, samples)) == {"starts"}
+
+
+def test_a_start_idle_under_the_cpu_share_and_silent_stalls_at_the_bound():
+    judge = StartJudge(stall_s=60)
+    # Idle polling: 5 % of a CPU, no new line. Stalled once 60 s passed since the last progress.
+    samples = [(t, False, "c", t * 0.05) for t in range(0, 70, 5)]
+    result = verdicts(judge, samples)
+    assert result[:-2] == ["starts"] * (len(samples) - 2) and result[-2:] == ["stalled", "stalled"]
+    assert judge.quiet_s(65) == 65
+
+
+def test_unreadable_cpu_is_no_progress_and_a_new_line_is():
+    judge = StartJudge(stall_s=30)
+    assert verdicts(judge, [(0, False, "a", None), (20, False, "a", None), (25, False, "b", None)]) == ["starts"] * 3
+    assert judge.judge(54, False, "b", None) == "starts" and judge.judge(55, False, "b", None) == "stalled"
+
+
+def test_a_stopped_process_fails_the_start_after_stopped_s_even_while_it_shows_progress():
+    judge = StartJudge(stall_s=600)
+    samples = [(t, True, f"c{t}", t * 1.0) for t in range(0, STOPPED_S + 1, 5)]
+    assert verdicts(judge, samples)[-1] == "stopped"
+    # Stopped for a moment (a debugger attached, then detached): the count starts again.
+    judge.forget()
+    assert (
+        verdicts(judge, [(0, True, "a", 0), (5, False, "b", 5), (10, True, "c", 10), (15, True, "d", 15)])
+        == ["starts"] * 4
+    )
+
+
+def never_progress() -> float:
+    return 10.0
+
+
+@pytest.mark.parametrize("counters", [never_progress, lambda: None])
+def test_slow_probes_of_an_idle_engine_on_a_starved_machine_are_not_a_hang(counters):
+    judge = HangJudge(3)
+    rounds = [judge.judge(False, counters, starved=lambda: True) for _ in range(8)]
+    assert rounds == ["waits", "waits", "starved", "starved", "starved", "starved", "starved", "starved"]
+    # ...but starvation does not hold a verdict forever: the ninth failure in a row is a hang.
+    assert judge.judge(False, counters, starved=lambda: True) == "hung"
+
+
+def test_a_stopped_process_is_a_hang_at_the_limit_even_on_a_starved_machine():
+    judge = HangJudge(3)
+    rounds = [judge.judge(False, never_progress, starved=lambda: True, stopped=lambda: True) for _ in range(3)]
+    assert rounds == ["waits", "waits", "hung"]
+
+
+def test_a_machine_that_is_not_starved_keeps_the_old_verdict():
+    judge = HangJudge(2)
+    assert [judge.judge(False, never_progress, starved=lambda: False) for _ in range(2)] == ["waits", "hung"]
+
+
+@pytest.mark.parametrize(
+    ("result", "code", "status", "lines", "expected"),
+    [
+        ("success", "exited", "0", [], "exit code 0 (a fatal engine error can end in exit 0)"),
+        ("signal", "killed", "KILL", [], "signal SIGKILL"),
+        ("oom-kill", "killed", "KILL", [], "the kernel's OOM killer ended it"),
+        (
+            "exit-code",
+            "exited",
+            "4",
+            [
+                "sparkform-launch: port 18011 already answers (uid:65534 cgroup:/x), so q38 cannot bind it",
+                "sparkform-wait-ready: engine main process 12 died after 0 s; its reason is in the unit's journal",
+            ],
+            "exit code 4; its last error line: sparkform-launch: port 18011 already answers (uid:65534",
+        ),
+        (
+            "exit-code",
+            "exited",
+            "1",
+            ["INFO loading", "RuntimeError: CUDA error: out of memory\x1b[0m", "INFO shutting down"],
+            "exit code 1; its last error line: RuntimeError: CUDA error: out of memory [0m",
+        ),
+    ],
+)
+def test_an_unplanned_stop_is_told_with_systemds_reason_and_the_last_error_line(result, code, status, lines, expected):
+    assert why_stopped(result, code, status, lines).startswith(expected)
+
+
+def test_the_quoted_error_line_is_bounded():
+    assert len(why_stopped("exit-code", "exited", "1", ["Error: " + "x" * 5000])) < 300
