@@ -19,7 +19,9 @@ GUARD_KILL_S = 120  # a guard's kill marker older than this is not the reason of
 # The engine's last words worth quoting: sparkform's own helpers, errors, OOM, CUDA; not the
 # launch's "starting" line nor the helper's "died" line, which say nothing of why.
 LAST_WORDS = re.compile(r"sparkform-(launch|wait-ready): |Error|error:|CUDA|Killed|Traceback|out of memory")
-NOT_WHY = re.compile(r"sparkform-launch: starting |sparkform-wait-ready: engine main process \d+ died after")
+NOT_WHY = re.compile(
+    r"sparkform-launch: starting |sparkform-wait-ready: engine main process \d+ died after|HTTP/\d(\.\d)?\" \d{3}"
+)  # the last: an access log line ("POST /v1/completions HTTP/1.1" 500 Internal Server Error)
 RESULTS = {
     "oom-kill": "the kernel's OOM killer ended it (MemoryMax, or the box out of memory)",
     "timeout": "it took longer than TimeoutStartSec",

@@ -74,6 +74,18 @@ def process_state(pid, proc="/proc"):
     return fields[0] if fields else ""
 
 
+def uid_of(pid, proc="/proc"):
+    """The real uid of /proc/PID/status (None when gone)."""
+    try:
+        with open(f"{proc}/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def stopped_pids(pids, proc="/proc"):
     return [pid for pid in pids if process_state(pid, proc) in ("T", "t")]
 
@@ -103,10 +115,15 @@ def listeners(port):
         )
     except (OSError, subprocess.SubprocessError):
         return []
+    return parse_listeners(result.stdout)
+
+
+def parse_listeners(text):
+    """[(uid, cgroup)] of `ss -Hltne --cgroup`'s lines; a line of another shape is left out."""
     found = []
-    for line in result.stdout.splitlines():
+    for line in text.splitlines():
         match = LISTENER.match(line)
-        if match and CGROUP_PATTERN.fullmatch(match["cgroup"]):
+        if match and CGROUP_PATTERN.fullmatch(match["cgroup"]) and ".." not in match["cgroup"].split("/"):
             found.append((int(match["uid"] or 0), match["cgroup"]))
     return found
 
@@ -118,6 +135,8 @@ def strangers(port, cgroup):
     for uid, owner in listeners(port):
         if owner == cgroup or owner.startswith(cgroup.rstrip("/") + "/"):
             continue
-        pids = cgroup_pids(owner)[:3]
+        # The socket owner's own processes first (a login session holds its shell and sshd too).
+        pids = cgroup_pids(owner)
+        pids = ([p for p in pids if uid_of(p) == uid] or pids)[:3]
         lines.append(f"uid {uid} in {owner}: " + (", ".join(describe(p) for p in pids) or "no process left"))
     return lines

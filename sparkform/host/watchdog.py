@@ -10,7 +10,7 @@ import urllib.request
 
 from sparkform.host import outages, procs
 from sparkform.host.alerts import alert, journal
-from sparkform.host.starts import PROGRESS_CPU_SHARE, StartJudge, launch_state
+from sparkform.host.starts import PROGRESS_CPU_SHARE, STOPPED_S, StartJudge, launch_state
 from sparkform.host.systemd import active_state, journal_cursor, systemctl, unit_state
 
 # Counters that move whenever an engine works on a request (prefill or decode).
@@ -121,9 +121,12 @@ class Watchdog(threading.Thread):
         systemctl("kill", "--signal=SIGKILL", self.engine["unit"])
         alert(self.config, event, self.engine["name"], f"{self.engine['unit']} {why}: killed, systemd starts it again")
 
-    def has_a_stopped_process(self):
+    def stopped_processes(self):
         cgroup = procs.unit_cgroup(self.engine["unit"])
-        return bool(cgroup and procs.stopped_pids(procs.cgroup_pids(cgroup)))
+        return procs.stopped_pids(procs.cgroup_pids(cgroup)) if cgroup else []
+
+    def has_a_stopped_process(self):
+        return bool(self.stopped_processes())
 
     def watch_start(self, start):
         """One look at a start (the unit "activating" with its commands running)."""
@@ -157,7 +160,7 @@ class Watchdog(threading.Thread):
         config, engine = self.config, self.engine
         deadline_s, judge = config["watchdog_deadline_s"], HangJudge(config["watchdog_failures"])
         start = StartJudge(config["start_stall_s"])
-        next_round = time.monotonic()
+        next_round, stopped_since = time.monotonic(), None
         while True:
             self.beats.beat(engine["name"], config["watchdog_interval_s"] + 4 * deadline_s + 60)
             state, sub = unit_state(engine["unit"])
@@ -176,7 +179,25 @@ class Watchdog(threading.Thread):
             if engine["name"] in self.held or active_state(engine["unit"]) != "active":
                 judge.forget()  # restarting or stopped: not the watchdog's
                 self.serving.discard(engine["name"])
+                stopped_since = None
                 continue
+            # A process of the engine stopped (SIGSTOP) serves nothing until someone sends SIGCONT:
+            # no probe needed, looked at again in start_poll_s and killed once stopped STOPPED_S.
+            stopped = self.stopped_processes()
+            if stopped:
+                stopped_since = stopped_since or time.monotonic()
+                self.serving.discard(engine["name"])
+                if time.monotonic() - stopped_since < STOPPED_S:
+                    next_round = time.monotonic() + config["start_poll_s"] - config["watchdog_interval_s"]
+                    continue
+                judge.forget()
+                stopped_since = None
+                self.kill(
+                    "hung", f"has had a stopped process for {STOPPED_S} s: {', '.join(map(procs.describe, stopped))}"
+                )
+                next_round = time.monotonic()
+                continue
+            stopped_since = None
             verdict = judge.judge(
                 probe(engine, deadline_s),
                 lambda: progress(engine, deadline_s),

@@ -1,11 +1,12 @@
 """The guard's judgements, called directly: a start's progress (StartJudge), the hang verdict on
-a starved machine (HangJudge), the reason an unplanned stop is told with, and the settings the
-guard and the units get for them."""
+a starved machine (HangJudge), the reason an unplanned stop is told with, and what it reads of
+processes, cgroups and sockets (sparkform.host.procs) from files laid out as the kernel's."""
 
 from __future__ import annotations
 
 import pytest
 
+from sparkform.host import procs
 from sparkform.host.outages import why_stopped
 from sparkform.host.starts import STOPPED_S, StartJudge
 from sparkform.host.watchdog import HangJudge
@@ -104,3 +105,46 @@ def test_an_unplanned_stop_is_told_with_systemds_reason_and_the_last_error_line(
 
 def test_the_quoted_error_line_is_bounded():
     assert len(why_stopped("exit-code", "exited", "1", ["Error: " + "x" * 5000])) < 300
+
+
+SS_LINES = """\
+LISTEN 0      2048    127.0.0.1:18011 0.0.0.0:* uid:999 ino:827806 sk:56 cgroup:/system.slice/vllm-q38.service <-> cgroup:/system.slice/vllm-q38.service
+LISTEN 0      128       0.0.0.0:22    0.0.0.0:* ino:822629 sk:4d cgroup:/system.slice/ssh.service <-> cgroup:/system.slice/ssh.service
+LISTEN 0      5       127.0.0.1:18011 0.0.0.0:* uid:65534 ino:9 sk:57 cgroup:/user.slice/../../etc <-> cgroup:/x
+garbage line
+"""  # noqa: E501  (as ss prints them: root's socket has no uid; a cgroup with ".." is not taken)
+
+
+def test_listeners_are_read_by_uid_and_cgroup_as_the_kernel_recorded_them():
+    assert procs.parse_listeners(SS_LINES) == [
+        (999, "/system.slice/vllm-q38.service"),
+        (0, "/system.slice/ssh.service"),
+    ]
+
+
+def test_a_process_state_and_uid_come_from_proc_and_a_stopped_one_is_found(tmp_path):
+    for pid, stat, uid in ((10, "10 (a) b) S 1", 999), (11, "11 (vllm) T 1", 999), (12, "12 (x) t 1", 0)):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(stat)
+        (tmp_path / str(pid) / "status").write_text(f"Name:\tx\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n")
+    assert procs.process_state(10, str(tmp_path)) == "S"  # a ")" in the name does not fool it
+    assert procs.stopped_pids([10, 11, 12, 13], str(tmp_path)) == [11, 12]
+    assert procs.uid_of(11, str(tmp_path)) == 999 and procs.uid_of(13, str(tmp_path)) is None
+
+
+def test_the_cgroup_v2_tree_is_found_where_it_is_mounted_and_its_cpu_time_read(tmp_path):
+    hybrid = tmp_path / "mountinfo"
+    hybrid.write_text(
+        "50 111 0:50 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro\n"
+        "52 50 0:30 / /sys/fs/cgroup/cpuacct ro - cgroup cgroup rw,cpuacct\n"
+        "60 50 0:31 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n"
+    )
+    assert procs.cgroup2_root(str(hybrid)) == "/sys/fs/cgroup/unified"
+    unit = tmp_path / "system.slice" / "vllm-q38.service"
+    (unit / "sub").mkdir(parents=True)
+    (unit / "cpu.stat").write_text("usage_usec 47937698\nuser_usec 1\n")
+    (unit / "cgroup.procs").write_text("10\n11\n")
+    (unit / "sub" / "cgroup.procs").write_text("12\n")
+    assert procs.cpu_seconds("/system.slice/vllm-q38.service", str(tmp_path)) == pytest.approx(47.937698)
+    assert sorted(procs.cgroup_pids("/system.slice/vllm-q38.service", str(tmp_path))) == [10, 11, 12]
+    assert procs.cpu_seconds("/system.slice/gone.service", str(tmp_path)) is None
