@@ -69,6 +69,7 @@ CLOCK_PATTERN = re.compile(r"\d{9,11}(\.\d{1,9})?")
 HTTP_CODE_PATTERN = re.compile(r"\d{3}")
 # The units that keep the engines reachable and watched, beside the engines themselves.
 SERVICE_UNITS = (GUARD_UNIT, FRONT_UNIT, SCRUB_TIMER)
+UNIT_STATE_PATTERN = re.compile(r"[a-z][a-z-]{0,31}")  # systemd's ActiveState and SubState words
 # What the engine's launch says while it starts ("waiting q38": its turn behind a loading neighbour).
 LAUNCH_STATE_PATTERN = re.compile(r"(waiting|loading)( [a-z0-9][a-z0-9-]{0,39})?")
 
@@ -395,11 +396,14 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
         untrusted,
     )
     host_drift = drift(record, live, {e.name: keys.get(e.name) for e in config.engines})
-    services = [
-        ServiceStatus(unit=unit, active_state=state.active_state, sub_state=state.sub_state)
-        for unit, state in engine_states(sections.get("services", [])).items()
-        if unit in SERVICE_UNITS
-    ]
+    services = []
+    for unit, state in engine_states(sections.get("services", [])).items():
+        if unit not in SERVICE_UNITS:
+            continue
+        if UNIT_STATE_PATTERN.fullmatch(state.active_state) and UNIT_STATE_PATTERN.fullmatch(state.sub_state):
+            services.append(ServiceStatus(unit=unit, active_state=state.active_state, sub_state=state.sub_state))
+        else:
+            untrusted.append(f"the state of {unit} in a shape systemd never prints")
     problems = _problems(config, engines, services)
     return HostStatus(
         host=host_name,

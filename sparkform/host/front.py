@@ -7,6 +7,8 @@ import re
 import time
 import urllib.request
 
+from sparkform.host.alerts import alert
+
 # The front's key file as the deploy writes it (root's): only a key of the schema's shape is taken.
 KEY_LINE = re.compile(r'set \$sparkform_api_key "([A-Za-z0-9._~+/-]{16,512}=*)";\s*')
 
@@ -35,7 +37,7 @@ def passes(front, key, deadline_s):
         return False
 
 
-def front_watch(config, beats, serving, alert):
+def front_watch(config, beats, serving):
     """`serving`: the engines the watchdog saw answer in its last round (a dark engine is the
     watchdog's; the front is judged on those that serve)."""
     interval, deadline = config["watchdog_interval_s"], config["watchdog_deadline_s"]

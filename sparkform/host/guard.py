@@ -258,7 +258,7 @@ def cmd_watch(config):
     threads.append(threading.Thread(target=memory_guard, args=(config, held, beats), daemon=True))
     threads.append(threading.Thread(target=outbox_watch, args=(config, beats), daemon=True))
     if config["fronts"]:
-        threads.append(threading.Thread(target=front_watch, args=(config, beats, serving, alert), daemon=True))
+        threads.append(threading.Thread(target=front_watch, args=(config, beats, serving), daemon=True))
     if config.get("gpu_textfile"):
         threads.append(threading.Thread(target=gpu_watch, args=(config,), daemon=True))
     for thread in threads:

@@ -43,6 +43,12 @@ def guard_kills(config, name, why):
     write_json(kill_marker(config, name), {"time": time.time(), "why": why})
 
 
+def outage_since(outage):
+    """When the outage began (None: no number there)."""
+    since = outage.get("since") if isinstance(outage, dict) else None
+    return since if isinstance(since, (int, float)) and not isinstance(since, bool) else None
+
+
 def clock(at):
     return time.strftime("%H:%M:%S UTC", time.gmtime(at))
 
@@ -85,7 +91,8 @@ def cmd_stopped(config, engine, tell, environ=os.environ):
     if outage is not None:
         journal(
             config,
-            f"sparkform-guard: {engine['unit']} stopped again, still dark since {clock(outage['since'])}: {why}",
+            f"sparkform-guard: {engine['unit']} stopped again, still dark since "
+            f"{clock(outage_since(outage) or now)}: {why}",
             4,
         )
         return
@@ -106,7 +113,7 @@ def served_again(config, engine, failed_limits):
         return None
     if outage is not None:
         os.unlink(outage_path(config, engine["name"]))
-    since = outage["since"] if outage and isinstance(outage.get("since"), (int, float)) else None
+    since = outage_since(outage)
     parts = [f"{engine['unit']} serves again"]
     if since is not None:
         parts.append(f"after {time.time() - since:.0f} s dark (since {clock(since)}: {outage.get('why', '?')})")

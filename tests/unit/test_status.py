@@ -155,6 +155,14 @@ def test_a_front_that_passes_no_keyed_request_is_not_serving_and_names_the_front
     assert table.startswith("spark: NOT SERVING CLIENTS") and "nginx.service activating/auto-restart" in table
 
 
+def test_a_service_state_in_a_shape_systemd_never_prints_is_left_out_and_named(spark):
+    planted = answer(services=services(**{"nginx.service": "active/$(reboot)"}))
+    s = status.read_status("spark", spark.config, planted, checked_at=T0)
+    assert "nginx.service" not in [u.unit for u in s.services] and "$(reboot)" not in format_status(s)
+    assert "the state of nginx.service in a shape systemd never prints" in s.untrusted
+    assert "nginx.service is not read" in s.problems
+
+
 def test_a_stopped_guard_is_a_problem_while_the_engines_serve(spark):
     s = status.read_status(
         "spark", spark.config, answer(services=services(**{"sparkform-guard.service": "inactive/dead"})), checked_at=T0
