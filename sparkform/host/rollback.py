@@ -46,6 +46,10 @@ class NothingToGoBackTo(Exception):
     pass
 
 
+FAILED_LINES = 30  # of a failed start's journal, shown with the refusal
+START_TRIES = 2
+
+
 def root_only(path, folder):
     """`path` is root's, not a link, and (a folder) nobody else's to write or read."""
     info = os.lstat(path)
@@ -166,6 +170,27 @@ def systemctl(*args):
     return subprocess.run(["systemctl", *args], check=False).returncode == 0
 
 
+def started_on_kept_settings(unit):
+    """Start `unit` on settings that served before, up to START_TRIES times: a start those settings
+    fail once (the machine short of memory a moment, the engine killed while it loads) is not yet
+    theirs to blame. After each failed try, the last lines of its journal."""
+    for attempt in range(1, START_TRIES + 1):
+        systemctl("reset-failed", unit)
+        if systemctl("start", unit):
+            return True
+        again = "trying once more" if attempt < START_TRIES else "giving up"
+        print(
+            f"sparkform-rollback: {unit} failed to start on its kept settings (try {attempt} of {START_TRIES}, "
+            f"{again}); the last lines of its journal (all of it: journalctl -u {unit}):",
+            file=sys.stderr,
+            flush=True,
+        )
+        # The journal's own words, not a summary: the failed start's reason is the owner's to read.
+        journal = ["journalctl", "--no-pager", "-q", "-o", "cat", "-n", str(FAILED_LINES), "-u", unit]
+        subprocess.run(journal, check=False)
+    return False
+
+
 def roll_back(settings, engine, by, lines):
     """Put `engine` back (settings: the file beside this program, as the deploy rendered it)."""
     unit, files = settings["engines"][engine]["unit"], settings["engines"][engine]["files"]
@@ -204,12 +229,7 @@ def roll_back(settings, engine, by, lines):
     # (Restart=always) while they are being replaced.
     systemctl("stop", unit)
     systemctl("daemon-reload")
-    systemctl("reset-failed", unit)
-    if not systemctl("start", unit):
-        print(
-            f"sparkform-rollback: {unit} failed to start on its kept settings too: journalctl -u {unit}",
-            file=sys.stderr,
-        )
+    if not started_on_kept_settings(unit):
         return 4
     # The target stopped with the engine (it Requires= the engines); the deploy would start it
     # again, so does this: it waits for nothing once the engines serve.

@@ -433,7 +433,7 @@ def test_sparkform_rollback_puts_back_a_change_that_started_and_the_next_dry_run
         timeout=900,
     )
 
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, (result.stdout[-3000:] + result.stderr[-3000:], alerts(box)[-5:])
     assert "sparkform-rollback: q38 serves again on its settings of" in result.stdout
     assert serving(box, "vllm-q38.service") and q38_files(box) == served
     assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid, why_it_restarted(box, "vllm-nemotron.service")

@@ -27,6 +27,7 @@ from sparkform.render import render_host
 from sparkform.snapshot import Snapshot
 from tasks import engines
 
+STUB_JOURNALCTL = '#!/bin/sh\necho "journal of the failed start: $*"\n'
 STUB_SYSTEMCTL = '#!/bin/sh\necho "systemctl $*" >> "{calls}"\n[ "$1 $2" != "start $STUB_FAILS" ]\n'
 WHY = "ValueError: unrecognized arguments: --no-such-flag\nvllm-a.service: Failed with result 'exit-code'."
 
@@ -62,6 +63,8 @@ class RolledHost:
         bin_dir.mkdir(parents=True)
         (bin_dir / "systemctl").write_text(STUB_SYSTEMCTL.format(calls=self.calls))
         (bin_dir / "systemctl").chmod(0o755)
+        (bin_dir / "journalctl").write_text(STUB_JOURNALCTL)
+        (bin_dir / "journalctl").chmod(0o755)
         self.config = load_host("rollback-test", data(root, [])).config
         self.put(self.config)
         paths = self.config.paths
@@ -234,7 +237,13 @@ def test_kept_settings_not_as_the_deploy_left_them_change_nothing(host, damage, 
 def test_a_start_that_fails_on_the_kept_settings_too_exits_4_with_them_in_place(host):
     host.put(load_host("rollback-test", data(host.root, ["--no-such-flag"])).config, "a")
     result = host.rollback("a", STUB_FAILS="vllm-a.service")
-    assert result.returncode == 4 and "failed to start on its kept settings too" in result.stderr
+    assert result.returncode == 4, result.stderr
+    # One more try (a start can fail once for a reason not the settings'), each failure shown with
+    # the last lines of the unit's journal.
+    assert "(try 1 of 2, trying once more)" in result.stderr and "(try 2 of 2, giving up)" in result.stderr
+    assert result.stdout.count("journal of the failed start: --no-pager -q -o cat -n 30 -u vllm-a.service") == 2
+    assert host.systemctl_calls().count("systemctl start vllm-a.service") == 2
+    assert "serves again" not in result.stdout
     assert host.texts("a") == host.served
 
 
