@@ -9,20 +9,12 @@ from pyinfra.api import operation
 
 from sparkform.converge import starts
 from sparkform.engine import Engine
+from sparkform.host.systemd import FAILURE_REASON_PATTERN, JOURNAL_LINES, WHY_LINE_CHARS
 from sparkform.kept import KeptSettings
 from sparkform.layout import KEPT_FILES, KEPT_PREVIOUS, KEPT_RECORD, ROOT_PYTHON
 from sparkform.parsers import EngineState
 from tasks.progress import ProgressCommand, printf_line, start_format, ticking
 
-JOURNAL_LINES = 30
-WHY_LINE_CHARS = 400  # vLLM's unsupported-architecture line lists every architecture it knows
-# Journal lines that say why a start failed: exceptions and pydantic's reasons, refusals, the
-# verdicts of sparkform's scripts ("sparkform-NAME: "; a bare "sparkform-" matches every line that
-# names a sparkform-test checkpoint) and of systemd.
-FAILURE_REASON_PATTERN = (
-    r"(Error|error:|Value error|not supported|exceeds|refus|sparkform-[a-z-]+: |Failed with result"
-    r"|start request repeated)"
-)
 # The journal on stdin, why a start failed on stdout.
 WHY_LINES_FILTER = f"grep -E '{FAILURE_REASON_PATTERN}' | cut -c1-{WHY_LINE_CHARS} | tail -n {JOURNAL_LINES}"
 

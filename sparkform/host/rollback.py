@@ -36,6 +36,7 @@ if __name__ == "__main__":  # run by path on the host: its shared modules beside
 from sparkform.host import ROOT_PYTHON, settings_path  # noqa: E402
 from sparkform.host.folders import COMPLETE_MARKER, CONTROL  # noqa: E402
 from sparkform.host.kept import KEPT_FILES, KEPT_PREVIOUS, KEPT_RECORD, ROLLBACK_RECORD, day, settings_digest  # noqa: E402
+from sparkform.host.systemd import why_a_start_failed  # noqa: E402
 
 DIGEST = re.compile(r"[0-9a-f]{32}")
 PATH = re.compile(r"(/[A-Za-z0-9._+@-]+)+")
@@ -46,7 +47,6 @@ class NothingToGoBackTo(Exception):
     pass
 
 
-FAILED_LINES = 30  # of a failed start's journal, shown with the refusal
 START_TRIES = 2
 
 
@@ -173,21 +173,21 @@ def systemctl(*args):
 def started_on_kept_settings(unit):
     """Start `unit` on settings that served before, up to START_TRIES times: a start those settings
     fail once (the machine short of memory a moment, the engine killed while it loads) is not yet
-    theirs to blame. After each failed try, the last lines of its journal."""
+    theirs to blame. After each failed try, why, from its journal, as the deploy shows it."""
     for attempt in range(1, START_TRIES + 1):
         systemctl("reset-failed", unit)
+        since = time.time()
         if systemctl("start", unit):
             return True
         again = "trying once more" if attempt < START_TRIES else "giving up"
         print(
             f"sparkform-rollback: {unit} failed to start on its kept settings (try {attempt} of {START_TRIES}, "
-            f"{again}); the last lines of its journal (all of it: journalctl -u {unit}):",
+            f"{again}); its journal (all of it: journalctl -u {unit}):",
+            *(CONTROL.sub(" ", line) for line in why_a_start_failed(unit, since)),
+            sep="\n",
             file=sys.stderr,
             flush=True,
         )
-        # The journal's own words, not a summary: the failed start's reason is the owner's to read.
-        journal = ["journalctl", "--no-pager", "-q", "-o", "cat", "-n", str(FAILED_LINES), "-u", unit]
-        subprocess.run(journal, check=False)
     return False
 
 

@@ -1,6 +1,19 @@
 """systemctl and the journal as sparkform's host programs call them."""
 
+import re
 import subprocess
+
+# Why a start failed, as the deploy and the rollback show it: the journal lines since the start
+# that match FAILURE_REASON_PATTERN, each cut at WHY_LINE_CHARS, the last JOURNAL_LINES of them.
+JOURNAL_LINES = 30
+WHY_LINE_CHARS = 400  # vLLM's unsupported-architecture line lists every architecture it knows
+# Journal lines that say why a start failed: exceptions and pydantic's reasons, refusals, the
+# verdicts of sparkform's scripts ("sparkform-NAME: "; a bare "sparkform-" matches every line that
+# names a sparkform-test checkpoint) and of systemd.
+FAILURE_REASON_PATTERN = (
+    r"(Error|error:|Value error|not supported|exceeds|refus|sparkform-[a-z-]+: |Failed with result"
+    r"|start request repeated)"
+)
 
 
 def systemctl(*args, check=False):
@@ -48,3 +61,17 @@ def journal_cursor(unit):
         timeout=30,
     ).stdout
     return shown.rpartition("-- cursor: ")[2].strip()
+
+
+def why_a_start_failed(unit, since):
+    """The unit's journal lines since `since` (seconds since the epoch) that say why its start
+    failed, by the rule above (the deploy applies the same rule with grep)."""
+    shown = subprocess.run(
+        ["journalctl", "-u", unit, "--since", f"@{int(since)}", "--no-pager", "-o", "cat"],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=60,
+    ).stdout
+    reason = re.compile(FAILURE_REASON_PATTERN)
+    return [line[:WHY_LINE_CHARS] for line in shown.splitlines() if reason.search(line)][-JOURNAL_LINES:]

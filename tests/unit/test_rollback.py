@@ -20,6 +20,7 @@ from script_box import Journal
 from facts.snapshot import HostSnapshot
 from sparkform import bootchain, cli, converge
 from sparkform.commands.rollback import chosen, rollback_command
+from sparkform.host.systemd import WHY_LINE_CHARS
 from sparkform.inventory import load_host
 from sparkform.kept import KeptSettings, settings_digest
 from sparkform.layout import COMPLETE_MARKER, UNIT_DIR, kept_root
@@ -27,7 +28,11 @@ from sparkform.render import render_host
 from sparkform.snapshot import Snapshot
 from tasks import engines
 
-STUB_JOURNALCTL = '#!/bin/sh\necho "journal of the failed start: $*"\n'
+# A failed start's journal: a line that says why (among lines that do not), too long for one line.
+STUB_JOURNALCTL = (
+    '#!/bin/sh\necho "INFO loading weights"\necho "ValueError: no kv room {tail}"\n'
+    'echo "sparkform-launch: asked for $*"\n'
+).format(tail="x" * 500)
 STUB_SYSTEMCTL = '#!/bin/sh\necho "systemctl $*" >> "{calls}"\n[ "$1 $2" != "start $STUB_FAILS" ]\n'
 WHY = "ValueError: unrecognized arguments: --no-such-flag\nvllm-a.service: Failed with result 'exit-code'."
 
@@ -241,7 +246,12 @@ def test_a_start_that_fails_on_the_kept_settings_too_exits_4_with_them_in_place(
     # One more try (a start can fail once for a reason not the settings'), each failure shown with
     # the last lines of the unit's journal.
     assert "(try 1 of 2, trying once more)" in result.stderr and "(try 2 of 2, giving up)" in result.stderr
-    assert result.stdout.count("journal of the failed start: --no-pager -q -o cat -n 30 -u vllm-a.service") == 2
+    # What the deploy shows of a failed start, by the same rule: why-lines only, each bounded.
+    assert result.stderr.count("ValueError: no kv room " + "x" * (WHY_LINE_CHARS - 23) + "\n") == 2, result.stderr
+    assert (
+        "INFO loading weights" not in result.stderr
+        and "sparkform-launch: asked for -u vllm-a.service --since @" in result.stderr
+    )
     assert host.systemctl_calls().count("systemctl start vllm-a.service") == 2
     assert "serves again" not in result.stdout
     assert host.texts("a") == host.served
