@@ -102,6 +102,12 @@ def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None 
                 "ledger": ledger.guard_ledger(host, e),
                 # A rank this host runs headless: where its head's master port is (no API to probe here).
                 "head": [config.span(e).master_address, e.master_port] if config.is_worker(e) else None,
+                # The head of one: the ranks of other hosts its start waits for on its master port.
+                "ranks": (
+                    {"address": config.span(e).master_address, "port": e.master_port, "count": len(e.nodes) - 1}
+                    if e.nodes and not config.is_worker(e)
+                    else None
+                ),
             }
             for e in config.enabled_engines
         ],
@@ -118,6 +124,8 @@ def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None 
         ],
         "front_key": config.paths.front_key if config.api_key_file else None,
         "front_unit": FRONT_UNIT,
+        # Started again by the guard once every engine serves (sparkform/host/target.py).
+        "engines_target": ENGINES_TARGET,
         "kv_ledger_rows": KV_LEDGER_ROWS,
         **{
             key: getattr(config, key)

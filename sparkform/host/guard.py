@@ -74,6 +74,7 @@ from sparkform.host.kvlog import INVOCATION_ID, JOURNAL_BYTES, LINE_CHARS, print
 from sparkform.host.memory_guard import memory_guard  # noqa: E402
 from sparkform.host.ranks import RankWatch  # noqa: E402
 from sparkform.host.systemd import invocation_journal, systemctl  # noqa: E402
+from sparkform.host.target import target_watch  # noqa: E402
 from sparkform.host.watchdog import Watchdog  # noqa: E402
 
 KEEPALIVE_S = 5  # a keep-alive to systemd's watchdog (WatchdogSec= is several of these)
@@ -257,6 +258,7 @@ def cmd_watch(config):
     ]
     threads.append(threading.Thread(target=memory_guard, args=(config, held, beats), daemon=True))
     threads.append(threading.Thread(target=outbox_watch, args=(config, beats), daemon=True))
+    threads.append(threading.Thread(target=target_watch, args=(config, beats), daemon=True))
     if config["fronts"]:
         threads.append(threading.Thread(target=front_watch, args=(config, beats, serving), daemon=True))
     if config.get("gpu_textfile"):

@@ -1,5 +1,7 @@
-"""The guard's watch over a rank this host runs for an engine whose head is on another host."""
+"""The guard's watch over the ranks of an engine across hosts: a rank this host runs for a head on
+another host, and which ranks a head here holds."""
 
+import re
 import subprocess
 import threading
 import time
@@ -18,18 +20,47 @@ def main_process(unit):
         return ""
 
 
+def established(*match):
+    """`ss -Htn`'s lines of this host's established TCP connections that `match` (ss's filter
+    words); empty when ss fails."""
+    found = subprocess.run(
+        ["ss", "-Htn", "state", "established", *match], capture_output=True, text=True, timeout=30, check=False
+    )
+    return found.stdout if found.returncode == 0 else ""
+
+
 def joined(rank):
     """Whether this host holds an established connection to the rank's head's master port: the
     store connection a rank keeps for as long as its head lives."""
     address, port = rank["head"]
-    found = subprocess.run(
-        ["ss", "-Htn", "state", "established", "dst", address, "dport", "=", f":{port}"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-    return found.returncode == 0 and bool(found.stdout.strip())
+    return bool(established("dst", address, "dport", "=", f":{int(port)}").strip())
+
+
+# A peer in `ss -Htn`'s last column: an IPv4 address or a bracketed IPv6 one, then the port.
+PEER = re.compile(r"(\d{1,3}(?:\.\d{1,3}){3}|\[[0-9a-fA-F:.]+\]):\d{1,5}")
+
+
+def joined_peers(text, own_address):
+    """The addresses, other than the head's own and loopback (the head's own processes join its
+    store too), of the established connections in `ss -Htn`'s lines (Recv-Q, Send-Q, local,
+    peer); a line of another shape is left out."""
+    peers = set()
+    for line in text.splitlines():
+        fields = line.split()
+        match = PEER.fullmatch(fields[-1]) if len(fields) == 4 else None
+        if match and match[1] not in (own_address, "[::1]") and not match[1].startswith("127."):
+            peers.add(match[1])
+    return peers
+
+
+def waits_for_ranks(engine):
+    """Whether a head here still waits for ranks on other hosts to join its master port (vLLM's
+    head sits silent and idle until every rank joined: no progress a start could be judged by)."""
+    ranks = engine.get("ranks")
+    if not ranks:
+        return False
+    joined_now = joined_peers(established("sport", "=", f":{int(ranks['port'])}"), ranks["address"])
+    return len(joined_now) < ranks["count"]
 
 
 class RankWatch(threading.Thread):

@@ -231,8 +231,8 @@ def roll_back(settings, engine, by, lines):
     systemctl("daemon-reload")
     if not started_on_kept_settings(unit):
         return 4
-    # The target stopped with the engine (it Requires= the engines); the deploy would start it
-    # again, so does this: it waits for nothing once the engines serve.
+    # The target stopped with the engine (it is Requisite= of the engines); the deploy would start
+    # it again, so does this: it waits for nothing once the engines serve.
     if systemctl("is-enabled", "--quiet", settings["target"]):
         systemctl("start", settings["target"])
     print(

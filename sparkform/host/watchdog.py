@@ -10,6 +10,7 @@ import urllib.request
 
 from sparkform.host import outages, procs
 from sparkform.host.alerts import alert, journal
+from sparkform.host.ranks import waits_for_ranks
 from sparkform.host.starts import PROGRESS_CPU_SHARE, STOPPED_S, StartJudge, launch_state
 from sparkform.host.systemd import active_state, journal_cursor, systemctl, unit_state
 
@@ -132,8 +133,14 @@ class Watchdog(threading.Thread):
         """One look at a start (the unit "activating" with its commands running)."""
         config, engine = self.config, self.engine
         cgroup = procs.unit_cgroup(engine["unit"])
-        if not cgroup or launch_state(config["lock_dir"], engine["name"]).startswith("waiting"):
-            start.forget()  # not running yet, or waiting its turn behind a loading neighbour
+        if (
+            not cgroup
+            or launch_state(config["lock_dir"], engine["name"]).startswith("waiting")
+            or waits_for_ranks(engine)
+        ):
+            # Not running yet, waiting its turn behind a loading neighbour, or a head waiting for
+            # its ranks on other hosts (a rebooting worker's guard watches the rank's own start).
+            start.forget()
             return
         strangers = procs.strangers(engine["port"], cgroup)
         if strangers:

@@ -79,6 +79,10 @@ class StubEngine:
 
 STUB_SYSTEMCTL = """#!/bin/sh
 echo "systemctl $*" >> "{calls}"
+if [ "$1" = is-enabled ]; then
+  for unit; do :; done
+  [ "$(cat "{states}/$unit.enabled" 2>/dev/null || echo enabled)" = enabled ]; exit
+fi
 if [ "$1" = show ]; then
   for unit; do :; done
   if [ "$3" = MainPID ]; then cat "{states}/$unit.pid" 2>/dev/null || echo 0; exit 0; fi
@@ -357,6 +361,29 @@ def test_the_memory_guard_stops_the_lower_priority_engine_and_starts_it_again(gu
     expected = [("memory-low", "-"), ("memory-critical", "eyes"), ("memory-recovered", "eyes")]
     box.wait(lambda: len(box.webhook_alerts()) >= len(expected), 20, "the memory-recovered alert")
     assert [(a["event"], a["engine"]) for a in box.webhook_alerts()] == expected
+
+
+def test_the_engines_target_is_started_again_once_every_engine_serves_and_only_if_enabled(guard):
+    box, _ = guard(**FAST_WATCHDOG)
+    target = "sparkform-engines.target"
+    start = f"systemctl start --no-block {target}"
+    box.set_state(target, "inactive")  # an engine's restart took it down (it is Requisite= of them)
+    box.set_state(f"{target}.enabled", "disabled")
+    box.watch()
+    time.sleep(3)  # three rounds: every engine serves, but nobody enabled the target
+    assert start not in box.calls_made()
+    box.set_state("vllm-eyes.service", "activating")  # eyes starts again meanwhile
+    box.set_state(f"{target}.enabled", "enabled")
+    time.sleep(3)
+    assert start not in box.calls_made()
+    box.set_state("vllm-eyes.service", "active")
+    box.wait(lambda: start in box.calls_made(), 15, "the target started again")
+    box.set_state(target, "active")
+    (entry,) = box.wait(
+        lambda: [e for e in box.journal.read() if e.get("SPARKFORM_EVENT") == "target-reached"], 10, "the journal line"
+    )
+    assert entry["MESSAGE"] == f"sparkform-guard: every engine serves again: {target} started again"
+    assert box.webhook_alerts() == []  # a heal's last step, not news: the engines' own alerts said it
 
 
 def test_a_rank_whose_head_went_is_restarted_once_it_lost_the_head_and_its_join_resets_the_start_count(guard):

@@ -1,13 +1,17 @@
 """The guard's judgements, called directly: a start's progress (StartJudge), the hang verdict on
 a starved machine (HangJudge), the reason an unplanned stop is told with, and what it reads of
-processes, cgroups and sockets (sparkform.host.procs) from files laid out as the kernel's."""
+processes, cgroups and sockets (sparkform.host.procs) from files laid out as the kernel's, and
+whether a head still waits for its ranks."""
 
 from __future__ import annotations
+
+import socket
 
 import pytest
 
 from sparkform.host import procs
 from sparkform.host.outages import why_stopped
+from sparkform.host.ranks import joined_peers, waits_for_ranks
 from sparkform.host.starts import STOPPED_S, StartJudge
 from sparkform.host.watchdog import HangJudge
 
@@ -148,3 +152,33 @@ def test_the_cgroup_v2_tree_is_found_where_it_is_mounted_and_its_cpu_time_read(t
     assert procs.cpu_seconds("/system.slice/vllm-q38.service", str(tmp_path)) == pytest.approx(47.937698)
     assert sorted(procs.cgroup_pids("/system.slice/vllm-q38.service", str(tmp_path))) == [10, 11, 12]
     assert procs.cpu_seconds("/system.slice/gone.service", str(tmp_path)) is None
+
+
+def test_a_head_counts_as_joined_only_established_peers_of_other_hosts_on_its_master_port():
+    """`ss -Htn state established` lines: the head's own processes (its node address, loopback)
+    are no rank; each other host counts once however many connections it holds."""
+    text = (
+        "0      0      10.234.1.1:29501 10.234.1.2:45678\n"
+        "0      0      10.234.1.1:29501 10.234.1.2:45679\n"
+        "0      0      10.234.1.1:29501 10.234.1.1:40000\n"
+        "0      0      127.0.0.1:29501 127.0.0.1:39066\n"
+        "0      0      [fe80::1]:29501 [fe80::2]:555\n"
+        "0      0      10.234.1.1:29501 10.234.1.9:notaport\n"
+        "a line of another shape\n"
+    )
+    assert joined_peers(text, "10.234.1.1") == {"10.234.1.2", "[fe80::2]"}
+    assert joined_peers("", "10.234.1.1") == set()
+
+
+def test_a_head_waits_for_its_ranks_until_one_of_another_host_joined_and_a_lone_engine_never():
+    """A real store port on loopback: the head's own connection to it is no rank joined."""
+    store = socket.create_server(("127.0.0.1", 0))
+    own = socket.create_connection(store.getsockname())
+    accepted, _ = store.accept()
+    try:
+        head = {"ranks": {"address": "127.0.0.1", "port": store.getsockname()[1], "count": 1}}
+        assert waits_for_ranks(head)
+        assert not waits_for_ranks({"ranks": None})
+    finally:
+        for sock in (own, accepted, store):
+            sock.close()

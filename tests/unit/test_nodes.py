@@ -314,12 +314,16 @@ def test_each_node_renders_its_rank_the_head_serving_and_the_worker_headless(pai
     assert "sparkform-wait-ready" in on_head[unit] and "sparkform-wait-ready" not in on_worker[unit]
     assert "listen 10.0.0.1:8013" not in on_head[layout.FRONT_CONFIG]  # the front listens on the LAN address
     assert ":8013" in on_head[layout.FRONT_CONFIG] and ":8013" not in on_worker[layout.FRONT_CONFIG]
-    # The guard probes the head's API; on the worker it watches the rank's link to its head.
+    # The guard probes the head's API and, while the head starts, knows the rank it waits for;
+    # on the worker it watches the rank's link to its head.
     guarded = {
-        name: {e["name"]: e["head"] for e in json.loads(files[head.paths.guard_config])["engines"]}
+        name: {e["name"]: (e["head"], e["ranks"]) for e in json.loads(files[head.paths.guard_config])["engines"]}
         for name, files in (("head", on_head), ("worker", on_worker))
     }
-    assert guarded == {"head": {"nemotron": None, "big": None}, "worker": {"big": ["10.0.0.1", 29501]}}
+    assert guarded == {
+        "head": {"nemotron": (None, None), "big": (None, {"address": "10.0.0.1", "port": 29501, "count": 1})},
+        "worker": {"big": (["10.0.0.1", 29501], None)},
+    }
     # Each rank's network: its own address, the interfaces exactly, the HCAs, the link allowed.
     assert "VLLM_HOST_IP=10.0.0.1\n" in on_head[env_file] and "VLLM_HOST_IP=10.0.0.2\n" in on_worker[env_file]
     assert "NCCL_SOCKET_IFNAME==enp1s0f1np1\n" in on_head[env_file]
