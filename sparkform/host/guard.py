@@ -22,7 +22,8 @@ file beside it, sparkform-guard.json (rendered from the inventory).
   served ENGINE          after the engine's readiness helper (ExecStartPost=+): a start that
                          served resets the unit's start counter, so only starts that never served
                          count towards the crash-loop limit; an engine back from a failure says so.
-                         It also appends the KV pool this start printed to the ledger (below).
+                         It also appends the KV pool this start printed to the ledger (below),
+                         and starts the engines target when every other engine is up or starting.
   stopped ENGINE         ExecStopPost=+ of the engine: a stop nobody asked for (no stop or restart
                          job) opens an outage with one alert (why: exit code, signal, OOM, the
                          last error line), closed by `served` with "serves again after N s".
@@ -74,7 +75,7 @@ from sparkform.host.kvlog import INVOCATION_ID, JOURNAL_BYTES, LINE_CHARS, print
 from sparkform.host.memory_guard import memory_guard  # noqa: E402
 from sparkform.host.ranks import RankWatch  # noqa: E402
 from sparkform.host.systemd import invocation_journal, systemctl  # noqa: E402
-from sparkform.host.target import target_watch  # noqa: E402
+from sparkform.host.target import reach_target_after, target_watch  # noqa: E402
 from sparkform.host.watchdog import Watchdog  # noqa: E402
 
 KEEPALIVE_S = 5  # a keep-alive to systemd's watchdog (WatchdogSec= is several of these)
@@ -222,6 +223,7 @@ def cmd_served(config, engine):
     message = outages.served_again(config, engine, state.get("failures", "?") if state is not None else 0)
     if message:
         alert_outside(engine, "recovered", message)
+    reach_target_after(config, engine)
 
 
 def cmd_stopped(config, engine):

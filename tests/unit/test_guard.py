@@ -201,6 +201,10 @@ class Guard:
     def calls_made(self) -> list[str]:
         return self.calls.read_text().splitlines() if self.calls.exists() else []
 
+    def changes_made(self) -> list[str]:
+        """The calls that change something (not systemctl's questions)."""
+        return [c for c in self.calls_made() if not c.startswith(("systemctl show ", "systemctl is-enabled "))]
+
     def webhook_alerts(self) -> list[dict]:
         return [entry["alert"] for entry in read_alerts(self.root / "webhook.jsonl")]
 
@@ -292,14 +296,33 @@ def test_a_spent_start_limit_alerts_once_and_retries_with_a_growing_back_off(gua
     assert not (box.state_dir / "recover-eyes.json").exists()
     assert [a["event"] for a in box.webhook_alerts()] == ["failed", "recovered"]
     assert "after 4 failed start limit(s)" in box.webhook_alerts()[-1]["message"]
-    assert box.calls_made()[-1].startswith("systemd-run --quiet --collect --no-block ")  # outside the engine's cgroup
+    assert box.changes_made()[-1].startswith("systemd-run --quiet --collect --no-block ")  # outside the engine's cgroup
 
 
 def test_a_start_that_served_resets_the_start_count_and_says_nothing_else(guard):
     box, _ = guard()
     assert box.run("served", "hands").returncode == 0
-    assert box.calls_made() == ["systemctl reset-failed vllm-hands.service"]
+    assert box.changes_made() == ["systemctl reset-failed vllm-hands.service"]  # the target is up already
     assert box.webhook_alerts() == [] and box.journal.alerts() == []
+
+
+def test_the_engine_that_serves_last_starts_the_engines_target_and_none_starts_it_beside_a_stopped_one(guard):
+    """The `served` hook: the target, down since a restart (it is Requisite= of the engines), is
+    started at once by the engine whose start completes the set, not a watch interval later."""
+    box, _ = guard()
+    target = "sparkform-engines.target"
+    start = f"systemctl start --no-block {target}"
+    box.set_state(target, "inactive")
+    box.set_state("vllm-eyes.service", "inactive")  # stopped by hand: the box is not whole
+    assert box.run("served", "hands").returncode == 0
+    assert start not in box.calls_made()
+    box.set_state("vllm-eyes.service", "activating")  # starting too: the target's job waits for it
+    assert box.run("served", "hands").returncode == 0
+    assert box.changes_made() == ["systemctl reset-failed vllm-hands.service"] * 2 + [start]
+    box.calls.unlink()
+    box.set_state(f"{target}.enabled", "disabled")  # nobody asked for the target
+    assert box.run("served", "hands").returncode == 0
+    assert start not in box.calls_made()
 
 
 @pytest.mark.parametrize("args", [[], ["served"], ["nosuch"], ["served", "ghost"]])
