@@ -4,10 +4,10 @@ The target is Requisite= (not Requires=) of the engines: an engine's restart tak
 with it, but the target's start never starts an engine. With Requires=, each restart of one engine
 queued a start of the other; a start job queued while its unit waits out RestartSec= is run and
 counted against its start limit before it is dropped, so each double crash spent one start of the
-other engine's StartLimitBurst on nothing (start-limit-hit in CI's second round: an engine dark
-for good). Reaching the target again is then the guard's job: the `served` hook of the engine that serves
-last starts it, and a watch every watchdog interval catches any start a hook missed (the hook
-may fail; it never fails the engine's start)."""
+other engine's StartLimitBurst on nothing (start-limit-hit in CI's second round). Reaching the
+target again is then the guard's job: the `served` hook of the engine that serves last starts
+it, and a watch every watchdog interval catches any start a hook missed (the hook may fail; it
+never fails the engine's start)."""
 
 import time
 
@@ -15,25 +15,29 @@ from sparkform.host.alerts import journal
 from sparkform.host.systemd import active_state, job_types, systemctl
 
 
+def target_down(config):
+    """Whether the host has the target, enabled, and it is not active."""
+    target = config.get("engines_target")
+    return (
+        bool(target) and systemctl("is-enabled", "--quiet", target).returncode == 0 and active_state(target) != "active"
+    )
+
+
 def reach_target_after(config, engine):
     """Right after `engine` served (its ExecStartPost): the target started without waiting, when it
     is enabled and down and every other engine is up or starting (its start job then waits for
     theirs, After=, and fails harmlessly if one of them fails: the watch below tries again)."""
-    target = config.get("engines_target")
-    if not target or systemctl("is-enabled", "--quiet", target).returncode != 0 or active_state(target) == "active":
+    if not target_down(config):
         return
     others = [e["unit"] for e in config["engines"] if e["unit"] != engine["unit"]]
     if all(active_state(unit) in ("active", "activating") for unit in others):
-        systemctl("start", "--no-block", target)
+        systemctl("start", "--no-block", config["engines_target"])
 
 
 def serving_without_target(config):
     """Whether the target is enabled and down, no job is queued for it, and every enabled engine is
     active (started and served) with none queued either: a heal, not a deploy under way."""
-    target = config.get("engines_target")
-    if not target or systemctl("is-enabled", "--quiet", target).returncode != 0:
-        return False
-    if active_state(target) == "active" or job_types(target):
+    if not target_down(config) or job_types(config["engines_target"]):
         return False
     return all(active_state(e["unit"]) == "active" and not job_types(e["unit"]) for e in config["engines"])
 

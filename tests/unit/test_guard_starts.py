@@ -170,7 +170,7 @@ def test_a_head_counts_as_joined_only_established_peers_of_other_hosts_on_its_ma
     assert joined_peers("", "10.234.1.1") == set()
 
 
-def test_a_head_waits_for_its_ranks_until_one_of_another_host_joined_and_a_lone_engine_never():
+def test_a_head_whose_only_store_connection_is_its_own_still_waits_and_a_lone_engine_never():
     """A real store port on loopback: the head's own connection to it is no rank joined."""
     store = socket.create_server(("127.0.0.1", 0))
     own = socket.create_connection(store.getsockname())
