@@ -130,8 +130,9 @@ class HostConfig(StrictModel):
     sooner, start_stall_s)."""
     start_stall_s: int = Field(300, ge=30)
     """A start with no progress this long (no engine log line, under 10 % of a CPU) fails: killed and started again,
-    with an alert. Weights loading and compiling show progress; a process stopped (SIGSTOP) fails in 10 s. A head
-    waiting for its ranks on other hosts to join is not judged."""
+    with an alert. Weights loading and compiling show progress; a process stopped (SIGSTOP) fails in 10 s. On a
+    starved machine (PSI at 40 %) a quiet start waits up to 3 times this. A head waiting for its ranks on other
+    hosts to join is not judged."""
     timeout_start_s: int = Field(1200, ge=10)
     """TimeoutStartSec=; must exceed the readiness budget."""
     start_limit_interval_s: int = Field(3600, ge=1)

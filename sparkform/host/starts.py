@@ -4,19 +4,25 @@ debugger) for STOPPED_S, or with no progress for the inventory's start_stall_s, 
 killed, so systemd starts it again and counts a start that never served. Progress is a new line
 in the unit's journal, or the unit's processes using at least PROGRESS_CPU_SHARE of a CPU since
 the last progress (loading weights, compiling and capturing graphs all burn CPU; a start that
-waits on something that never comes does not). The time an engine waits its turn behind a
-loading neighbour (its launch state "waiting") is not the start's to judge."""
+waits on something that never comes does not). On a starved machine (CPU, IO or memory pressure)
+a quiet start is not evidence of a stall either: it waits up to STARVED_STALLS x start_stall_s
+(CI, 2026-12-03: three sandboxes on two cores, a start silent and idle for 90 s was killed, and
+the deploy that had started it failed). The time an engine waits its turn behind a loading
+neighbour (its launch state "waiting") is not the start's to judge."""
 
 import os
 import re
 
 STOPPED_S = 10
 PROGRESS_CPU_SHARE = 0.1
+STARVED_STALLS = 3
 LAUNCH_STATE = re.compile(r"(waiting|loading)( [a-z0-9][a-z0-9-]{0,39})?")
 
 
 class StartJudge:
-    """One start's verdict, sample by sample: "starts", "stopped" or "stalled"."""
+    """One start's verdict, sample by sample: "starts", "starved" (quiet past the bound on a
+    starved machine: it waits on), "stopped" or "stalled". `told_starved`: whether the guard
+    journaled this quiet spell's starvation (once a spell)."""
 
     def __init__(self, stall_s, stopped_s=STOPPED_S):
         self.stall_s, self.stopped_s = stall_s, stopped_s
@@ -25,10 +31,12 @@ class StartJudge:
     def forget(self):
         """A fresh watch: a new start, or one that is waiting its turn."""
         self.progress_at = self.cursor = self.cpu = self.stopped_since = None
+        self.told_starved = False
 
-    def judge(self, now, stopped, cursor, cpu):
+    def judge(self, now, stopped, cursor, cpu, starved=lambda: False):
         """`stopped`: the unit has a stopped process; `cursor`: its journal's latest entry;
-        `cpu`: its processes' CPU seconds (None: unreadable, which proves no progress)."""
+        `cpu`: its processes' CPU seconds (None: unreadable, which proves no progress);
+        `starved()`: whether the machine is starved now (asked only of a start quiet too long)."""
         if not stopped:
             self.stopped_since = None
         elif self.stopped_since is None:
@@ -43,8 +51,12 @@ class StartJudge:
         )
         if cursor != self.cursor or burned:
             self.progress_at, self.cursor, self.cpu = now, cursor, cpu
+            self.told_starved = False
             return "starts"
-        return "stalled" if now - self.progress_at >= self.stall_s else "starts"
+        quiet = now - self.progress_at
+        if quiet < self.stall_s:
+            return "starts"
+        return "starved" if quiet < STARVED_STALLS * self.stall_s and starved() else "stalled"
 
     def quiet_s(self, now):
         return 0 if self.progress_at is None else now - self.progress_at

@@ -11,7 +11,7 @@ import urllib.request
 from sparkform.host import outages, procs
 from sparkform.host.alerts import alert, journal
 from sparkform.host.ranks import waits_for_ranks
-from sparkform.host.starts import PROGRESS_CPU_SHARE, STOPPED_S, StartJudge, launch_state
+from sparkform.host.starts import PROGRESS_CPU_SHARE, STARVED_STALLS, STOPPED_S, StartJudge, launch_state
 from sparkform.host.systemd import active_state, journal_cursor, systemctl, unit_state
 
 # Counters that move whenever an engine works on a request (prefill or decode).
@@ -51,8 +51,9 @@ def progress(engine, deadline_s):
 
 
 def starved(threshold):
-    """Whether the machine is starved now: CPU or IO pressure (PSI, some avg10) at `threshold` %."""
-    for resource in ("cpu", "io"):
+    """Whether the machine is starved now: CPU, IO or memory pressure (PSI, some avg10) at
+    `threshold` %."""
+    for resource in ("cpu", "io", "memory"):
         try:
             with open(f"/proc/pressure/{resource}") as handle:
                 words = handle.readline().split()
@@ -150,8 +151,22 @@ class Watchdog(threading.Thread):
         pids = procs.cgroup_pids(cgroup)
         stopped = procs.stopped_pids(pids)
         now = time.monotonic()
-        verdict = start.judge(now, bool(stopped), journal_cursor(engine["unit"]), procs.cpu_seconds(cgroup))
-        if verdict == "stopped":
+        verdict = start.judge(
+            now,
+            bool(stopped),
+            journal_cursor(engine["unit"]),
+            procs.cpu_seconds(cgroup),
+            lambda: starved(config["pressure_starved_pct"]),
+        )
+        if verdict == "starved" and not start.told_starved:
+            start.told_starved = True
+            journal(
+                config,
+                f"sparkform-guard: {engine['unit']} made no progress during its start for "
+                f"{start.quiet_s(now):.0f} s on a starved machine: waiting (up to {STARVED_STALLS} x start_stall_s)",
+                5,
+            )
+        elif verdict == "stopped":
             start.forget()
             self.kill("stalled", f"stopped during its start: process {', '.join(procs.describe(p) for p in stopped)}")
         elif verdict == "stalled":

@@ -139,7 +139,15 @@ def test_a_reboot_of_either_host_brings_the_pair_back(pair):
         since = time.time()
         machine.reboot(head.name)
         serves_again(head, "the head's reboot")
-        # vLLM leaves a rank whose head went waiting forever: the guard on the worker restarted it.
-        alerts = ssh(worker, f"journalctl -o cat --since @{int(since)} SPARKFORM_EVENT=head-lost", check=False).stdout
-        assert f"{UNIT} (a rank of {ENGINE} for its head at 10.234." in alerts, alerts
-        print(f"\nround {round_ + 1}: both reboots and the pair serving again in {time.monotonic() - took:.0f} s")
+        # A rank whose head went mostly waits forever (the guard on the worker restarts it: a
+        # head-lost alert, its own test in tests/unit/test_guard.py); on loaded cores it sometimes
+        # ends by itself first and systemd restarts it (CI, 2026-12-03). One of the two, told.
+        # The guard's whole journal: an alert the journal socket refused is on its stderr.
+        alerts = ssh(worker, f"journalctl -o cat --since @{int(since)} -u {layout.GUARD_UNIT}").stdout
+        rank_log = ssh(worker, f"journalctl -o cat --since @{int(since)} -u {UNIT}").stdout
+        by_guard = f"{UNIT} (a rank of {ENGINE} for its head at 10.234." in alerts
+        assert by_guard or "Scheduled restart job" in rank_log, rank_log[-3000:]
+        print(
+            f"\nround {round_ + 1}: both reboots and the pair serving again in {time.monotonic() - took:.0f} s "
+            f"(the rank restarted by {'the guard' if by_guard else 'systemd, after it ended'})"
+        )

@@ -279,7 +279,8 @@ def launched_pid(box, unit: str, before: int) -> int:
 def test_an_api_server_stopped_while_it_loads_fails_its_start_at_once_and_holds_no_neighbour_back(box):
     """SIGSTOP during a start: before, only the readiness budget (1,080 s on a Spark) ended it.
     Now the guard fails the start within STALL_FOUND_S, nemotron serves again one start later, and
-    q38, restarted in the same second (ordered after nemotron), is not held back past that."""
+    q38, restarted in the same second (ordered after nemotron), begins its load once the stall is
+    failed, not held back by it."""
     starts = start_seconds(box)
     one_start = max(starts.values())
     since, since_alerts, before = now(box), len(alerts(box)), main_pids(box)["vllm-nemotron.service"]
@@ -308,8 +309,12 @@ def test_an_api_server_stopped_while_it_loads_fails_its_start_at_once_and_holds_
         f"\nstalled start failed after {found:.0f} s; the pair serving {took:.0f} s later "
         f"(one start: {one_start:.0f} s)"
     )
-    q38_active = float(ssh(box, "systemctl show -p ActiveEnterTimestamp --timestamp=unix --value vllm-q38").stdout[1:])
-    assert q38_active - float(since) <= STALL_FOUND_S + one_start + 60, "q38 was held back by the stalled start"
+    # Held back, q38's launch would wait for nemotron's "loading" until the budget: its load begins
+    # once the stalled start is failed (its start job, ordered after nemotron's, then runs). Its
+    # load's own length is the machine's (CI: 61 s here, 140 s beside two other sandboxes).
+    q38_loads = journal_times(box, r"sparkform-launch: starting q38 on ", ("vllm-q38.service",), since)
+    assert q38_loads, "q38 never began its load"
+    assert q38_loads[0] - alert["time"] <= 45, f"q38 began loading {q38_loads[0] - alert['time']:.0f} s after the stall"
     journal = ssh(box, f"journalctl -u vllm-q38 --since @{since} --no-pager -o cat").stdout
     assert "gives up its turn" not in journal
 

@@ -12,7 +12,7 @@ import pytest
 from sparkform.host import procs
 from sparkform.host.outages import why_stopped
 from sparkform.host.ranks import joined_peers, waits_for_ranks
-from sparkform.host.starts import STOPPED_S, StartJudge
+from sparkform.host.starts import STARVED_STALLS, STOPPED_S, StartJudge
 from sparkform.host.watchdog import HangJudge
 
 
@@ -52,6 +52,31 @@ def test_a_stopped_process_fails_the_start_after_stopped_s_even_while_it_shows_p
         verdicts(judge, [(0, True, "a", 0), (5, False, "b", 5), (10, True, "c", 10), (15, True, "d", 15)])
         == ["starts"] * 4
     )
+
+
+def test_a_quiet_start_on_a_starved_machine_waits_three_stall_bounds_but_a_stopped_one_does_not():
+    """CI: q38's start, silent and idle for 90 s on three sandboxes' two cores, was killed as stalled."""
+    judge = StartJudge(stall_s=60)
+    asked = []
+
+    def starved_now() -> bool:
+        asked.append(True)
+        return True
+
+    quiet = [judge.judge(t, False, "c", 0.0, starved_now) for t in range(0, 60 * STARVED_STALLS + 20, 10)]
+    # Asked only of a start quiet past its bound, and within three; stalled once three passed.
+    assert quiet[:6] == ["starts"] * 6 and len(asked) == quiet.count("starved") == 6 * STARVED_STALLS - 6
+    assert set(quiet[6 : 6 * STARVED_STALLS]) == {"starved"} and quiet[6 * STARVED_STALLS :] == ["stalled"] * 2
+    # Progress ends the starved spell: the bound counts from it again.
+    assert judge.judge(200, False, "d", 0.0, starved_now) == "starts" and not judge.told_starved
+    assert judge.judge(255, False, "d", 0.0, starved_now) == "starts"
+    assert judge.judge(260, False, "d", 0.0, starved_now) == "starved"
+    # The machine no longer starved: the old verdict at once.
+    assert judge.judge(265, False, "d", 0.0, lambda: False) == "stalled"
+    # A stopped process on a starved machine fails the start in STOPPED_S.
+    judge.forget()
+    stopped = [judge.judge(t, True, f"c{t}", float(t), starved_now) for t in range(0, STOPPED_S + 1, 5)]
+    assert stopped[-1] == "stopped"
 
 
 def never_progress() -> float:
