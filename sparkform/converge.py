@@ -150,6 +150,7 @@ def folders(config: HostConfig) -> list[Folder]:
         Folder(layout.record_dir(config.state_dir), "755"),
         # The settings kept for a rollback: root's alone, what root writes back into units.
         Folder(layout.kept_root(config.state_dir), "700"),
+        Folder(config.paths.host_lock_dir, "700"),
         Folder(config.paths.cache_keys, "755"),
         Folder(config.venv_root, "755"),
         # Checkpoints belong to root: an engine can read its weights, never change them.

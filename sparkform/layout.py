@@ -229,6 +229,16 @@ class HostPaths:
         return f"{self.state_dir}/home"
 
     @property
+    def host_lock_dir(self) -> str:
+        """Root's alone: the host lock and its holder's line."""
+        return f"{self.state_dir}/hostlock"
+
+    @property
+    def host_lock(self) -> str:
+        """The host lock: one deploy, rollback or scrub repair at a time (sparkform.host.hostlock)."""
+        return f"{self.host_lock_dir}/lock"
+
+    @property
     def lock_dir(self) -> str:
         """The launch locks: each engine's lock and state, and the start lock they share."""
         return f"{self.state_dir}/locks"

@@ -6,12 +6,16 @@ Pure: files and dicts from a validated host; nothing here opens a connection.
 
 from __future__ import annotations
 
+import getpass
 import json
+import os
+import shlex
 from collections.abc import Mapping
 from importlib import resources
 
 from sparkform import ledger
 from sparkform.engine import Engine
+from sparkform.host import ROOT_PYTHON
 from sparkform.layout import (
     ENGINES_TARGET,
     FRONT_UNIT,
@@ -39,6 +43,25 @@ PROGRAMS = ("checkpoint", "guard", "record", "rollback", "scrub", "vllm_serve")
 def host_source(module: str) -> str:
     """A module of sparkform.host as it lands on the host: its text, byte for byte."""
     return resources.files("sparkform.host").joinpath(f"{module}.py").read_text(encoding="utf-8")
+
+
+def run_by(command: str) -> str:
+    """A run as the host lock's holder line names it: what, who, from where."""
+    return f"{command} by {getpass.getuser()}@{os.uname().nodename} (pid {os.getpid()})"
+
+
+def host_lock_command(config: HostConfig, what: str, sudo: bool) -> str:
+    """The line a deploy runs on the host to hold the host lock (sparkform.host.hostlock `hold`):
+    the module's own source, since the host may not have sparkform yet. `what` is quoted here and
+    made printable there."""
+    words = [*ROOT_PYTHON, "-c", host_source("hostlock"), "hold", str(config.host_lock_wait_s)]
+    return ("sudo -n " if sudo else "") + shlex.join([*words, config.paths.host_lock, what])
+
+
+def host_locked(config: HostConfig, what: str, command: str) -> str:
+    """A shell line run on the host with the host lock held for it (`run`), stdin passed on."""
+    words = [*ROOT_PYTHON, "-c", host_source("hostlock"), "run", str(config.host_lock_wait_s)]
+    return f"{shlex.join([*words, config.paths.host_lock, what])} -- {command}"
 
 
 def shared_modules(config: HostConfig) -> list[RenderedFile]:
@@ -188,6 +211,8 @@ def scrub_settings(config: HostConfig) -> dict:
     return {
         "checkpoints": list(folders.values()),
         "rate_mib_s": config.scrub.rate_mib_s,
+        "host_lock_wait_s": config.host_lock_wait_s,
+        "host_lock": config.paths.host_lock,
         "hf_endpoint": config.hf_endpoint,
         "hf_token_file": config.paths.hf_token if config.hf_token_file else None,
         "guard": config.paths.guard,

@@ -213,11 +213,11 @@ def span_args(config: HostConfig, engine: Engine) -> list[str]:
 
 def scrub_units(config: HostConfig) -> list[RenderedFile]:
     """The scrub's service and timer (the timer restarts when it changes)."""
+    # The scrub's repair rewrites checkpoints and takes the host lock.
+    writable = root_writable(config, config.models_dir, config.paths.host_lock_dir)
     return [
         RenderedFile(
-            unit_path(SCRUB_UNIT),
-            template("sparkform-scrub.service.j2", config=config, writable=root_writable(config, config.models_dir)),
-            "644",
+            unit_path(SCRUB_UNIT), template("sparkform-scrub.service.j2", config=config, writable=writable), "644"
         ),
         RenderedFile(unit_path(SCRUB_TIMER), template("sparkform-scrub.timer.j2", config=config), "644"),
     ]

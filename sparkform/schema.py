@@ -141,6 +141,9 @@ class HostConfig(StrictModel):
     """StartLimitBurst=: starts allowed per interval before the unit stays failed."""
     restart_s: int = Field(10, ge=0)
     """RestartSec=: pause before systemd restarts a dead engine."""
+    host_lock_wait_s: int = Field(1200, ge=0)
+    """How long a deploy, rebuild, rollback or scrub repair waits for another one that holds the host (one at a time
+    per host) before it is refused with exit 4."""
     recover_cooldown_s: int = Field(600, ge=10)
     """After an engine spent its start limit (starts that never served): pause before it is reset and started again;
     doubled each time it fails again."""

@@ -29,7 +29,7 @@ from sparkform.nodes import span_problems
 from sparkform.render import prerequisite_packages
 from sparkform.schema import HostConfig
 from sparkform.snapshot import Snapshot
-from tasks import checkpoints, engines, files, front, guard, host_record, jit, monitoring, scrub, system, venv
+from tasks import checkpoints, engines, files, front, guard, host_record, hostlock, jit, monitoring, scrub, system, venv
 
 
 def planned() -> tuple[HostConfig, Snapshot, converge.ConvergePlan]:
@@ -40,6 +40,8 @@ def planned() -> tuple[HostConfig, Snapshot, converge.ConvergePlan]:
     except InventoryError as err:
         exit_invalid(err, f"data of host {host.name}")
     config = inventory_host.config
+    # One run at a time: held from here, before the host is read, to the run's end.
+    hostlock.host_locked(config)
     # An engine across hosts: the rules across its nodes on the data pyinfra merged (group data
     # included), then where its ranks meet, read off this node's link before any change.
     if spanning := [engine for engine in config.enabled_engines if engine.nodes]:

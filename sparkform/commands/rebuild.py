@@ -4,6 +4,7 @@ and print each engine's start beside the one the host record kept."""
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
@@ -84,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         deploy = subprocess.run(
             [str(Path(sys.executable).with_name("pyinfra")), "-y", str(args.inventory.resolve()), str(DEPLOY)],
             cwd=DEPLOY.parent,
+            # How the host lock's holder line names this run (tasks/hostlock.py).
+            env={**os.environ, "SPARKFORM_COMMAND": f"sparkform rebuild {args.inventory}"},
         )
         for h in hosts:
             print(f"\n{h.name}: engine starts")

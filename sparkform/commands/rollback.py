@@ -24,6 +24,8 @@ from sparkform.commands.logs import engine_host
 from sparkform.inventory import load_inventory, raw_inventory
 from sparkform.layout import ROOT_PYTHON
 from sparkform.model import Host
+from sparkform.programs import host_locked, run_by
+from sparkform.schema import HostConfig
 
 EXIT_USAGE = 2
 NOTHING_TO_GO_BACK_TO = 3  # sparkform-rollback's exit: nothing changed
@@ -31,10 +33,12 @@ NOTHING_TO_GO_BACK_TO = 3  # sparkform-rollback's exit: nothing changed
 BY_HAND = "rolled back by hand (sparkform rollback)"
 
 
-def rollback_command(script: str, engine: str, reason: str) -> str:
-    """The line run on the host: the reason on the script's stdin, never in its argv."""
-    run = shlex.join([*ROOT_PYTHON, script, engine, "--by", "hand"])
-    return f"printf '%s\\n' {shlex.quote(reason)} | {run}"
+def rollback_command(config: HostConfig, engine: str, reason: str) -> str:
+    """The line run on the host: the reason on the script's stdin, never in its argv; the host
+    lock held for it (a deploy or another rollback under way: it waits, then exit 4)."""
+    run = shlex.join([*ROOT_PYTHON, config.paths.rollback, engine, "--by", "hand"])
+    locked = host_locked(config, run_by(f"sparkform rollback of {engine}"), run)
+    return f"printf '%s\\n' {shlex.quote(reason)} | {locked}"
 
 
 def chosen(hosts: list[Host], engine: str | None, host: str | None) -> list[tuple[Host, list[str]]]:
@@ -62,9 +66,10 @@ def run(args: argparse.Namespace) -> int:
         for target, engines in targets:
             config = ssh.write_config(target.name, raw[target.name], Path(folder))
             for engine in engines:
-                command = rollback_command(target.config.paths.rollback, engine, args.reason or BY_HAND)
+                command = rollback_command(target.config, engine, args.reason or BY_HAND)
+                timeout = target.config.host_lock_wait_s + target.config.timeout_start_s + 120
                 try:
-                    result = ssh.run(config, target.name, command, timeout=target.config.timeout_start_s + 120)
+                    result = ssh.run(config, target.name, command, timeout=timeout)
                 except subprocess.TimeoutExpired:
                     print(f"sparkform rollback: {target.name} {engine}: no answer in time", file=sys.stderr)
                     failed = True

@@ -36,20 +36,34 @@ def joined(rank):
     return bool(established("dst", address, "dport", "=", f":{int(port)}").strip())
 
 
-# A peer in `ss -Htn`'s last column: an IPv4 address or a bracketed IPv6 one, then the port.
-PEER = re.compile(r"(\d{1,3}(?:\.\d{1,3}){3}|\[[0-9a-fA-F:.]+\]):\d{1,5}")
+# An endpoint in `ss -Htn`'s columns: an IPv4 address or a bracketed IPv6 one, then the port.
+ENDPOINT = re.compile(r"(\d{1,3}(?:\.\d{1,3}){3}|\[[0-9a-fA-F:.]+\]):\d{1,5}")
+# An IPv4 address as a dual-stack socket shows it (vLLM's store listens on one: CI, 2026-12-03).
+MAPPED = re.compile(r"\[::ffff:(\d{1,3}(?:\.\d{1,3}){3})\]", re.IGNORECASE)
+
+
+def endpoint_address(column):
+    """The address of an `ss` endpoint column, an IPv4-mapped IPv6 one as IPv4; None for another shape."""
+    match = ENDPOINT.fullmatch(column)
+    if not match:
+        return None
+    mapped = MAPPED.fullmatch(match[1])
+    return mapped[1] if mapped else match[1]
 
 
 def joined_peers(text, own_address):
-    """The addresses, other than the head's own and loopback (the head's own processes join its
-    store too), of the established connections in `ss -Htn`'s lines (Recv-Q, Send-Q, local,
-    peer); a line of another shape is left out."""
+    """The addresses of the established connections' peers in `ss -Htn`'s lines (Recv-Q, Send-Q,
+    local, peer), less the head's own processes (the head's own processes join its store too): a
+    peer at the head's address, at the line's own local address, or on loopback. A line of another
+    shape is left out."""
     peers = set()
     for line in text.splitlines():
         fields = line.split()
-        match = PEER.fullmatch(fields[-1]) if len(fields) == 4 else None
-        if match and match[1] not in (own_address, "[::1]") and not match[1].startswith("127."):
-            peers.add(match[1])
+        if len(fields) != 4:
+            continue
+        local, peer = endpoint_address(fields[2]), endpoint_address(fields[3])
+        if peer and peer not in (own_address, local, "[::1]") and not peer.startswith("127."):
+            peers.add(peer)
     return peers
 
 

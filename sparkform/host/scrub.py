@@ -39,7 +39,7 @@ from pathlib import Path
 if __name__ == "__main__":  # run by path on the host: its shared modules beside it (sparkform.host)
     sys.dont_write_bytecode, sys.path[:0] = True, [os.path.join(os.path.dirname(os.path.abspath(__file__)), "python")]
 
-from sparkform.host import ROOT_PYTHON, settings_path  # noqa: E402
+from sparkform.host import ROOT_PYTHON, hostlock, settings_path  # noqa: E402
 from sparkform.host.folders import COMPLETE_MARKER as MARKER  # noqa: E402
 from sparkform.host.folders import MANIFEST, relative_file  # noqa: E402
 
@@ -144,7 +144,8 @@ def fetch_environment(settings):
 
 
 def repair(settings, checkpoint, found):
-    """Report, unmark, fetch again, restart the engines that run on it. True once it serves."""
+    """Report, then with the host lock held (no deploy or rollback beside it): unmark, fetch
+    again, restart the engines that run on it. True once it serves."""
     folder = Path(checkpoint["folder"])
     names = ", ".join(engine["name"] for engine in checkpoint["engines"])
     for engine in checkpoint["engines"]:
@@ -154,6 +155,22 @@ def repair(settings, checkpoint, found):
             engine["name"],
             f"{folder} (served by {names}): {'; '.join(found)}: fetching it again",
         )
+    what = f"sparkform-scrub's repair of {folder}"
+    with hostlock.held(
+        settings["host_lock_wait_s"],
+        settings["host_lock"],
+        what,
+        lambda line: say(f"{folder}: the repair waits for the run that holds the host: {line}"),
+    ) as locked:
+        if not locked:
+            say(f"{folder}: another run held the host for the whole wait: not repaired, the next scrub tries again")
+            return False
+        return fetched_and_restarted(settings, checkpoint)
+
+
+def fetched_and_restarted(settings, checkpoint):
+    """Unmark, fetch again, restart the engines that run on it (the host lock held). True once fetched."""
+    folder = Path(checkpoint["folder"])
     (folder / MARKER).unlink(missing_ok=True)
     try:
         fetched = subprocess.run(checkpoint["fetch"], env=fetch_environment(settings), check=False).returncode

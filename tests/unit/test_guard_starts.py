@@ -180,30 +180,39 @@ def test_the_cgroup_v2_tree_is_found_where_it_is_mounted_and_its_cpu_time_read(t
 
 
 def test_a_head_counts_as_joined_only_established_peers_of_other_hosts_on_its_master_port():
-    """`ss -Htn state established` lines: the head's own processes (its node address, loopback)
-    are no rank; each other host counts once however many connections it holds."""
+    """`ss -Htn state established` lines: the head's own processes (its node address, loopback,
+    the address the connection came in on, an IPv4 address as a dual-stack socket shows it: CI,
+    2026-12-03) are no rank; each other host counts once however many connections it holds."""
     text = (
         "0      0      10.234.1.1:29501 10.234.1.2:45678\n"
         "0      0      10.234.1.1:29501 10.234.1.2:45679\n"
         "0      0      10.234.1.1:29501 10.234.1.1:40000\n"
         "0      0      127.0.0.1:29501 127.0.0.1:39066\n"
+        "0      9      [::ffff:10.234.1.1]:29501 [::ffff:10.234.1.1]:44690\n"
+        "0      0      [::ffff:10.233.1.2]:29501 [::ffff:10.233.1.2]:44691\n"
+        "0      0      [::ffff:10.234.1.1]:29501 [::FFFF:10.234.1.3]:44692\n"
         "0      0      [fe80::1]:29501 [fe80::2]:555\n"
         "0      0      10.234.1.1:29501 10.234.1.9:notaport\n"
         "a line of another shape\n"
     )
-    assert joined_peers(text, "10.234.1.1") == {"10.234.1.2", "[fe80::2]"}
+    assert joined_peers(text, "10.234.1.1") == {"10.234.1.2", "10.234.1.3", "[fe80::2]"}
     assert joined_peers("", "10.234.1.1") == set()
 
 
 def test_a_head_whose_only_store_connection_is_its_own_still_waits_and_a_lone_engine_never():
-    """A real store port on loopback: the head's own connection to it is no rank joined."""
-    store = socket.create_server(("127.0.0.1", 0))
-    own = socket.create_connection(store.getsockname())
-    accepted, _ = store.accept()
+    """Real store ports on loopback, one IPv4 and one dual-stack as vLLM's (`ss` shows its peers
+    as [::ffff:127.0.0.1]): the head's own connection to either is no rank joined."""
+    stores = [socket.create_server(("127.0.0.1", 0))]
+    if socket.has_dualstack_ipv6():
+        stores.append(socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True))
+    sockets = list(stores)
     try:
-        head = {"ranks": {"address": "127.0.0.1", "port": store.getsockname()[1], "count": 1}}
-        assert waits_for_ranks(head)
+        for store in stores:
+            sockets.append(socket.create_connection(("127.0.0.1", store.getsockname()[1])))
+            sockets.append(store.accept()[0])
+            head = {"ranks": {"address": "127.0.0.1", "port": store.getsockname()[1], "count": 1}}
+            assert waits_for_ranks(head), store.family
         assert not waits_for_ranks({"ranks": None})
     finally:
-        for sock in (own, accepted, store):
+        for sock in sockets:
             sock.close()

@@ -417,14 +417,19 @@ def test_roots_own_units_are_hardened_to_their_bounds_each_score_printed(
 
 @pytest.mark.parametrize("monitoring", [False, True])
 def test_roots_own_units_write_only_their_folders(monitoring):
-    """The record folder each, the scrub the checkpoints too, and with monitoring node_exporter's
+    """The record folder each, the scrub the checkpoints and the host lock too, and with monitoring node_exporter's
     textfile folder (the guard's alert and GPU metrics); the rest of the system read-only."""
     config = load_host("x", {"monitoring": {"enabled": monitoring}}).config
     textfiles = [config.monitoring.textfile_dir] if monitoring else []
     expected = {
         GUARD_UNIT: [record_dir(config.state_dir), *textfiles],
         "sparkform-recover@.service": [record_dir(config.state_dir), *textfiles],
-        "sparkform-scrub.service": [config.models_dir, record_dir(config.state_dir), *textfiles],
+        "sparkform-scrub.service": [
+            config.models_dir,
+            config.paths.host_lock_dir,
+            record_dir(config.state_dir),
+            *textfiles,
+        ],
     }
     for unit, folders in expected.items():
         content = next(f.content for f in render_host(config) if f.path.endswith(f"/{unit}"))

@@ -286,7 +286,7 @@ def test_keeping_again_after_a_rollback_drops_its_record_and_leaves_no_folder_be
 def test_by_hand_the_reason_travels_on_stdin_quoted_and_is_recorded_as_given(host):
     host.put(load_host("rollback-test", data(host.root, ["--max-num-seqs", "4"])).config, "a")
     reason = "answers garbage; $(touch pwned) `touch pwned`"
-    command = rollback_command(host.config.paths.rollback, "a", reason)
+    command = rollback_command(host.config, "a", reason)
     result = subprocess.run(["bash", "-c", command], env=host.env, cwd=host.root, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert not (host.root / "pwned").exists()
