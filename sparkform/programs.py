@@ -213,6 +213,10 @@ def scrub_settings(config: HostConfig) -> dict:
         "rate_mib_s": config.scrub.rate_mib_s,
         "host_lock_wait_s": config.host_lock_wait_s,
         "host_lock": config.paths.host_lock,
+        # A repair that failed: tried again after retry_s, doubled each time, up to retry_max_s.
+        "retry_s": config.scrub.retry_s,
+        "retry_max_s": config.scrub.retry_max_s,
+        "repairs": f"{record_dir(config.state_dir)}/scrub-repairs.json",
         "hf_endpoint": config.hf_endpoint,
         "hf_token_file": config.paths.hf_token if config.hf_token_file else None,
         "guard": config.paths.guard,

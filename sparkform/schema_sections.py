@@ -95,6 +95,11 @@ class Scrub(StrictModel):
     rate_mib_s: int = Field(200, ge=1, le=100_000)
     """The most the scrub reads, in MiB a second (40 GB of checkpoints take 3.5 min at 200); its reads also yield
     to every other read (idle I/O class)."""
+    retry_s: int = Field(300, ge=10)
+    """A repair whose fetch failed (the hub did not answer) is tried again after this long, doubled each time it fails
+    again; once it verifies, its engines start on it without a deploy."""
+    retry_max_s: int = Field(21600, ge=10)
+    """The longest pause between those tries."""
 
     @field_validator("period")
     @classmethod

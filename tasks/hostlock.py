@@ -40,7 +40,7 @@ def what_runs() -> str:
     )
 
 
-def cut(signum, frame) -> None:
+def cut(signum: int, frame: object) -> None:
     sys.stderr.write("\nsparkform: the run was cut (Ctrl-C) before its last operation: exit 130\n")
     sys.stderr.flush()
     os._exit(EXIT_CUT)
@@ -98,12 +98,24 @@ def refused(line: str) -> NoReturn:
     raise SystemExit(EXIT_REFUSED)
 
 
+def after_the_hosts_before(wait_s: int) -> None:
+    """pyinfra prepares its hosts side by side: each takes its lock only once this run holds those
+    of the hosts before it in the inventory, so two runs of one inventory take them in one order
+    and never wait for each other crosswise (bounded all the same)."""
+    state = host.state
+    hosts = list(state.inventory)
+    before = [h.name for h in hosts[: hosts.index(host)] if h in state.active_hosts]
+    deadline = time.monotonic() + wait_s + 60
+    while not all(name in HELD for name in before) and time.monotonic() < deadline:
+        time.sleep(0.2)  # gevent's: the other hosts' greenlets run meanwhile
+
+
 def host_locked(config: HostConfig) -> None:
     """Hold the host lock for the rest of this run (once per host); exit 4 when refused."""
     if host.name in HELD:
         return
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, cut)
+    after_the_hosts_before(config.host_lock_wait_s)
+    signal.signal(signal.SIGINT, cut)  # in place of pyinfra's, which exits 0
     holder = Holder(host_lock_command(config, run_by(what_runs()), bool(host.data.get("_sudo"))))
     for raw in holder.lines:
         text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else raw

@@ -36,9 +36,10 @@ ENGINE_EVENTS = (
     "memory-critical",
     "memory-recovered",
     "checkpoint-corrupt",
+    "checkpoint-repair-failed",
     "checkpoint-repaired",
     "rolled-back",
-)  # the last three from sparkform-scrub and sparkform-rollback
+)  # the last four from sparkform-scrub and sparkform-rollback
 HOST_EVENTS = ("memory-low", "drift", "rebooted", "unclean-reboot", "guard-restarted", "front-down", "front-recovered")
 # An alert the webhook did not take waits in the outbox (root's, on disk) and is sent again, the
 # oldest first, after a pause that doubles from OUTBOX_FIRST_S to OUTBOX_MAX_S while it fails.

@@ -1,4 +1,4 @@
-"""sparkform-scrub [--check-only] [--rate-mib-s R] (run as root by the system's python3): re-hash
+"""sparkform-scrub [--check-only | --retry] [--rate-mib-s R] (run as root by the system's python3): re-hash
 every file of the checkpoints the engines serve against the manifest written when it was
 verified, reading no faster than the config's rate_mib_s (sparkform-scrub.service runs it at
 idle I/O priority, from sparkform-scrub.timer). Everything it knows is in the settings file
@@ -15,14 +15,21 @@ or a write that kept both are found only here. A checkpoint with a file that no 
      what differs from the hub's tree, and writes the manifest and the marker last);
   4. served again: each engine that serves it and runs is restarted (systemctl try-restart,
      one at a time), so it no longer holds the bad bytes; an alert (checkpoint-repaired) says so.
-A checkpoint not complete at its commit is left to the next deploy.
+A repair whose fetch failed (the hub did not answer, another run held the host) is tried again
+after retry_s, then twice as long each time up to retry_max_s (a transient timer,
+sparkform-scrub-retry-N, runs `sparkform-scrub --retry`); its first failure is alerted once
+(checkpoint-repair-failed), its success too (checkpoint-repaired, with the failed tries), and
+its engines start on it then: restarted if they run, started again if their refused starts
+spent their start limit. Any other checkpoint not complete at its commit is left to the next
+deploy.
 
 --check-only reports and changes nothing (`sparkform verify --deep` runs it so, with a rate of its own).
 
 Exit codes:
   0  every complete checkpoint matched its manifest, or was fetched again and serves
   1  a file did not match (--check-only), or fetching it again failed: its marker stays absent,
-     so no engine starts on it until a deploy fetches it (the engines keep what they loaded)
+     so no engine starts on it until a retry (or a deploy) fetches it (the engines keep what
+     they loaded)
   2  usage, or an unreadable config
 """
 
@@ -40,6 +47,7 @@ if __name__ == "__main__":  # run by path on the host: its shared modules beside
     sys.dont_write_bytecode, sys.path[:0] = True, [os.path.join(os.path.dirname(os.path.abspath(__file__)), "python")]
 
 from sparkform.host import ROOT_PYTHON, hostlock, settings_path  # noqa: E402
+from sparkform.host.alerts import read_json, write_json  # noqa: E402
 from sparkform.host.folders import COMPLETE_MARKER as MARKER  # noqa: E402
 from sparkform.host.folders import MANIFEST, relative_file  # noqa: E402
 
@@ -143,12 +151,12 @@ def fetch_environment(settings):
     return env
 
 
-def repair(settings, checkpoint, found):
-    """Report, then with the host lock held (no deploy or rollback beside it): unmark, fetch
-    again, restart the engines that run on it. True once it serves."""
+def repair(settings, checkpoint, found=None):
+    """Report what was found (none on a retry), then with the host lock held (no deploy or
+    rollback beside it): unmark, fetch again, start its engines on it. True once fetched."""
     folder = Path(checkpoint["folder"])
     names = ", ".join(engine["name"] for engine in checkpoint["engines"])
-    for engine in checkpoint["engines"]:
+    for engine in checkpoint["engines"] if found else []:
         alert(
             settings,
             "checkpoint-corrupt",
@@ -163,43 +171,104 @@ def repair(settings, checkpoint, found):
         lambda line: say(f"{folder}: the repair waits for the run that holds the host: {line}"),
     ) as locked:
         if not locked:
-            say(f"{folder}: another run held the host for the whole wait: not repaired, the next scrub tries again")
-            return False
-        return fetched_and_restarted(settings, checkpoint)
-
-
-def fetched_and_restarted(settings, checkpoint):
-    """Unmark, fetch again, restart the engines that run on it (the host lock held). True once fetched."""
-    folder = Path(checkpoint["folder"])
-    (folder / MARKER).unlink(missing_ok=True)
-    try:
-        fetched = subprocess.run(checkpoint["fetch"], env=fetch_environment(settings), check=False).returncode
-    except OSError as err:
-        fetched = f"{type(err).__name__}: {err.strerror}"
-    if fetched != 0:
+            say(f"{folder}: another run held the host for the whole wait: not repaired")
+            return retried(settings, checkpoint, "another run held the host")
+        (folder / MARKER).unlink(missing_ok=True)
+        try:
+            fetched = subprocess.run(checkpoint["fetch"], env=fetch_environment(settings), check=False).returncode
+        except OSError as err:
+            fetched = f"{type(err).__name__}: {err.strerror}"
+        if fetched != 0:
+            return retried(
+                settings, checkpoint, f"fetching it again failed (exit {fetched}; journalctl -u sparkform-scrub)"
+            )
+        failures = repairs(settings).pop(checkpoint["folder"], {}).get("failures", 0)
+        save_repairs(settings, checkpoint["folder"], None)
         for engine in checkpoint["engines"]:
+            outcome = restarted(engine["unit"])
+            tries = f" after {failures} failed tries" if failures else ""
             alert(
                 settings,
-                "checkpoint-corrupt",
+                "checkpoint-repaired",
                 engine["name"],
-                f"{folder}: fetching it again failed (exit {fetched}; journalctl -u sparkform-scrub): "
-                f"{engine['name']} keeps what it loaded but starts on it only once a deploy fetched it",
+                f"{folder}: fetched again and verified{tries}; {engine['unit']} {outcome}",
             )
-        return False
-    for engine in checkpoint["engines"]:
-        restarted = subprocess.run(["systemctl", "try-restart", engine["unit"]], check=False).returncode
-        outcome = (
-            "restarted on it (if it ran)"
-            if restarted == 0
-            else f"its restart failed (exit {restarted}; journalctl -u {engine['unit']})"
+        return True
+
+
+def restarted(unit):
+    """The engine on the repaired checkpoint: restarted if it runs, started again if it failed
+    (its starts were refused meanwhile: the checkpoint lacked its marker). How it went, in words."""
+    state = subprocess.run(["systemctl", "show", "-p", "ActiveState", "--value", unit], capture_output=True, text=True)
+    if state.stdout.strip() == "failed":
+        subprocess.run(["systemctl", "reset-failed", unit], check=False)
+        code, done = subprocess.run(["systemctl", "start", "--no-block", unit], check=False).returncode, "started again"
+    else:
+        code, done = (
+            subprocess.run(["systemctl", "try-restart", unit], check=False).returncode,
+            "restarted on it (if it ran)",
         )
-        alert(
-            settings,
-            "checkpoint-repaired",
-            engine["name"],
-            f"{folder}: fetched again and verified; {engine['unit']} {outcome}",
-        )
-    return True
+    return done if code == 0 else f"its restart failed (exit {code}; journalctl -u {unit})"
+
+
+# The repairs that failed: their folder -> {"failures": N, "since": epoch s}, in root's record folder.
+RETRY_UNIT = "sparkform-scrub-retry"
+
+
+def repairs(settings):
+    found = read_json(settings["repairs"], {})
+    return {k: v for k, v in found.items() if isinstance(v, dict) and isinstance(v.get("failures"), int)}
+
+
+def save_repairs(settings, folder, entry):
+    """The folder's entry replaced (None: removed); the file replaced whole."""
+    current = repairs(settings)
+    if entry is None:
+        current.pop(folder, None)
+    else:
+        current[folder] = entry
+    write_json(settings["repairs"], current)
+
+
+def retried(settings, checkpoint, why):
+    """A repair that failed: counted, tried again after a pause that doubles each time (a transient
+    timer runs `--retry`), and told once, at the first failure. Always False."""
+    folder = checkpoint["folder"]
+    entry = repairs(settings).get(folder, {"failures": 0, "since": round(time.time())})
+    entry["failures"] += 1
+    save_repairs(settings, folder, entry)
+    delay = min(settings["retry_s"] * 2 ** (entry["failures"] - 1), settings["retry_max_s"])
+    # One unit per try: the try that schedules the next one runs in the unit of its own.
+    subprocess.run(["systemctl", "stop", f"{RETRY_UNIT}-*.timer"], capture_output=True, check=False)
+    try:
+        scheduled = subprocess.run(
+            [
+                "systemd-run",
+                f"--unit={RETRY_UNIT}-{entry['failures']}",
+                "--collect",
+                f"--on-active={delay}s",
+                "--timer-property=AccuracySec=1s",
+                "--description=sparkform: a checkpoint repair tried again",
+                *ROOT_PYTHON,
+                os.path.abspath(__file__),
+                "--retry",
+            ],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        ).returncode
+    except (OSError, subprocess.TimeoutExpired):
+        scheduled = None
+    then = f"try {entry['failures'] + 1} in {delay} s" if scheduled == 0 else "no retry (systemd-run failed)"
+    message = (
+        f"{folder}: {why}: {then}; until it verifies, the engines keep what they loaded and a start of "
+        f"{', '.join(e['name'] for e in checkpoint['engines'])} is refused"
+    )
+    say(message)
+    if entry["failures"] == 1:
+        for engine in checkpoint["engines"]:
+            alert(settings, "checkpoint-repair-failed", engine["name"], message)
+    return False
 
 
 def mib_per_s(text):
@@ -213,9 +282,29 @@ def mib_per_s(text):
     return value
 
 
+def retry(settings):
+    """The repairs that failed, tried again (a folder a deploy fetched meanwhile, or one no
+    engine serves any more, is dropped). Exit code as main's."""
+    failed = False
+    served = {checkpoint["folder"]: checkpoint for checkpoint in settings["checkpoints"]}
+    for folder in repairs(settings):
+        checkpoint = served.get(folder)
+        try:
+            complete = (Path(folder) / MARKER).read_text().strip()
+        except OSError:
+            complete = None
+        if checkpoint is None or complete == checkpoint["commit"]:
+            say(f"{folder}: {'no engine serves it' if checkpoint is None else 'complete again (a deploy)'}: no retry")
+            save_repairs(settings, folder, None)
+            continue
+        failed |= not repair(settings, checkpoint)
+    return 1 if failed else 0
+
+
 def main():
     parser = argparse.ArgumentParser(prog="sparkform-scrub")
     parser.add_argument("--check-only", action="store_true", help="report, change nothing")
+    parser.add_argument("--retry", action="store_true", help="try the repairs that failed again, nothing else")
     parser.add_argument(
         "--rate-mib-s", type=mib_per_s, metavar="R", help="read at most R MiB/s (the config's unless told)"
     )
@@ -225,8 +314,11 @@ def main():
     except (OSError, ValueError) as err:
         print(f"sparkform-scrub: cannot read its config: {err}", file=sys.stderr)
         return 2
+    if args.retry:
+        return retry(settings)
     pace = Pace((args.rate_mib_s or settings["rate_mib_s"]) * 1024 * 1024)
     failed = False
+    pending = repairs(settings)
     for checkpoint in settings["checkpoints"]:
         folder = Path(checkpoint["folder"])
         try:
@@ -234,7 +326,10 @@ def main():
         except OSError:
             complete = None
         if checkpoint["commit"] is None or complete != checkpoint["commit"]:
-            say(f"{folder}: not complete at its commit; the next deploy fetches it")
+            if checkpoint["folder"] in pending and not args.check_only:
+                failed |= not repair(settings, checkpoint)  # a repair that failed before: now, not at its timer
+            else:
+                say(f"{folder}: not complete at its commit; the next deploy fetches it")
             continue
         started = time.monotonic()
         files = manifest_files(folder, checkpoint)

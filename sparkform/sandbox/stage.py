@@ -156,12 +156,29 @@ def _start_alert_receiver(box: machine.Sandbox) -> None:
         out.write(f"http://{box.host_address}:{ALERTS_PORT}/alerts\n")
 
 
-def _stop_services(runtime: Path) -> None:
-    for name in ("hub", "alerts"):
+def _stop_services(runtime: Path, names: Sequence[str] = ("hub", "alerts")) -> None:
+    for name in names:
         pid_file = runtime / f"{name}.pid"
         if pid_file.exists():
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.killpg(int(pid_file.read_text()), signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def hub_down(box: machine.Sandbox):
+    """The sandbox's hub stopped for the block (nothing listens on its port), then served again."""
+    _stop_services(box.runtime_dir, ("hub",))
+    deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((box.host_address, HUB_PORT), timeout=1).close()
+        except OSError:
+            break
+        time.sleep(0.1)
+    try:
+        yield
+    finally:
+        _start_hub(box)
 
 
 def _guest(box: machine.Sandbox, step: str, command: str, stdin: str = "") -> str:

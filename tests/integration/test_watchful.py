@@ -41,7 +41,15 @@ from deploy_helpers import (
 from sparkform.host import ALERT_MESSAGE_ID
 from sparkform.host.starts import STOPPED_S
 from sparkform.inventory import load_inventory
-from sparkform.layout import ENGINES_TARGET, FRONT_CONFIG, FRONT_UNIT, GUARD_UNIT, GUARD_WATCHDOG_S, SCRUB_UNIT
+from sparkform.layout import (
+    COMPLETE_MARKER,
+    ENGINES_TARGET,
+    FRONT_CONFIG,
+    FRONT_UNIT,
+    GUARD_UNIT,
+    GUARD_WATCHDOG_S,
+    SCRUB_UNIT,
+)
 from sparkform.parsers import parse_kv_pool, parse_vllm_version
 from sparkform.sandbox import stage
 from sparkform.sandbox.alerts import read_alerts
@@ -367,7 +375,8 @@ def test_an_engine_that_cannot_serve_is_retried_with_a_growing_back_off_and_serv
     assert pyinfra(inventory, "-y").returncode == 0
     since, since_alerts = now(box), len(alerts(box))
     config = f"{checkpoint_dir(box, 'q38')}/config.json"
-    ssh(box, f"cp {config} /root/q38-config.json && echo '{{' > {config}")
+    # Its size and mtime kept aside too: the file put back is the one its manifest recorded.
+    ssh(box, f"cp -p {config} /root/q38-config.json && echo '{{' > {config}")
     try:
         ssh(box, f"kill -9 {engine_core(box, 'vllm-q38.service')}")
         wait_for(
@@ -383,7 +392,7 @@ def test_an_engine_that_cannot_serve_is_retried_with_a_growing_back_off_and_serv
             "the second back-off",
         )
     finally:
-        ssh(box, f"cp /root/q38-config.json {config}")
+        ssh(box, f"cp -p /root/q38-config.json {config}")
     wait_for(lambda: serving(box, "vllm-q38.service"), 300, "q38 serving after the repair, by itself")
 
     def q38_events() -> list[str]:
@@ -512,6 +521,53 @@ def test_a_byte_flipped_in_a_served_shard_is_found_by_the_scrub_fetched_again_an
     assert launched > fetched
     # The scrub's fetch wrote the manifest again: nothing is left for a deploy to do.
     assert changed_operations(SANDBOX_INVENTORY) == []
+
+
+def test_a_repair_while_the_hub_is_down_is_tried_again_and_the_engine_serves_the_good_file_without_a_deploy(
+    box, tmp_path
+):
+    """Issue 31: a flipped byte found by the scrub while the hub does not answer: the repair fails
+    (one alert) and q38's starts are refused (no marker) until they spend its start limit; the hub
+    back, the scrub's own retry fetches the file, starts q38 again, and q38 serves the good bytes
+    without a deploy (one alert). Costs a deploy of the scrub's settings (retry_s 10), q38's
+    refused starts and one that serves, and the deploy back."""
+    inventory = edited_inventory(tmp_path, host_changes={"scrub": {"retry_s": 10}})
+    assert pyinfra(inventory, "-y").returncode == 0
+    folder = checkpoint_dir(box, "q38")
+    shard = ssh(box, f"ls {folder}/*.safetensors").stdout.split()[0]
+    good = ssh(box, f"sha256sum {shard}").stdout.split()[0]
+    flip_a_byte_keeping_size_and_mtime(box, shard)
+    since, since_alerts = now(box), len(alerts(box))
+
+    def checkpoint_events() -> list[str]:
+        return [a["event"] for a in alerts(box)[since_alerts:] if a["event"].startswith("checkpoint-")]
+
+    with stage.hub_down(box):
+        assert ssh(box, f"systemctl start {SCRUB_UNIT}", check=False).returncode != 0
+        assert ssh(box, f"test -e {folder}/{COMPLETE_MARKER}", check=False).returncode != 0
+        # q38 restarts on what it no longer may load: its starts are refused until the start limit.
+        ssh(box, f"kill -9 {engine_core(box, 'vllm-q38.service')}")
+        wait_for(
+            lambda: unit_properties(box, "vllm-q38.service", "ActiveState")["ActiveState"] == "failed",
+            180,
+            "q38's refused starts spending its start limit",
+        )
+        assert checkpoint_events() == ["checkpoint-corrupt", "checkpoint-repair-failed"], checkpoint_events()
+    # The retries doubled from 10 s while the hub was down: the next one comes within a few minutes.
+    try:
+        wait_for(lambda: serving(box, "vllm-q38.service"), 300, "q38 serving again after the scrub's retry")
+    except AssertionError as err:
+        units = "-u sparkform-scrub.service -u sparkform-scrub-retry.service -u sparkform-scrub-retry.timer"
+        journal = ssh(box, f"journalctl {units} -u vllm-q38.service --since @{since} -o short-monotonic").stdout
+        raise AssertionError(f"{err}: {journal[-6000:]}") from None
+    assert ssh(box, f"sha256sum {shard}").stdout.split()[0] == good
+    wait_for(lambda: len(checkpoint_events()) == 3, 60, "the alert that the repair made it")
+    assert checkpoint_events() == ["checkpoint-corrupt", "checkpoint-repair-failed", "checkpoint-repaired"]
+    repaired = [a for a in alerts(box)[since_alerts:] if a["event"] == "checkpoint-repaired"][0]["message"]
+    assert re.search(r"verified after \d+ failed tries; vllm-q38.service started again", repaired), repaired
+    refused = ssh(box, f"journalctl -u vllm-q38.service --since @{since} -o cat --no-pager").stdout
+    assert "is incomplete (no " in refused, refused[-2000:]
+    assert pyinfra(SANDBOX_INVENTORY, "-y").returncode == 0
 
 
 def ledger_rows() -> list[dict]:

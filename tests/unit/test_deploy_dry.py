@@ -8,6 +8,7 @@ The full converge runs against the sandbox.
 import json
 import pwd
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,9 @@ from pathlib import Path
 from local_deploy import FAST_COMMIT, local_inventory, publish
 
 from sparkform import converge
+from sparkform.host import ROOT_PYTHON
 from sparkform.inventory import load_inventory
+from sparkform.programs import host_source
 from sparkform.render import render_host
 from sparkform.shapes import SHARED_USERS
 
@@ -186,3 +189,60 @@ def test_dry_run_names_a_change_that_went_back_while_the_inventory_still_renders
     assert f"fast runs its previous settings since 2025-12-01 06:53 UTC: {reason}" in out
     assert "slow runs its previous" not in out
     assert "Settings fast serves kept" in out and "Settings slow serves kept" in out
+
+
+def held_host(tmp_path: Path, wait_s: int, hub) -> tuple[Path, subprocess.Popen]:
+    """A local inventory that waits `wait_s` for the host lock, and a holder that holds it (the
+    module's `hold`, as another deploy would, named "the other deploy by owner@laptop")."""
+    publish(hub, tmp_path, "v1")
+    inventory = local_inventory(tmp_path, endpoint=hub.url)
+    inventory.write_text(inventory.read_text().replace('"hf_endpoint"', f'"host_lock_wait_s": {wait_s}, "hf_endpoint"'))
+    lock = load_inventory(inventory)[0].config.paths.host_lock
+    holder = subprocess.Popen(
+        [*ROOT_PYTHON, "-c", host_source("hostlock"), "hold", "0", lock, "the other deploy by owner@laptop"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline() == "locked\n"
+    return inventory, holder
+
+
+def test_a_deploy_while_another_holds_the_host_says_who_waits_and_is_refused_with_exit_4(tmp_path, hub):
+    inventory, holder = held_host(tmp_path, 2, hub)
+    try:
+        result = _pyinfra(str(inventory), "deploy.py", "--dry")
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+    out = result.stdout + result.stderr
+    assert result.returncode == 4, out
+    assert re.search(r"another run holds this host: the other deploy by owner@laptop since 20\S+ \S+ UTC; waiting", out)
+    assert "another run held this host for the whole wait (host_lock_wait_s, 2 s)" in out, out
+    assert "Engine slow serving" not in out  # nothing was read or planned
+    # The holder gone, the same run takes the host at once.
+    assert _pyinfra(str(inventory), "deploy.py", "--dry").returncode == 0
+
+
+def test_a_deploy_cut_by_ctrl_c_exits_130(tmp_path, hub):
+    """pyinfra's own handler exits 0 ("Exiting upon user request!"); a cut run must not look done.
+    Cut while it waits for the host (a moment every run passes through)."""
+    inventory, holder = held_host(tmp_path, 60, hub)
+    try:
+        run = subprocess.Popen(
+            [str(PYINFRA), str(inventory), "deploy.py", "--dry"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for line in run.stdout:
+            if "another run holds this host" in line:
+                break
+        run.send_signal(signal.SIGINT)
+        out = run.communicate(timeout=30)[0]
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+    assert run.returncode == 130, out
+    assert "the run was cut (Ctrl-C) before its last operation: exit 130" in out

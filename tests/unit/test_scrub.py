@@ -27,6 +27,9 @@ QWEN, LLAMA = "sparkform-test/tiny-qwen3", "sparkform-test/tiny-llama"
 SHARD = "model-00001-of-00002.safetensors"  # of QWEN's checkpoint
 TOKEN = "hf_scrubTestToken0123456789"
 STUB_SYSTEMCTL = '#!/bin/sh\necho "systemctl $*" >> "{calls}"\n'
+STUB_SYSTEMD_RUN = '#!/bin/sh\necho "systemd-run $*" >> "{calls}"\n'
+# What the scrub asks before it restarts an engine on a repaired checkpoint (the stub answers nothing).
+STATE = "systemctl show -p ActiveState --value"
 ALERT_COMMAND = '#!/bin/sh\ncat >> "{out}"\necho >> "{out}"\n'
 
 
@@ -40,9 +43,10 @@ class ScrubbedHost:
         bin_dir = root / "bin"
         bin_dir.mkdir(parents=True)
         (bin_dir / "systemctl").write_text(STUB_SYSTEMCTL.format(calls=self.calls))
+        (bin_dir / "systemd-run").write_text(STUB_SYSTEMD_RUN.format(calls=self.calls))
         command = root / "alert-command"
         command.write_text(ALERT_COMMAND.format(out=self.command_out))
-        for path in (bin_dir / "systemctl", command):
+        for path in (bin_dir / "systemctl", bin_dir / "systemd-run", command):
             path.chmod(0o755)
         token = root / "hf_token"
         token.write_text(TOKEN + "\n")
@@ -142,7 +146,7 @@ def test_a_flipped_byte_with_size_and_mtime_kept_is_found_fetched_again_and_only
     assert result.returncode == 0, result.stdout + result.stderr
     assert shard.read_bytes() == served(host, QWEN, SHARD)
     assert (host.folder("q") / COMPLETE_MARKER).read_text() == f"{host.hub.resolve(QWEN, 'main')}\n"
-    assert host.systemctl_calls() == ["systemctl try-restart vllm-q.service"]
+    assert host.systemctl_calls() == [f"{STATE} vllm-q.service", "systemctl try-restart vllm-q.service"]
     alerts = host.alerts()
     assert [(event, engine) for event, engine, _ in alerts] == [
         ("checkpoint-corrupt", "q"),
@@ -163,7 +167,7 @@ def test_a_flipped_byte_with_size_and_mtime_kept_is_found_fetched_again_and_only
     # The next run finds both checkpoints as their manifests recorded.
     again = host.scrub()
     assert again.returncode == 0 and again.stdout.count("as their manifest recorded") == 2, again.stdout
-    assert len(host.systemctl_calls()) == 1
+    assert len(host.systemctl_calls()) == 2
 
 
 def test_check_only_names_the_file_and_changes_nothing(host):
@@ -178,17 +182,56 @@ def test_check_only_names_the_file_and_changes_nothing(host):
     assert host.systemctl_calls() == [] and host.alerts() == [] and host.hub.requests == []
 
 
-def test_a_repair_the_hub_cannot_serve_leaves_the_checkpoint_unmarked_and_the_engine_running(host):
+def test_a_repair_the_hub_cannot_serve_is_tried_again_with_a_growing_back_off_and_serves_once_it_verifies(host):
+    """Issue 31: the hub served bad bytes at the scrub's repair and at the first retry: the
+    checkpoint stays unmarked (no engine starts on it), each failure schedules the next try twice
+    as late, one alert says it failed; once the hub serves the file again, the retry fetches it,
+    starts the engine its refused starts had failed, and one alert says so, with the tries."""
     (host.folder("q") / SHARD).write_bytes(b"rot")  # a changed size: found all the same
     host.hub.corrupt_file(QWEN, SHARD)
     result = host.scrub()
     assert result.returncode == 1
     assert not (host.folder("q") / COMPLETE_MARKER).exists()  # no engine starts on it
-    assert host.systemctl_calls() == []
+    retry = "--timer-property=AccuracySec=1s --description=sparkform: a checkpoint repair tried again"
+    tries = [
+        "systemctl stop sparkform-scrub-retry-*.timer",
+        f"systemd-run --unit=sparkform-scrub-retry-1 --collect --on-active=300s {retry} /usr/bin/python3 -I "
+        f"{host.config.paths.scrub} --retry",
+    ]
+    assert host.systemctl_calls() == tries
     (found, failed) = host.alerts()
     assert found[:2] == ("checkpoint-corrupt", "q") and f"{SHARD}: size 3 instead of" in found[2]
-    assert failed[:2] == ("checkpoint-corrupt", "q") and "fetching it again failed (exit 4" in failed[2]
-    assert "starts on it only once a deploy fetched it" in failed[2]
+    assert failed[:2] == ("checkpoint-repair-failed", "q") and "fetching it again failed (exit 4" in failed[2]
+    assert (
+        "try 2 in 300 s; until it verifies, the engines keep what they loaded and a start of q is refused" in failed[2]
+    )
+    # The timer's run, the hub still bad: counted and scheduled twice as late, told in the journal only.
+    again = host.scrub("--retry")
+    assert again.returncode == 1 and "try 3 in 600 s" in again.stdout, again.stdout
+    assert host.systemctl_calls()[2:] == [line.replace("-1 ", "-2 ").replace("=300s", "=600s") for line in tries]
+    assert len(host.alerts()) == 2
+    # The hub serves the file again; meanwhile q's refused starts spent its start limit.
+    host.hub.corrupt_file(QWEN, SHARD, corrupt=False)
+    (host.calls.parent / "bin" / "systemctl").write_text(
+        STUB_SYSTEMCTL.format(calls=host.calls) + 'case "$*" in "show -p ActiveState --value"*) echo failed;; esac\n'
+    )
+    repaired = host.scrub("--retry")
+    assert repaired.returncode == 0, repaired.stdout + repaired.stderr
+    assert (host.folder("q") / SHARD).read_bytes() == served(host, QWEN, SHARD)
+    assert (host.folder("q") / COMPLETE_MARKER).exists()
+    assert host.systemctl_calls()[4:] == [
+        f"{STATE} vllm-q.service",
+        "systemctl reset-failed vllm-q.service",
+        "systemctl start --no-block vllm-q.service",
+    ]
+    (*_, last) = host.alerts()
+    assert (
+        last[:2] == ("checkpoint-repaired", "q")
+        and "verified after 2 failed tries; vllm-q.service started again" in last[2]
+    )
+    # Nothing is left to try: the next retry drops nothing and fetches nothing.
+    assert json.loads(Path(host.settings["repairs"]).read_text()) == {}
+    assert host.scrub("--retry").returncode == 0 and len(host.systemctl_calls()) == 7
 
 
 def test_a_manifest_entry_outside_the_folder_is_not_read_and_the_checkpoint_is_fetched_again(host, tmp_path):
@@ -202,7 +245,7 @@ def test_a_manifest_entry_outside_the_folder_is_not_read_and_the_checkpoint_is_f
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"{CHECKPOINT_MANIFEST} holds an entry of another shape" in host.alerts()[0][2]
     assert ".." not in path.read_text()  # the fetch wrote the manifest again
-    assert host.systemctl_calls() == ["systemctl try-restart vllm-q.service"]
+    assert host.systemctl_calls() == [f"{STATE} vllm-q.service", "systemctl try-restart vllm-q.service"]
 
 
 @pytest.mark.parametrize("entry", ["/etc/passwd", "a/../b", "./a", "a//b", "a\nb", "", None, 7])
