@@ -130,13 +130,31 @@ def boot_id(path="/proc/sys/kernel/random/boot_id"):
         return handle.read().strip()
 
 
+def pid1_start(path="/proc/1/stat"):
+    """When PID 1 started, in clock ticks since the kernel booted (stat's 22nd field): a boot of
+    its own where the kernel's boot ID outlives one (a container's reboot: the guard's
+    ProtectKernelTunables= view shows the host kernel's ID). None when unreadable."""
+    try:
+        with open(path) as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def alive_path(config):
     return os.path.join(config["state_dir"], "guard-alive.json")
 
 
 def alive(config, clean=False):
     """The guard's heartbeat: this boot, now, and whether it stops cleanly (SIGTERM)."""
-    write_json(alive_path(config), {"boot": boot_id(), "time": time.time(), "clean": clean})
+    write_json(alive_path(config), {"boot": boot_id(), "pid1": pid1_start(), "time": time.time(), "clean": clean})
+
+
+def booted_since(last):
+    """Whether the host booted since the heartbeat `last` (one written before PID 1's start was
+    kept: by the kernel's boot ID alone)."""
+    return last.get("boot") != boot_id() or ("pid1" in last and last["pid1"] != pid1_start())
 
 
 def after_start(config):
@@ -147,7 +165,7 @@ def after_start(config):
     if last is None or not isinstance(last.get("time"), float):
         return
     seen, clean = clock(last["time"]), last.get("clean") is True
-    if last.get("boot") != boot_id():
+    if booted_since(last):
         event, how = (
             ("rebooted", "after a clean shutdown")
             if clean

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from script_box import Journal, cpu_host_under, put
 
-from sparkform.host import watchdog
+from sparkform.host import outages, watchdog
 from sparkform.inventory import load_host
 from sparkform.render import render_host
 from sparkform.sandbox.alerts import make_server, read_alerts
@@ -506,6 +506,31 @@ def test_an_unplanned_stop_alerts_once_per_outage_and_serving_again_says_how_lon
     assert "s dark (since" in recovered["message"] and "signal SIGKILL" in recovered["message"]
     box.run("served", "hands")  # a start that served with no outage open says nothing
     assert len(box.webhook_alerts()) == 2
+
+
+def test_a_reboot_since_the_guards_last_heartbeat_is_alerted_even_where_the_kernels_boot_id_stayed(guard):
+    """The guard's start reads its last heartbeat: a reboot (the kernel's boot ID, or PID 1's start:
+    a sandbox's reboot keeps the host kernel's ID, bench/chaos 2026-12-04) is `rebooted` after a
+    clean stop and `unclean-reboot` without; the same boot without a clean stop is a guard that
+    died; a clean stop of this boot says nothing."""
+    box, _ = guard()
+    config = json.loads(box.config_path.read_text())
+    kernel, pid1 = outages.boot_id(), outages.pid1_start()
+    assert isinstance(pid1, int)
+    heartbeats = [
+        ({"boot": kernel, "pid1": pid1 + 1, "clean": True}, "rebooted"),
+        ({"boot": "an-older-boot", "clean": False}, "unclean-reboot"),  # a heartbeat of before pid1 was kept
+        ({"boot": kernel, "pid1": pid1, "clean": False}, "guard-restarted"),
+        ({"boot": kernel, "pid1": pid1, "clean": True}, None),
+    ]
+    for heartbeat, event in heartbeats:
+        before = len(box.webhook_alerts())
+        (box.state_dir / "guard-alive.json").write_text(json.dumps({**heartbeat, "time": time.time() - 60}))
+        outages.after_start(config)
+        told = [a["event"] for a in box.webhook_alerts()[before:]]
+        assert told == ([event] if event else []), (heartbeat, told)
+    outages.alive(config)
+    assert json.loads((box.state_dir / "guard-alive.json").read_text())["pid1"] == pid1
 
 
 def test_an_alert_the_webhook_did_not_take_is_kept_and_sent_again_in_order(guard):
