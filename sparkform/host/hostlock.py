@@ -6,10 +6,11 @@ a deploy (and so `sparkform rebuild`), `sparkform rollback`, the scrub's repair.
 waits a bounded time, told who holds it (the holder's own line: what, from where, since when),
 then is refused. The kernel frees a lock whose process died, so no lock outlives its run:
 
-- a deploy's holder is this module run as `python3 -I -c SOURCE hold WAIT_S LOCK WHAT` over the deploy's own
-  SSH connection (the host may not have sparkform yet), with the deploy on its stdin. It holds
-  the lock until its stdin ends (the deploy ended, or its connection did) or stays silent for
-  HOLDER_SILENCE_S (a laptop gone without a word: its beats stop, tasks/hostlock.py);
+- a deploy's holder is this module run as `python3 -I -c SOURCE hold WAIT_S LOCK WHAT` over
+  the deploy's own SSH connection (the host may not have sparkform yet), with the deploy on its
+  stdin. It holds the lock until its stdin ends (the deploy ended, or its connection did) or
+  stays silent for HOLDER_SILENCE_S (a laptop gone without a word: its beats stop,
+  tasks/hostlock.py);
 - `run WAIT_S LOCK WHAT -- COMMAND...` holds it for one command (the rollback), whose stdin it
   passes on;
 - the scrub takes it in-process (held).
