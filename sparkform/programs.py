@@ -50,18 +50,28 @@ def run_by(command: str) -> str:
     return f"{command} by {getpass.getuser()}@{os.uname().nodename} (pid {os.getpid()})"
 
 
+def host_lock_words(config: HostConfig, mode: str, what: str) -> list[str]:
+    """sparkform.host.hostlock run on the host by its own source (the host may not have
+    sparkform yet): `hold` or `run`, its wait, the lock, and `what` (made printable there)."""
+    return [
+        *ROOT_PYTHON,
+        "-c",
+        host_source("hostlock"),
+        mode,
+        str(config.host_lock_wait_s),
+        config.paths.host_lock,
+        what,
+    ]
+
+
 def host_lock_command(config: HostConfig, what: str, sudo: bool) -> str:
-    """The line a deploy runs on the host to hold the host lock (sparkform.host.hostlock `hold`):
-    the module's own source, since the host may not have sparkform yet. `what` is quoted here and
-    made printable there."""
-    words = [*ROOT_PYTHON, "-c", host_source("hostlock"), "hold", str(config.host_lock_wait_s)]
-    return ("sudo -n " if sudo else "") + shlex.join([*words, config.paths.host_lock, what])
+    """The line a deploy runs on the host to hold the host lock for the rest of the run."""
+    return ("sudo -n " if sudo else "") + shlex.join(host_lock_words(config, "hold", what))
 
 
 def host_locked(config: HostConfig, what: str, command: str) -> str:
-    """A shell line run on the host with the host lock held for it (`run`), stdin passed on."""
-    words = [*ROOT_PYTHON, "-c", host_source("hostlock"), "run", str(config.host_lock_wait_s)]
-    return f"{shlex.join([*words, config.paths.host_lock, what])} -- {command}"
+    """A shell line run on the host with the host lock held for `command`, stdin passed on."""
+    return f"{shlex.join(host_lock_words(config, 'run', what))} -- {command}"
 
 
 def shared_modules(config: HostConfig) -> list[RenderedFile]:

@@ -74,7 +74,7 @@ from sparkform.host.keepalive import Beats, notify  # noqa: E402
 from sparkform.host.kvlog import INVOCATION_ID, JOURNAL_BYTES, LINE_CHARS, printed_pool, started_settings  # noqa: E402
 from sparkform.host.memory_guard import memory_guard  # noqa: E402
 from sparkform.host.ranks import RankWatch  # noqa: E402
-from sparkform.host.systemd import invocation_journal, systemctl  # noqa: E402
+from sparkform.host.systemd import doubled_pause, invocation_journal, run_later, systemctl  # noqa: E402
 from sparkform.host.target import reach_target_after, target_watch  # noqa: E402
 from sparkform.host.watchdog import Watchdog  # noqa: E402
 
@@ -105,38 +105,21 @@ def recover_state_path(config, engine):
     return os.path.join(config["state_dir"], f"recover-{engine['name']}.json")
 
 
-def retry_delay(config, failures):
-    """The cool-down, doubled for every failure after the first, up to the maximum."""
-    return min(config["recover_cooldown_s"] * 2 ** (failures - 1), config["recover_backoff_max_s"])
-
-
 def cmd_failed(config, engine):
     path = recover_state_path(config, engine)
     state = read_json(path, {})
     failures = state.get("failures") if isinstance(state.get("failures"), int) else 0
     failures += 1
-    delay = retry_delay(config, failures)
+    delay = doubled_pause(config["recover_cooldown_s"], failures, config["recover_backoff_max_s"])
     write_json(path, {"failures": failures, "since": state.get("since", round(time.time()))})
     timer = f"{RETRY_UNIT_PREFIX}{engine['name']}"
     systemctl("stop", f"{timer}.timer")  # a retry still pending from before
     systemctl("reset-failed", f"{timer}.service")
-    scheduled = (
-        subprocess.run(
-            [
-                "systemd-run",
-                f"--unit={timer}",
-                f"--on-active={delay}s",
-                "--timer-property=AccuracySec=1s",
-                f"--description=sparkform: start {engine['unit']} again after its failure",
-                *ROOT_PYTHON,
-                os.path.abspath(__file__),
-                "retry",
-                engine["name"],
-            ],
-            capture_output=True,
-            timeout=60,
-        ).returncode
-        == 0
+    scheduled = run_later(
+        timer,
+        delay,
+        f"sparkform: start {engine['unit']} again after its failure",
+        [*ROOT_PYTHON, os.path.abspath(__file__), "retry", engine["name"]],
     )
     message = f"{engine['unit']} failed: its starts never served and it stopped after its start limit; " + (
         f"retry {failures} in {delay} s" if scheduled else "its retry could not be scheduled (systemd-run)"

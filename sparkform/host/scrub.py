@@ -50,6 +50,7 @@ from sparkform.host import ROOT_PYTHON, hostlock, settings_path  # noqa: E402
 from sparkform.host.alerts import read_json, write_json  # noqa: E402
 from sparkform.host.folders import COMPLETE_MARKER as MARKER  # noqa: E402
 from sparkform.host.folders import MANIFEST, relative_file  # noqa: E402
+from sparkform.host.systemd import doubled_pause, run_later  # noqa: E402
 
 CHUNK = 8 * 1024 * 1024
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -237,29 +238,17 @@ def retried(settings, checkpoint, why):
     entry = repairs(settings).get(folder, {"failures": 0, "since": round(time.time())})
     entry["failures"] += 1
     save_repairs(settings, folder, entry)
-    delay = min(settings["retry_s"] * 2 ** (entry["failures"] - 1), settings["retry_max_s"])
+    delay = doubled_pause(settings["retry_s"], entry["failures"], settings["retry_max_s"])
     # One unit per try: the try that schedules the next one runs in the unit of its own.
     subprocess.run(["systemctl", "stop", f"{RETRY_UNIT}-*.timer"], capture_output=True, check=False)
-    try:
-        scheduled = subprocess.run(
-            [
-                "systemd-run",
-                f"--unit={RETRY_UNIT}-{entry['failures']}",
-                "--collect",
-                f"--on-active={delay}s",
-                "--timer-property=AccuracySec=1s",
-                "--description=sparkform: a checkpoint repair tried again",
-                *ROOT_PYTHON,
-                os.path.abspath(__file__),
-                "--retry",
-            ],
-            capture_output=True,
-            timeout=60,
-            check=False,
-        ).returncode
-    except (OSError, subprocess.TimeoutExpired):
-        scheduled = None
-    then = f"try {entry['failures'] + 1} in {delay} s" if scheduled == 0 else "no retry (systemd-run failed)"
+    scheduled = run_later(
+        f"{RETRY_UNIT}-{entry['failures']}",
+        delay,
+        "sparkform: a checkpoint repair tried again",
+        [*ROOT_PYTHON, os.path.abspath(__file__), "--retry"],
+        collect=True,
+    )
+    then = f"try {entry['failures'] + 1} in {delay} s" if scheduled else "no retry (systemd-run failed)"
     message = (
         f"{folder}: {why}: {then}; until it verifies, the engines keep what they loaded and a start of "
         f"{', '.join(e['name'] for e in checkpoint['engines'])} is refused"

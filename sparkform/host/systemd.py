@@ -20,6 +20,37 @@ def systemctl(*args, check=False):
     return subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=120, check=check)
 
 
+def doubled_pause(first_s, failures, most_s):
+    """A back-off: first_s after the first failure, doubled for each one after it, up to most_s."""
+    return min(first_s * 2 ** (failures - 1), most_s)
+
+
+def run_later(unit, delay_s, description, command, collect=False):
+    """`command` run once, delay_s from now, by a transient timer and service named `unit`
+    (systemd-run; with collect, the unit goes once it ran, failed or not); whether it was
+    scheduled."""
+    try:
+        return (
+            subprocess.run(
+                [
+                    "systemd-run",
+                    f"--unit={unit}",
+                    *(["--collect"] if collect else []),
+                    f"--on-active={delay_s}s",
+                    "--timer-property=AccuracySec=1s",
+                    f"--description={description}",
+                    *command,
+                ],
+                capture_output=True,
+                timeout=60,
+                check=False,
+            ).returncode
+            == 0
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def active_state(unit):
     return systemctl("show", "-p", "ActiveState", "--value", unit).stdout.strip()
 
