@@ -66,7 +66,7 @@ import time
 if __name__ == "__main__":  # run by path on the host: its shared modules beside it (sparkform.host)
     sys.dont_write_bytecode, sys.path[:0] = True, [os.path.join(os.path.dirname(os.path.abspath(__file__)), "python")]
 
-from sparkform.host import RETRY_UNIT_PREFIX, ROOT_PYTHON, outages, settings_path  # noqa: E402  # noqa: E402
+from sparkform.host import RETRY_UNIT_PREFIX, ROOT_PYTHON, outages, settings_path  # noqa: E402
 from sparkform.host.alerts import alert, counted, journal, outbox_watch, read_json, write_json  # noqa: E402
 from sparkform.host.front import front_watch  # noqa: E402
 from sparkform.host.gpu_metrics import gpu_watch  # noqa: E402
@@ -74,7 +74,7 @@ from sparkform.host.keepalive import Beats, notify  # noqa: E402
 from sparkform.host.kvlog import INVOCATION_ID, JOURNAL_BYTES, LINE_CHARS, printed_pool, started_settings  # noqa: E402
 from sparkform.host.memory_guard import memory_guard  # noqa: E402
 from sparkform.host.ranks import RankWatch  # noqa: E402
-from sparkform.host.systemd import doubled_pause, invocation_journal, run_later, systemctl  # noqa: E402
+from sparkform.host.systemd import doubled_pause, invocation_journal, run_later, started_afresh, systemctl  # noqa: E402
 from sparkform.host.target import reach_target_after, target_watch  # noqa: E402
 from sparkform.host.watchdog import Watchdog  # noqa: E402
 
@@ -139,8 +139,7 @@ def cmd_retry(config, engine):
         sparkform_event="retry",
         sparkform_engine=engine["name"],
     )
-    systemctl("reset-failed", engine["unit"])
-    systemctl("start", "--no-block", engine["unit"])
+    started_afresh(engine["unit"])
 
 
 # --- the KV pool ledger ----------------------------------------------------------------------------

@@ -5,7 +5,7 @@ a victim, and started again once memory is back."""
 import time
 
 from sparkform.host.alerts import alert
-from sparkform.host.systemd import active_state, systemctl
+from sparkform.host.systemd import active_state, started_afresh, systemctl
 
 
 def mem_available_gib(path="/proc/meminfo"):
@@ -59,7 +59,9 @@ def memory_guard(config, held, beats):
             # Back only with room for the engine itself, or starting it would stop it again.
             floor = config["memory_warn_gib"] + config["memory_margin_gib"] + engine["need_gib"]
             if engine["name"] in held and available >= floor:
-                systemctl("start", "--no-block", engine["unit"])
+                # A start asked for meanwhile was refused for memory and may have spent the
+                # start limit: the guard that held the engine brings it back now.
+                started_afresh(engine["unit"])
                 held.discard(engine["name"])
                 alert(
                     config,

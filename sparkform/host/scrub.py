@@ -50,7 +50,7 @@ from sparkform.host import ROOT_PYTHON, hostlock, settings_path  # noqa: E402
 from sparkform.host.alerts import read_json, write_json  # noqa: E402
 from sparkform.host.folders import COMPLETE_MARKER as MARKER  # noqa: E402
 from sparkform.host.folders import MANIFEST, relative_file  # noqa: E402
-from sparkform.host.systemd import doubled_pause, run_later  # noqa: E402
+from sparkform.host.systemd import active_state, doubled_pause, run_later, started_afresh, systemctl  # noqa: E402
 
 CHUNK = 8 * 1024 * 1024
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -200,15 +200,10 @@ def repair(settings, checkpoint, found=None):
 def restarted(unit):
     """The engine on the repaired checkpoint: restarted if it runs, started again if it failed
     (its starts were refused meanwhile: the checkpoint lacked its marker). How it went, in words."""
-    state = subprocess.run(["systemctl", "show", "-p", "ActiveState", "--value", unit], capture_output=True, text=True)
-    if state.stdout.strip() == "failed":
-        subprocess.run(["systemctl", "reset-failed", unit], check=False)
-        code, done = subprocess.run(["systemctl", "start", "--no-block", unit], check=False).returncode, "started again"
+    if active_state(unit) == "failed":
+        code, done = started_afresh(unit), "started again"
     else:
-        code, done = (
-            subprocess.run(["systemctl", "try-restart", unit], check=False).returncode,
-            "restarted on it (if it ran)",
-        )
+        code, done = systemctl("try-restart", unit).returncode, "restarted on it (if it ran)"
     return done if code == 0 else f"its restart failed (exit {code}; journalctl -u {unit})"
 
 

@@ -20,6 +20,13 @@ def systemctl(*args, check=False):
     return subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=120, check=check)
 
 
+def started_afresh(unit):
+    """`unit` started without waiting for it, out of a failed state first (a spent start limit
+    refuses every start until then): the exit code of `systemctl start`."""
+    systemctl("reset-failed", unit)
+    return systemctl("start", "--no-block", unit).returncode
+
+
 def doubled_pause(first_s, failures, most_s):
     """A back-off: first_s after the first failure, doubled for each one after it, up to most_s."""
     return min(first_s * 2 ** (failures - 1), most_s)

@@ -363,14 +363,15 @@ def test_the_watchdog_leaves_an_engine_that_is_not_started(guard):
     assert hands.probes == 0 and not any("kill" in call for call in box.calls_made())
 
 
-def test_the_memory_guard_stops_the_lower_priority_engine_and_starts_it_again(guard):
+def test_the_memory_guard_stops_the_lower_priority_engine_and_starts_it_again_even_out_of_failed(guard):
     box, _ = guard(memory_warn_gib=8.0, memory_critical_gib=4.0, memory_margin_gib=2.0)
     box.watch()
     box.set_available_gib(6)  # between the floors: a warning, nothing stopped
     box.wait(lambda: [a["event"] for a in box.webhook_alerts()] == ["memory-low"], 20, "the warning")
     box.set_available_gib(3)
     box.wait(lambda: "systemctl stop vllm-eyes.service" in box.calls_made(), 20, "eyes stopped")
-    box.set_state("vllm-eyes.service", "inactive")
+    # A restart someone asked for meanwhile was refused for memory until the start limit was spent.
+    box.set_state("vllm-eyes.service", "failed")
     time.sleep(1.5)  # still critical: the highest-priority engine is never stopped
     assert "systemctl stop vllm-hands.service" not in box.calls_made()
     # Back only with room for eyes itself: 8 (warning) + 2 (margin) + 2.25 (its 0.25 GiB pool
@@ -380,6 +381,9 @@ def test_the_memory_guard_stops_the_lower_priority_engine_and_starts_it_again(gu
     assert "systemctl start --no-block vllm-eyes.service" not in box.calls_made()
     box.set_available_gib(12.5)
     box.wait(lambda: "systemctl start --no-block vllm-eyes.service" in box.calls_made(), 20, "eyes started")
+    calls = box.calls_made()  # out of its failed state first: a spent start limit refuses the start
+    start = calls.index("systemctl start --no-block vllm-eyes.service")
+    assert calls[start - 1] == "systemctl reset-failed vllm-eyes.service"
     # The alert follows the start: on a loaded machine a moment later.
     expected = [("memory-low", "-"), ("memory-critical", "eyes"), ("memory-recovered", "eyes")]
     box.wait(lambda: len(box.webhook_alerts()) >= len(expected), 20, "the memory-recovered alert")
