@@ -9,7 +9,8 @@ SPARKFORM := $(VENV)/bin/sparkform
 
 # shellcheck and systemd-analyze check rendered files; debootstrap, systemd-nspawn, iproute2 and
 # ssh boot and reach the sandbox; strace shows which argv a secret-handling command exposes; nginx
-# runs the rendered front in the unit tests (the package's service is not started here); cc
+# runs the rendered front in the unit tests (the package's service is not started here), with
+# its njs module (libnginx-mod-http-js) for the combined port's router; cc
 # compiles the sandbox's NVML stand-in for the GPU report's unit tests; promtool (Debian's
 # prometheus) checks the rendered scrape config, alert rules and textfile metrics; curl talks to
 # the fake hub and the engines in the tests. python3-venv: a stock Debian's python3 makes no venv
@@ -18,10 +19,11 @@ SYSTEM_TOOLS := shellcheck systemd-analyze debootstrap systemd-nspawn ip ssh ssh
 system-deps:
 	@missing=$$(for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null || echo $$tool; done); \
 	python3 -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
+	test -e /usr/lib/nginx/modules/ngx_http_js_module.so || missing="$$missing libnginx-mod-http-js"; \
 	if [ -n "$$missing" ]; then \
 	  echo "== installing Debian packages for:" $$missing; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    shellcheck systemd debootstrap systemd-container iproute2 openssh-client util-linux strace nginx gcc \
+	    shellcheck systemd debootstrap systemd-container iproute2 openssh-client util-linux strace nginx libnginx-mod-http-js gcc \
 	    prometheus curl python3-venv; \
 	fi
 

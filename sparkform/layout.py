@@ -39,6 +39,8 @@ FRONT_CONFIG = "/etc/nginx/conf.d/sparkform.conf"
 # Debian's nginx error log, which the front's servers keep at notice and above: nginx logs a
 # client's invalid or too long header lines at info, the Authorization line (the key) with them.
 FRONT_ERROR_LOG = "/var/log/nginx/error.log"
+# The front's access log: one line per request with the client's name (api_keys), never a key.
+FRONT_ACCESS_LOG = "/var/log/nginx/sparkform-access.log"
 FRONT_DROP_IN = f"{UNIT_DIR}/nginx.service.d/sparkform-hardening.conf"
 # Debian's nginx runs as this user, and its nginx.conf writes the master's pid here: the front's
 # master runs as that user too (templates/nginx-hardening.conf.j2), and reads the API key as its group.
@@ -242,6 +244,11 @@ class HostPaths:
     def lock_dir(self) -> str:
         """The launch locks: each engine's lock and state, and the start lock they share."""
         return f"{self.state_dir}/locks"
+
+    @property
+    def front_router(self) -> str:
+        """The combined front port's router, run by nginx's njs module (sparkform/host/front_router.js)."""
+        return f"{self.lib_dir}/sparkform-front-router.js"
 
     @property
     def host_modules(self) -> str:

@@ -40,9 +40,9 @@ RANK_JOIN_S = 120
 PROGRAMS = ("checkpoint", "guard", "record", "rollback", "scrub", "vllm_serve")
 
 
-def host_source(module: str) -> str:
+def host_source(module: str, suffix: str = ".py") -> str:
     """A module of sparkform.host as it lands on the host: its text, byte for byte."""
-    return resources.files("sparkform.host").joinpath(f"{module}.py").read_text(encoding="utf-8")
+    return resources.files("sparkform.host").joinpath(f"{module}{suffix}").read_text(encoding="utf-8")
 
 
 def run_by(command: str) -> str:
@@ -155,7 +155,7 @@ def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None 
         "fronts": [
             {"engine": e.name, "address": config.front_local_address, "port": e.port} for e in config.served_engines
         ],
-        "front_key": config.paths.front_key if config.api_key_file else None,
+        "front_key": config.paths.front_key if config.front_keyed else None,
         "front_unit": FRONT_UNIT,
         # Started again by the guard once every engine serves (sparkform/host/target.py).
         "engines_target": ENGINES_TARGET,
@@ -267,7 +267,12 @@ def code_files(config: HostConfig) -> list[RenderedFile]:
     if any(engine.nodes for engine in config.engines):
         # Run by the venv's python for the ranks of an engine across hosts.
         programs.append((paths.vllm_cli, "vllm_serve"))
-    return [RenderedFile(path, host_source(module), "644") for path, module in programs] + shared_modules(config)
+    return [
+        *(RenderedFile(path, host_source(module), "644") for path, module in programs),
+        # Read by nginx's njs module for the combined port (the front's config imports it).
+        RenderedFile(paths.front_router, host_source("front_router", ".js"), "644"),
+        *shared_modules(config),
+    ]
 
 
 def program_files(config: HostConfig, model_configs: Mapping[str, dict] | None = None) -> list[RenderedFile]:

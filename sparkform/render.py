@@ -16,7 +16,8 @@ import jinja2
 
 from sparkform import bootchain, layout
 from sparkform.bundle import TEMPLATES
-from sparkform.engine import Engine
+from sparkform.engine import API_ROUTES, Engine
+from sparkform.host.front_keys import NO_CLIENT
 from sparkform.host.kvlog import SETTING_FLAGS
 from sparkform.layout import (
     COMPLETE_MARKER,
@@ -90,17 +91,29 @@ _env.filters["sh"] = lambda value: shlex.quote(str(value))
 def prerequisite_packages(device: str) -> list[str]:
     """Debian packages a host needs: python3-venv builds the vLLM venv, curl and util-linux
     (flock) serve the launch script and the readiness helper, iproute2 (ss) checks the front's
-    ports, nginx is the front that checks the API key. g++ and python3-dev (Python.h) are what
+    ports, nginx is the front that checks the API key, and its njs module runs the combined port's
+    router. g++ and python3-dev (Python.h) are what
     vLLM's JIT paths compile with (torch inductor's C++ kernels, Triton's launcher, FlashInfer's
     nvcc host compiler): without them one request to such a path kills the engine. vLLM's CPU
     build loads libnuma."""
-    packages = ["python3", "python3-venv", "python3-dev", "curl", "util-linux", "gawk", "iproute2", "nginx", "g++"]
+    packages = [
+        "python3",
+        "python3-venv",
+        "python3-dev",
+        "curl",
+        "util-linux",
+        "gawk",
+        "iproute2",
+        "nginx",
+        "libnginx-mod-http-js",
+        "g++",
+    ]
     return packages + ["libnuma1"] if device == "cpu" else packages
 
 
-# The front's allow-list: the OpenAI routes a chat or completion client uses. Every other path
-# (vLLM's /invocations, /tokenize, /generative_scoring, /scale_elastic_ep, /docs, ...) gets 404.
-FRONT_ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions")
+# The front's allow-list is each engine's `routes` (sparkform.engine.API_ROUTES, narrowed by its
+# front_routes). Every other path (vLLM's /invocations, /generative_scoring, /scale_elastic_ep,
+# /docs, ...) gets 404.
 # Routes vLLM answers without asking for its own --api-key (it guards only /v1, /v2, /inference
 # and /cohere: docs/incidents.md#open-lan-api). The front passes none; the tests and `sparkform
 # verify` ask for each.
@@ -223,6 +236,32 @@ def scrub_units(config: HostConfig) -> list[RenderedFile]:
     ]
 
 
+def combined_front(config: HostConfig) -> dict:
+    """What the combined port's server needs: the router's table (JSON for njs, inside nginx's
+    single quotes: served names and engine names hold no quote, backslash or $), the routes it
+    routes by "model", and the largest body any engine takes."""
+    engines = config.served_engines
+    table = {
+        "models": {name: engine.name for engine in engines for name in engine.names},
+        "engines": {
+            engine.name: {
+                "routes": engine.routes,
+                "limit": engine.request_limit_mib * 2**20,
+                "window": engine.max_model_len,
+            }
+            for engine in engines
+        },
+    }
+    return {
+        "no_client": NO_CLIENT,
+        "front_table": json.dumps(table, separators=(",", ":")),
+        "combined_routes": [
+            route for route in API_ROUTES if route != "/v1/models" and any(route in e.routes for e in engines)
+        ],
+        "combined_limit_mib": max((engine.request_limit_mib for engine in engines), default=1),
+    }
+
+
 def front_listen(config: HostConfig) -> tuple[str, str]:
     """nginx's listen address (IPv6 in brackets) and options for `listen_address`."""
     address = ipaddress.ip_address(config.listen_address)
@@ -299,8 +338,8 @@ def render_host(config: HostConfig, model_configs: Mapping[str, dict] | None = N
             template(
                 "nginx-front.conf.j2",
                 config=config,
-                routes=FRONT_ROUTES,
-                key=config.api_key_file is not None,
+                key=config.front_keyed,
+                **combined_front(config),
                 listen=listen,
                 listen_options=listen_options,
             ),

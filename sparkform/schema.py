@@ -18,7 +18,9 @@ from sparkform.engine import Engine, Span
 from sparkform.layout import HostPaths
 from sparkform.schema_sections import CompileCaps, Monitoring, Scrub, checked_address
 from sparkform.shapes import (
+    CLIENT_NAME,
     COMMIT_ID,
+    DEFAULT_CLIENT,
     HCA_NAME,
     INTERFACE_NAME,
     PYINFRA_KEY_PREFIXES,
@@ -79,6 +81,9 @@ class HostConfig(StrictModel):
     listen_address: str = Field("127.0.0.1")
     """Address the front (nginx) listens on, at each engine's port: 127.0.0.1 keeps the models on the host; a LAN
     address or 0.0.0.0 serves the LAN and needs api_key_file."""
+    front_port: int | None = Field(8000, ge=1, le=65535)
+    """The front's combined port on listen_address, beside each engine's own: a request's `model` picks the engine
+    that serves that name, and /v1/models lists every name (docs/clients.md); None: the engines' own ports only."""
     open_lan_api_without_key: bool = Field(False)
     """True lets a non-loopback listen_address serve without an API key: anyone on the LAN runs the models. Only on
     purpose."""
@@ -175,7 +180,12 @@ class HostConfig(StrictModel):
     hf_token_file: str | None = Field(None)
     """File on the control machine holding the HF token; lands on the host at 0600."""
     api_key_file: str | None = Field(None)
-    """File on the control machine holding the API key every engine requires; 0600 on the host."""
+    """File on the control machine holding the API key every engine requires: one client, `default` (api_keys for
+    more); root's on the host."""
+    api_keys: dict[str, str] = Field(default_factory=dict)
+    """The front's clients: a name (a-z 0-9 . _ -) -> a file on the control machine holding that client's key. The front
+    takes any of them (and api_key_file's) and logs the client's name, never the key; removing one refuses that client
+    only (nginx reloads, no engine restarts)."""
     hf_endpoint: str | None = Field(None, pattern=URL_PATTERN)
     """HF_ENDPOINT for checkpoint downloads (a mirror, the sandbox's fake hub): https, or http on loopback."""
     hf_endpoint_allow_http: bool = Field(False)
@@ -208,6 +218,16 @@ class HostConfig(StrictModel):
                 "as it (root: everything). Use a system user of its own, e.g. vllm"
             )
         return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _client_names(cls, clients: dict[str, str]) -> dict[str, str]:
+        for name in clients:
+            if not CLIENT_NAME.fullmatch(name):
+                raise ValueError(
+                    f"client name {name!r} is not a-z 0-9 . _ - (starting with a letter or digit), at most 64"
+                )
+        return clients
 
     @field_validator("listen_address")
     @classmethod
@@ -304,6 +324,19 @@ class HostConfig(StrictModel):
         if engine.name not in self._spans:
             raise LookupError(f"engine {engine.name} spans {engine.nodes}: its ranks' addresses are read at deploy")
         return self._spans[engine.name]
+
+    @property
+    def client_key_files(self) -> dict[str, str]:
+        """The front's clients and their key files: api_key_file's as `default`, then api_keys, by name."""
+        return {
+            **({DEFAULT_CLIENT: self.api_key_file} if self.api_key_file else {}),
+            **dict(sorted(self.api_keys.items())),
+        }
+
+    @property
+    def front_keyed(self) -> bool:
+        """Whether the front asks for a key (any client's)."""
+        return bool(self.client_key_files)
 
     @property
     def serves_lan(self) -> bool:

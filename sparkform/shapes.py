@@ -22,6 +22,10 @@ COMMIT_ID = re.compile(r"[0-9a-f]{40}")  # a revision that is already a commit
 # nginx string, where these characters need no escaping.
 API_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/-]+=*")
 API_KEY_MIN_LENGTH = 16
+API_KEY_MAX_LENGTH = 512
+# A client of the front (api_keys), as its access log names it; api_key_file's is DEFAULT_CLIENT.
+CLIENT_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+DEFAULT_CLIENT = "default"
 # Request body room per token of the window (JSON-escaped text), and for images on top.
 REQUEST_BYTES_PER_TOKEN = 16
 IMAGE_REQUEST_MIB = 64

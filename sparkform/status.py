@@ -192,7 +192,7 @@ def _front_request(engine: Engine, config: HostConfig) -> str:
     """/v1/models through the engine's front port, with the key from stdin as a curl config line."""
     host = config.front_local_address
     url = f"http://{'[' + host + ']' if ':' in host else host}:{engine.port}/v1/models"
-    header = """printf 'header = "Authorization: Bearer %s"\\n' "$sparkform_key" | """ if config.api_key_file else ""
+    header = """printf 'header = "Authorization: Bearer %s"\\n' "$sparkform_key" | """ if config.front_keyed else ""
     return f"{header}curl -s -o /dev/null -m 5 -w '%{{http_code}}\\n' {'-K - ' if header else ''}{shlex.quote(url)}"
 
 

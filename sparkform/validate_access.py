@@ -13,9 +13,9 @@ import re
 from pathlib import Path
 
 from sparkform.model import Host, Problem
-from sparkform.shapes import API_KEY_MIN_LENGTH, API_KEY_PATTERN
+from sparkform.shapes import API_KEY_MAX_LENGTH, API_KEY_MIN_LENGTH, API_KEY_PATTERN, DEFAULT_CLIENT
 
-SECRET_FILE_FIELDS = ("hf_token_file", "api_key_file", "alert_webhook_file")
+SECRET_FILE_FIELDS = ("hf_token_file", "alert_webhook_file")  # and the clients' keys (secret_fields)
 WEBHOOK_URL = re.compile(r"https?://[^\s\x00-\x1f]+")  # one URL, nothing a shell or header could split
 
 
@@ -97,12 +97,21 @@ def root_apart_from_the_engine(host: Host) -> list[Problem]:
     return problems
 
 
+def secret_fields(host: Host) -> list[tuple[str, str]]:
+    """(field, file) of every secret file the inventory names: each client's key is its own field."""
+    cfg = host.config
+    fields = [(name, getattr(cfg, name)) for name in SECRET_FILE_FIELDS]
+    fields += [
+        ("api_key_file" if client == DEFAULT_CLIENT and cfg.api_key_file else f"api_keys.{client}", path)
+        for client, path in cfg.client_key_files.items()
+    ]
+    return [(name, path) for name, path in fields if path is not None]
+
+
 def secret_files(host: Host) -> list[Problem]:
     problems = []
-    for field_name in SECRET_FILE_FIELDS:
-        path = getattr(host.config, field_name)
-        if path is None:
-            continue
+    keys: dict[str, str] = {}  # key -> the field that holds it
+    for field_name, path in secret_fields(host):
         file = Path(path).expanduser()
         if not file.is_file():
             problems.append(
@@ -118,8 +127,20 @@ def secret_files(host: Host) -> list[Problem]:
             problems.append(
                 Problem(host.name, field_name, path, "the secret file is readable by other users", f"chmod 600 {path}")
             )
-        elif field_name == "api_key_file":
-            problems += api_key_shape(host.name, path, file.read_text().strip())
+        elif field_name.startswith("api_key"):
+            key = file.read_text().strip()
+            problems += api_key_shape(host.name, field_name, path, key)
+            if key in keys:
+                problems.append(
+                    Problem(
+                        host.name,
+                        field_name,
+                        path,
+                        f"holds the same key as {keys[key]}: the access log could not tell the two clients apart",
+                        f"give each client a key of its own: openssl rand -hex 32 > {path}",
+                    )
+                )
+            keys.setdefault(key, field_name)
         elif field_name == "alert_webhook_file" and not WEBHOOK_URL.fullmatch(file.read_text().strip()):
             problems.append(
                 Problem(
@@ -160,17 +181,17 @@ def loopback(address: str) -> bool:
         return False
 
 
-def api_key_shape(host: str, path: str, key: str) -> list[Problem]:
+def api_key_shape(host: str, field_name: str, path: str, key: str) -> list[Problem]:
     """The key goes into the front's config as a bearer token: its characters and length are
     checked here (the message never shows the key)."""
-    if API_KEY_PATTERN.fullmatch(key) and len(key) >= API_KEY_MIN_LENGTH:
+    if API_KEY_PATTERN.fullmatch(key) and API_KEY_MIN_LENGTH <= len(key) <= API_KEY_MAX_LENGTH:
         return []
     return [
         Problem(
             host,
-            "api_key_file",
+            field_name,
             path,
-            f"the key must be a bearer token of at least {API_KEY_MIN_LENGTH} characters from "
+            f"the key must be a bearer token of {API_KEY_MIN_LENGTH} to {API_KEY_MAX_LENGTH} characters from "
             "A-Z a-z 0-9 . _ ~ + / - (and = at the end), on one line",
             f"write a new key: openssl rand -hex 32 > {path}",
         )
@@ -178,22 +199,46 @@ def api_key_shape(host: str, path: str, key: str) -> list[Problem]:
 
 
 def front(host: Host) -> list[Problem]:
-    """The front listens on each engine's port; the engine binds port + offset on loopback."""
+    """The front listens on each engine's port and on front_port; the engine binds port + offset on
+    loopback."""
     cfg = host.config
     problems = []
-    if cfg.serves_lan and cfg.api_key_file is None and not cfg.open_lan_api_without_key:
+    if cfg.serves_lan and not cfg.front_keyed and not cfg.open_lan_api_without_key:
         problems.append(
             Problem(
                 host.name,
                 "listen_address",
                 cfg.listen_address,
                 "serves every engine to the LAN without an API key: anyone who reaches the box runs the models",
-                "set api_key_file to a file holding the key, or listen_address: "
+                "set api_key_file (or api_keys) to a file holding the key, or listen_address: "
                 "127.0.0.1 to keep the models on the host; to serve the LAN without a key on "
                 "purpose, set open_lan_api_without_key: true",
             )
         )
+    if cfg.api_key_file and DEFAULT_CLIENT in cfg.api_keys:
+        problems.append(
+            Problem(
+                host.name,
+                f"api_keys.{DEFAULT_CLIENT}",
+                cfg.api_keys[DEFAULT_CLIENT],
+                f"api_key_file is the client {DEFAULT_CLIENT!r} already",
+                f"give this client another name, or move api_key_file into api_keys as {DEFAULT_CLIENT!r}",
+            )
+        )
     public = {engine.port: engine.name for engine in cfg.engines}
+    internals = {cfg.internal_port(engine): engine.name for engine in cfg.engines}
+    taken = public.get(cfg.front_port) or internals.get(cfg.front_port)
+    if cfg.front_port is not None and taken:
+        problems.append(
+            Problem(
+                host.name,
+                "front_port",
+                cfg.front_port,
+                f"engine {taken} "
+                + ("listens on it" if cfg.front_port in public else "binds it (its port + internal_port_offset)"),
+                "give the combined front a port of its own (default 8000), or front_port: null for none",
+            )
+        )
     for engine in cfg.engines:
         internal = cfg.internal_port(engine)
         if internal > 65535 or internal in public:

@@ -237,7 +237,8 @@ def converge_host() -> None:
     front.front_serving(
         name="Front (nginx) serving",
         address=config.listen_address,
-        ports=[step.engine.port for step in plan.served_steps],
+        ports=[step.engine.port for step in plan.served_steps]
+        + ([config.front_port] if config.front_port and plan.served_steps else []),
         current=snapshot.engines.get(layout.FRONT_UNIT),
         applied=snapshot.markers.get(config.paths.stamp("nginx")),
         stamp=config.paths.stamp("nginx"),

@@ -32,7 +32,7 @@ def front_serving(
     must listen, and the stamp records what nginx runs with.
 
     + address: the listen address of the front (the inventory's listen_address)
-    + ports: the engines' ports the front listens on
+    + ports: the ports the front listens on: each engine's, and the combined front_port
     + current: nginx.service's state from the HostSnapshot fact (None before nginx is installed)
     + applied: the stamp on the host, "<drop-in digest> <config digest>" (None: none)
     + wanted: the stamp this run's files make
@@ -57,7 +57,7 @@ def front_serving(
         check = _listening(ports)
         yield (
             f"for _ in $(seq {LISTEN_CHECKS}); do {{ {check} ; }} && exit 0; sleep {LISTEN_CHECK_PAUSE_S}; done; "
-            f"echo 'sparkform: nginx does not listen on every engine port ({address}: "
+            f"echo 'sparkform: nginx does not listen on every front port ({address}: "
             f"{' '.join(map(str, ports))}); see: journalctl -u nginx.service, /var/log/nginx/error.log' >&2; exit 1"
         )
     # Root's only: its digest covers the API key, so a readable one would confirm a guessed key offline.

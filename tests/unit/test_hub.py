@@ -45,7 +45,7 @@ def host_with(revision: str, endpoint: str):
         "box",
         {
             "hf_endpoint": endpoint,
-            "engines": [{"name": "m", "port": 8000, "checkpoint": {"repo": REPO, "revision": revision}}],
+            "engines": [{"name": "m", "port": 8010, "checkpoint": {"repo": REPO, "revision": revision}}],
         },
     ).config
 
@@ -112,7 +112,7 @@ def test_plan_shows_what_a_branch_names_now_only_when_asked(hub, tmp_path, capsy
     inventory = tmp_path / "inv.py"
     inventory.write_text(
         "from sparkform.inventory import hosts\n"
-        f"box = hosts({{'box': {{'hf_endpoint': {hub.url!r}, 'engines': [{{'name': 'm', 'port': 8000, "
+        f"box = hosts({{'box': {{'hf_endpoint': {hub.url!r}, 'engines': [{{'name': 'm', 'port': 8010, "
         f"'checkpoint': {{'repo': {REPO!r}, 'revision': 'main'}}}}]}}}}, __file__)\n"
     )
     assert main(["plan", str(inventory)]) == 0

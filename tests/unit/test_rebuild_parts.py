@@ -32,7 +32,7 @@ def config():
         "box",
         {
             "engines": [
-                {"name": "a", "port": 8000, "checkpoint": {"repo": "o/a", "revision": "main"}},
+                {"name": "a", "port": 8010, "checkpoint": {"repo": "o/a", "revision": "main"}},
                 {"name": "b", "port": 8001, "checkpoint": {"repo": "o/b", "revision": "main"}, "after": ["a"]},
             ]
         },

@@ -158,6 +158,7 @@ def test_the_host_gets_each_program_and_shared_module_as_the_package_holds_it(mo
     }  # fmt: skip
     for path, module in programs.items():
         assert installed.pop(path) == (source / f"{module}.py").read_text(), path
+    assert installed.pop(config.paths.front_router) == (source / "front_router.js").read_text()
     modules = f"{config.paths.host_modules}/sparkform/host/"
     shared = {path[len(modules) :]: text for path, text in installed.items() if path.startswith(modules)}
     assert shared and all(text == (source / name).read_text() for name, text in shared.items())
@@ -209,6 +210,7 @@ def test_rendered_file_list_and_modes(seed_files):
         "/usr/local/lib/sparkform/sparkform-guard.json",
         "/usr/local/lib/sparkform/sparkform-scrub",
         "/usr/local/lib/sparkform/sparkform-scrub.json",
+        "/usr/local/lib/sparkform/sparkform-front-router.js",
         "/etc/profile.d/sparkform-caps.sh",
         "/etc/systemd/system/sparkform-engines.target",
         "/etc/nginx/conf.d/sparkform.conf",

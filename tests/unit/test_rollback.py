@@ -46,7 +46,7 @@ def data(root: Path, extra_args: list[str]) -> dict:
         "engines": [
             {
                 "name": name,
-                "port": 8000 + i,
+                "port": 8010 + i,
                 "kv_cache_memory_bytes": 2**28,
                 "checkpoint": {"repo": f"org/{name}", "revision": str(i + 1) * 40},
                 **({"extra_args": extra_args} if name == "a" else {}),

@@ -24,6 +24,7 @@ from sparkform.schema import HostConfig
 from sparkform.shapes import KNOWN_QUANTIZATIONS
 
 Mutator = Callable[[dict[str, Any]], None]
+MODEL_CONFIGS = SERVED_PAIR.parents[1] / "model_configs"  # where make_host resolves relative paths
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -666,6 +667,54 @@ def test_the_lan_with_a_key_is_accepted_and_the_key_must_be_a_bearer_token(seed_
         key.write_text(bad + "\n")
         (problem,) = problems_for("api_key_file", problems_of(seed_data, name="spark-test"))
         assert "bearer token" in problem.message and bad not in str(problem)
+
+
+def test_each_client_key_is_checked_as_its_own_field_and_no_two_clients_share_a_key(
+    seed_data, make_host, problems_of, tmp_path
+):
+    files = {}
+    for name, key in (("default", "0123456789abcdef0123"), ("planner", "planner-key-0123456789"), ("coder", "x")):
+        files[name] = tmp_path / name
+        files[name].write_text(f"{key}\n")
+        files[name].chmod(0o600)
+    seed_data.update(
+        listen_address="192.168.1.20",
+        api_key_file=str(files["default"]),
+        # A relative path resolves against the inventory's folder.
+        api_keys={"planner": os.path.relpath(files["planner"], MODEL_CONFIGS), "coder": str(files["coder"])},
+    )
+    (problem,) = problems_for("api_keys.coder", problems_of(seed_data, name="spark-test"))
+    assert "bearer token" in problem.message and problem.value == str(files["coder"])
+    files["coder"].write_text("planner-key-0123456789\n")  # the planner's key again: the later name is told
+    (problem,) = problems_for("api_keys.planner", problems_of(seed_data, name="spark-test"))
+    assert "the same key as api_keys.coder" in problem.message and "planner-key" not in str(problem)
+    files["coder"].write_text("coder-key-0123456789abc\n")
+    config = make_host(seed_data).config
+    assert config.client_key_files == {
+        "default": str(files["default"]), "coder": str(files["coder"]), "planner": str(files["planner"])
+    }  # fmt: skip
+    files["coder"].chmod(0o644)
+    (problem,) = problems_for("api_keys.coder", problems_of(seed_data, name="spark-test"))
+    assert "readable by other users" in problem.message
+    files["coder"].chmod(0o600)
+    seed_data["api_keys"] = {"default": str(files["coder"])}
+    (problem,) = problems_for("api_keys.default", problems_of(seed_data, name="spark-test"))
+    assert "api_key_file is the client 'default' already" in problem.message
+    seed_data["api_keys"] = {"Bad Name": str(files["coder"])}
+    (problem,) = problems_for("api_keys", problems_of(seed_data, name="spark-test"))
+    assert "'Bad Name'" in problem.message
+    # Clients without api_key_file serve the LAN too.
+    seed_data.update(api_key_file=None, api_keys={"coder": str(files["coder"])})
+    assert make_host(seed_data).config.front_keyed
+
+
+def test_the_combined_port_is_a_port_of_its_own(seed_data, make_host, problems_of):
+    for port, taken in ((8012, "engine nemotron listens on it"), (18011, "engine q38 binds it")):
+        seed_data["front_port"] = port
+        (problem,) = problems_for("front_port", problems_of(seed_data, name="spark-test"))
+        assert taken in problem.message and "front_port: null" in problem.fix
+    seed_data["front_port"] = None
+    assert make_host(seed_data).config.front_port is None
 
 
 def test_the_front_is_reached_on_loopback_when_it_listens_everywhere(seed_data, make_host):

@@ -65,7 +65,7 @@ class ScrubbedHost:
                 "engines": [
                     {
                         "name": name,
-                        "port": 8000 + i,
+                        "port": 8010 + i,
                         "kv_cache_memory_bytes": 2**28,
                         "checkpoint": {"repo": repo, "revision": "main"},
                     }

@@ -10,7 +10,7 @@ import shlex
 import pytest
 
 from sparkform import bootchain
-from sparkform.commands.contract import KEY_FROM_SNIPPET, key_header
+from sparkform.commands.contract import KEYS_FROM_SNIPPET, key_header
 from sparkform.hostrecord import HostRecord
 from sparkform.kept import KeptSettings, settings_digest
 from sparkform.layout import (
@@ -43,14 +43,22 @@ def _seconds(systemd_timespan: str) -> float:
 
 
 def _curl(
-    remote, config, engine, path: str, data: dict | None = None, key: bool = True, status_only: bool = False
+    remote,
+    config,
+    engine,
+    path: str,
+    data: dict | None = None,
+    key: bool = True,
+    status_only: bool = False,
+    port: int | None = None,
 ) -> str:
-    """Ask the engine through the front, from the host itself, as a client would; the API key
-    (if any) is read from the front's snippet there and handed to curl on a pipe, never in argv."""
+    """Ask the engine through the front (its own port, or `port`), from the host itself, as a
+    client would; the API key (if any) is read from the front's snippet there and handed to curl
+    on a pipe, never in argv."""
     body = f"-H 'Content-Type: application/json' -d '{json.dumps(data)}'" if data else ""
     header = key_header(config.paths.front_key) if key else ""
     address = config.front_local_address
-    url = f"http://{'[' + address + ']' if ':' in address else address}:{engine.port}{path}"
+    url = f"http://{'[' + address + ']' if ':' in address else address}:{port or engine.port}{path}"
     output = "-s -o /dev/null -w '%{http_code}'" if status_only else "-fsS"
     script = f"curl {output} --max-time 30 {header} {body} {url}"
     return remote.check_output("bash -c %s", script)
@@ -248,17 +256,34 @@ def test_chat_completion(remote, engine, config):
 
 def test_api_key_guards_the_api(remote, engine, config):
     """With an API key configured, the front refuses /v1 without it (401)."""
-    if config.api_key_file is None:
-        pytest.skip("no api_key_file in the inventory")
+    if not config.front_keyed:
+        pytest.skip("no api_key_file or api_keys in the inventory")
     assert _curl(remote, config, engine, "/v1/models", key=False, status_only=True) == "401"
 
 
-def test_front_passes_only_the_openai_routes(remote, engine, config):
+def test_front_passes_only_the_engines_routes(remote, engine, config):
     for path in VLLM_UNGUARDED_ROUTES:
-        if path == "/metrics":
+        if path == "/metrics" or path in engine.routes:
             continue  # the allowed addresses' (metrics_allow), 403 for everyone else: below
         assert _curl(remote, config, engine, path, status_only=True) == "404", path
     assert _curl(remote, config, engine, "/health", key=False, status_only=True) == "200"
+    if "/tokenize" in engine.routes:  # the served model's own token count, with the key only
+        count = {"model": engine.names[0], "prompt": "hello"}
+        assert _curl(remote, config, engine, "/tokenize", count, status_only=True) == "200"
+        assert _curl(remote, config, engine, "/tokenize", count, key=False, status_only=True) == "401"
+
+
+def test_the_combined_port_sends_each_name_to_its_engine(remote, engine, config):
+    """front_port: /v1/models lists this engine's names among every engine's, and a chat for
+    each of its names is answered by it (vLLM names it by its first name)."""
+    if not config.front_port:
+        pytest.skip("front_port is null: no combined port")
+    listed = json.loads(_curl(remote, config, engine, "/v1/models", port=config.front_port))
+    assert set(engine.names) <= {model["id"] for model in listed["data"]}
+    for name in engine.names:
+        body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        answer = json.loads(_curl(remote, config, engine, "/v1/chat/completions", body, port=config.front_port))
+        assert answer["model"] == engine.names[0]  # vLLM answers with the first name it serves
 
 
 def test_front_metrics_to_the_allowed_addresses_only(remote, engine, config):
@@ -282,7 +307,7 @@ def test_front_enabled_active_unprivileged_and_its_key_its_and_roots_only(remote
     # Not even its master runs as root.
     users = remote.check_output("ps -o user= -C nginx | sort -u").split()
     assert users == [FRONT_USER], users
-    if config.api_key_file:
+    if config.front_keyed:
         snippet = remote.file(config.paths.front_key)
         assert (snippet.user, snippet.group, snippet.mode) == ("root", FRONT_USER, 0o640)
     assert not remote.file(f"{config.config_dir}/secrets/engine.env").exists  # the engines hold no key
@@ -318,15 +343,16 @@ def test_checkpoint_files_hash_as_verified(remote, config, request):
 
 
 def test_no_secret_in_a_world_readable_file(remote, config):
-    secret_files = [config.paths.hf_token, config.paths.front_key]
-    for path in secret_files:
+    # What each file's secret is, as grep patterns: the token's line; each client's key.
+    secrets_of = {config.paths.hf_token: "cat", config.paths.front_key: f"sed -n '{KEYS_FROM_SNIPPET}'"}
+    for path in secrets_of:
         file = remote.file(path)
         if file.exists:
             assert file.mode & 0o007 == 0, f"{path} is readable by every user"
             # Search with the secret as a pattern file, so it never appears in an argv; a fresh
             # name mktemp makes (0600), never a fixed path another user could plant a link at.
             leaks = remote.run(
-                f"umask 077; pattern=$(mktemp); sed -n '{KEY_FROM_SNIPPET}; /^set /!p' {path} > \"$pattern\"; "
+                f'umask 077; pattern=$(mktemp); {secrets_of[path]} {path} > "$pattern"; '
                 f'grep -rlF -f "$pattern" /etc /usr/local/lib /var/lib/sparkform /opt/sparkform '
                 f"/run/systemd 2>/dev/null | while read -r f; do "
                 f'[ $(( 0$(stat -c %a "$f") & 4 )) -ne 0 ] && echo "$f"; done; '
