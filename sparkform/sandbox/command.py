@@ -37,6 +37,11 @@ def _howto(box) -> str:
                 f"-H 'Content-Type: application/json' -d '{body}' "
                 f"http://{box.address}:{engine.port}/v1/chat/completions"
             )
+        if target.config.front_port:
+            lines.append(
+                f'every model, one port: curl -s -H "Authorization: Bearer $(cat {key})" '
+                f"http://{box.address}:{target.config.front_port}/v1/models   (docs/clients.md)"
+            )
     return "\n".join(lines)
 
 
