@@ -11,6 +11,7 @@ import shlex
 
 from pyinfra.api import FactBase
 
+from sparkform.front_tls import read_back, read_command
 from sparkform.hostrecord import (
     CACHE_KEY_PATTERN,
     ENGINE_NAME_PATTERN,
@@ -20,7 +21,14 @@ from sparkform.hostrecord import (
     UntrustedValue,
 )
 from sparkform.kept import KeptSettings, Rollback
-from sparkform.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER, KEPT_PREVIOUS, KEPT_RECORD, ROLLBACK_RECORD
+from sparkform.layout import (
+    CHECKPOINT_MANIFEST,
+    COMPLETE_MARKER,
+    KEPT_PREVIOUS,
+    KEPT_RECORD,
+    NGINX_MAIN_CONFIG,
+    ROLLBACK_RECORD,
+)
 from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES, engine_states
 from sparkform.readback import REPO_AT, named_lines, pins, pins_command, shaped
 from sparkform.remote import plain_file, plain_files, section, split_sections
@@ -31,6 +39,7 @@ from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
 STAMP = re.compile(r"[A-Za-z0-9._+=@ -]{0,200}")  # venv pins, digests of what nginx and the guard loaded
 UNIT_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]*\.service")  # a unit sparkform may have written
 MANIFEST_PATH = re.compile(r"[A-Za-z0-9._/+-]{1,400}")  # a checkpoint file, relative to its folder
+WORKER_CONNECTIONS = re.compile(r"\s*worker_connections\s+([0-9]{1,6})\s*;.*")  # nginx.conf's line
 # Every checkpoint folder (name@commit) under the models folder, one line each:
 # "folder|mtime|marker|verdict", the verdict "ok", "-" (no manifest) or the files whose size or
 # mtime no longer match the manifest. Trusts size and mtime: hashes nothing.
@@ -76,6 +85,8 @@ class HostSnapshot(FactBase):
     + record_path: the host record
     + kept_root: root's folder of each engine's kept settings (kept.json, rolled-back.json, and
       previous/kept.json)
+    + front_certificate: the front's certificate, read back (None: TLS is off); nginx.conf's
+      worker_connections is read too
 
     Every value read back is checked against the shape sparkform writes it in; one that does
     not match is listed in ``untrusted`` and left out, never used.
@@ -97,6 +108,7 @@ class HostSnapshot(FactBase):
         cache_keys_dir: str,
         record_path: str,
         kept_root: str,
+        front_certificate: str | None = None,
     ) -> str:
         quoted_paths = " ".join(shlex.quote(p) for p in paths)
         sections = [
@@ -130,7 +142,10 @@ class HostSnapshot(FactBase):
                 plain_files(f"{shlex.quote(kept_root)}/*/{KEPT_RECORD} {shlex.quote(kept_root)}/*/{ROLLBACK_RECORD}"),
             ),
             section("kept_previous", plain_files(f"{shlex.quote(kept_root)}/*/{KEPT_PREVIOUS}/{KEPT_RECORD}")),
+            section("worker_connections", f"grep -E '^[[:space:]]*worker_connections' {NGINX_MAIN_CONFIG}"),
         ]
+        if front_certificate:
+            sections.append(section("front_certificate", read_command(front_certificate)))
         return " ; ".join(sections)
 
     def process(self, output: list[str]) -> Snapshot:
@@ -206,6 +221,12 @@ class HostSnapshot(FactBase):
         for path in sections.get("caches_aside", []):
             if checked(CACHE_KEY_PATTERN, path.rsplit(STALE_MARK, 1)[-1], path, "a cache folder moved aside"):
                 snapshot.caches_aside.append(path)
+        connections = [WORKER_CONNECTIONS.fullmatch(line) for line in sections.get("worker_connections", [])]
+        if len(connections) == 1 and connections[0]:
+            snapshot.worker_connections = int(connections[0][1])
+        snapshot.front_certificate = read_back(
+            sections.get("front_certificate", []), "the front's certificate", untrusted
+        )
         _read_kept(sections.get("kept", []), snapshot, previous=False)
         _read_kept(sections.get("kept_previous", []), snapshot, previous=True)
         return snapshot

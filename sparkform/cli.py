@@ -22,6 +22,7 @@ from pathlib import Path
 from sparkform import ledger, locks, monitoring, planner
 from sparkform.bundle import DEPLOY, VERIFY_SUITE
 from sparkform.commands import bench as bench_command
+from sparkform.commands import cert as cert_command
 from sparkform.commands import contract as contract_command
 from sparkform.commands import hostpins, lock, logs, rollback, ssh
 from sparkform.commands import ledger as ledger_command
@@ -33,7 +34,7 @@ from sparkform.inventory import exit_invalid, load_inventory, raw_inventory
 from sparkform.model import Host, InventoryError, Problem
 from sparkform.render import render_host
 from sparkform.sandbox import command as sandbox_command
-from sparkform.schema import CompileCaps, HostConfig, Monitoring, Scrub
+from sparkform.schema import CompileCaps, FrontTLS, HostConfig, Monitoring, Scrub
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -212,6 +213,7 @@ def field_table() -> str:
     sections = [
         ("host", HostConfig),
         ("compile_caps.", CompileCaps),
+        ("front_tls.", FrontTLS),
         ("monitoring.", Monitoring),
         ("scrub.", Scrub),
         ("engines[].", Engine),
@@ -225,7 +227,7 @@ def field_table() -> str:
                 default = "required"
             else:
                 value = info.get_default(call_default_factory=True)
-                tables = (CompileCaps, Measured, Monitoring, Scrub)
+                tables = (CompileCaps, FrontTLS, Measured, Monitoring, Scrub)
                 default = "—" if isinstance(value, tables) else f"`{json.dumps(value)}`"
             label = name if prefix == "host" else f"{prefix}{name}"
             meaning = " ".join(info.description.split())  # the field's docstring, on one line
@@ -313,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     sandbox_command.add_parser(sub)
     logs.add_parser(sub)
     status_command.add_parser(sub)
+    cert_command.add_parser(sub)
     contract_command.add_parser(sub)
     ledger_command.add_parser(sub)
     rollback.add_parser(sub)

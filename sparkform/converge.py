@@ -9,6 +9,7 @@ and the order of it all live here, so they are tested on snapshots without pyinf
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import posixpath
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from sparkform import bootchain, hostrecord, layout
 from sparkform.engine import Engine
+from sparkform.front_tls import FrontCertificate, front_certificate, tls_files, tls_paths
 from sparkform.host.front_keys import clients_snippet
 from sparkform.hostrecord import EngineRecord, HostRecord, HostVersions
 from sparkform.kept import KeptSettings, settings_digest
@@ -25,7 +27,7 @@ from sparkform.model import Problem
 from sparkform.parsers import EngineState
 from sparkform.programs import guard_files, module_folders
 from sparkform.render import monitoring_packages, node_exporter_files, prerequisite_packages, render_host
-from sparkform.rendered import RenderedFile
+from sparkform.rendered import RenderedFile, Secret
 from sparkform.schema import HostConfig
 from sparkform.snapshot import RemoteFile, Snapshot
 
@@ -47,14 +49,6 @@ def digest(*contents: str) -> str:
 def differs(content: str, current: RemoteFile | None) -> bool:
     """Whether the host's copy (None: absent) holds something else than `content`."""
     return current is None or current.sha256 != sha256(content)
-
-
-@dataclass(frozen=True)
-class Secret:
-    path: str
-    content: str
-    mode: str
-    group: str
 
 
 def secrets(config: HostConfig) -> list[Secret]:
@@ -180,6 +174,7 @@ def snapshot_request(config: HostConfig) -> dict:
             [f.path for f in folders(config)]
             + [f.path for f in rendered]
             + [s.path for s in secrets(config)]
+            + tls_paths(config)
             + unwanted(config)
             + ([config.monitoring.record_textfile] if config.monitoring.enabled else [])
         ),
@@ -200,6 +195,7 @@ def snapshot_request(config: HostConfig) -> dict:
         cache_keys_dir=config.paths.cache_keys,
         record_path=config.paths.host_record,
         kept_root=layout.kept_root(config.state_dir),
+        front_certificate=config.paths.front_certificate if config.front_tls_on else None,
     )
 
 
@@ -296,7 +292,8 @@ class ConvergePlan:
     disabled: list[Engine]  # stopped (their units stay, disabled)
     steps: list[EngineStep]  # the enabled engines, each after every engine it waits for
     cache_key: str  # what the host's versions key JIT caches under now
-    front_wanted: str  # the digest nginx must run with (its drop-in, config and key)
+    front_wanted: str  # the digest nginx must run with (its drop-in, config, keys and certificate)
+    certificate: FrontCertificate | None  # what the front serves over TLS (None: plain HTTP)
     guard_wanted: str  # the digest the guard must run with (its files)
     node_exporter_wanted: str  # the digest node_exporter must run with (its settings and drop-in)
     scrub_wanted: str  # the digest the scrub's timer must be armed with (its unit)
@@ -359,10 +356,18 @@ def rollback_lines(config: HostConfig, snapshot: Snapshot, rendered: list[Render
     ]
 
 
-def plan(config: HostConfig, snapshot: Snapshot, model_configs: Mapping[str, dict] | None = None) -> ConvergePlan:
+def plan(
+    config: HostConfig,
+    snapshot: Snapshot,
+    model_configs: Mapping[str, dict] | None = None,
+    now: datetime.datetime | None = None,
+) -> ConvergePlan:
     """Everything one converge of `config` (its pins resolved) does to the host in `snapshot`
-    (`model_configs`: the checkpoints' config.json by engine, for the KV ledger's prediction)."""
-    rendered = render_host(config, model_configs)
+    (`model_configs`: the checkpoints' config.json by engine, for the KV ledger's prediction;
+    `now`: the time a self-signed certificate is judged and made at)."""
+    certificate = front_certificate(config, snapshot, now or datetime.datetime.now(datetime.UTC))
+    certificate_files, certificate_key = tls_files(config, certificate)
+    rendered = render_host(config, model_configs) + certificate_files
     changed = {f.path for f in rendered if differs(f.content, snapshot.paths.get(f.path))}
     order = bootchain.start_order(config)
     live = hostrecord.parse_live_versions(snapshot.live_versions, f"{config.vllm_package}-{config.vllm_version}")
@@ -412,7 +417,7 @@ def plan(config: HostConfig, snapshot: Snapshot, model_configs: Mapping[str, dic
             )
         )
 
-    secret_files = secrets(config)
+    secret_files = secrets(config) + certificate_key
     contents = {f.path: f.content for f in rendered} | {s.path: s.content for s in secret_files}
     return ConvergePlan(
         config=config,
@@ -433,7 +438,9 @@ def plan(config: HostConfig, snapshot: Snapshot, model_configs: Mapping[str, dic
             contents[FRONT_CONFIG],
             contents.get(config.paths.front_key, ""),
             contents[config.paths.front_router],
+            certificate.pem if certificate else "",
         ),
+        certificate=certificate,
         guard_wanted=digest(*(contents[path] for path in guard_files(config))),
         node_exporter_wanted=digest(*(f.content for f in node_exporter_files(config))),
         scrub_wanted=digest(contents[layout.unit_path(layout.SCRUB_TIMER)]),

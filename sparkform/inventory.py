@@ -102,8 +102,8 @@ LOCAL_PATH_FIELDS = ("hf_token_file", "api_key_file", "alert_webhook_file", "whe
 def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Host:
     """Validate one host's data; raise InventoryError with every problem found.
 
-    Relative local paths (secret files, api_keys' files, the wheelhouse source, the lock, model configs) resolve
-    against `base_dir`, the inventory's folder, whatever the current directory is.
+    Relative local paths (secret files, api_keys' files, front_tls' files, the wheelhouse source, the lock, model
+    configs) resolve against `base_dir`, the inventory's folder, whatever the current directory is.
     """
     data = {
         **data,
@@ -113,6 +113,15 @@ def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Ho
             if isinstance(data.get(key), str)
         },
     }
+    if isinstance(data.get("front_tls"), dict):
+        data["front_tls"] = {
+            **data["front_tls"],
+            **{
+                key: str((base_dir / Path(path).expanduser()).resolve())
+                for key in ("cert_file", "key_file")
+                if isinstance(path := data["front_tls"].get(key), str)
+            },
+        }
     if isinstance(data.get("api_keys"), dict):
         data["api_keys"] = {
             name: str((base_dir / Path(path).expanduser()).resolve()) if isinstance(path, str) else path

@@ -50,6 +50,8 @@ FRONT_PID_FILE = "/run/nginx.pid"
 FRONT_CONFIG_TEST = "/usr/sbin/nginx -t -q -g 'daemon on; master_process on;'"
 # Debian's welcome page on port 80 of every address: nothing a Spark should serve to the LAN.
 NGINX_DEFAULT_SITE = "/etc/nginx/sites-enabled/default"
+# Debian's main nginx configuration: the deploy sets its worker_connections line (front_connections).
+NGINX_MAIN_CONFIG = "/etc/nginx/nginx.conf"
 PROFILE_CAPS = "/etc/profile.d/sparkform-caps.sh"  # the compile caps for login shells
 # ROOT_PYTHON (sparkform.host): how root runs its Python programs: the system's python3, isolated
 # (-I: no PYTHON* variables, no user site under $HOME, no script folder on sys.path), so nothing
@@ -62,6 +64,7 @@ NODE_EXPORTER_DEFAULTS = "/etc/default/prometheus-node-exporter"  # ARGS=, read 
 NODE_EXPORTER_DROP_IN = f"{UNIT_DIR}/prometheus-node-exporter.service.d/sparkform-access.conf"
 RECORD_TEXTFILE = "sparkform.prom"  # the host record's metrics, written with the record
 GUARD_TEXTFILE = "sparkform-guard.prom"  # the guard's alerts, written by the guard
+FRONT_TEXTFILE = "sparkform-front.prom"  # requests per client of the front, counted by the guard
 GPU_TEXTFILE = "sparkform-gpu.prom"  # the GPU's temperature, clock and clock-event reasons, sampled by the guard
 # COMPLETE_MARKER (sparkform.host.folders) is written last into a venv or a checkpoint folder:
 # without it the folder is unfinished, and the launch script refuses the checkpoint.
@@ -301,6 +304,21 @@ class HostPaths:
     def front_key(self) -> str:
         """The API key as an nginx snippet, read by nginx's master process (root) only."""
         return f"{self.secrets_dir}/front-api-key.conf"
+
+    @property
+    def front_tls_key(self) -> str:
+        """The private key of the front's certificate, read by nginx's master as the front's group."""
+        return f"{self.secrets_dir}/front-tls.key"
+
+    @property
+    def front_certificate(self) -> str:
+        """The front's certificate (its chain after it): public, what clients trust (`sparkform cert`)."""
+        return f"{self.config_dir}/front-tls.pem"
+
+    @property
+    def front_public_key(self) -> str:
+        """The public key of the front's certificate: the host's own requests to the front pin it."""
+        return f"{self.config_dir}/front-tls.pub.pem"
 
     @property
     def alert_webhook(self) -> str:

@@ -34,6 +34,7 @@ class Target:
     name: str  # the inventory's name: the `host` label
     node: str  # node_exporter's address:port
     engines: list[tuple[str, str]]  # (engine, the front's address:port) of each enabled engine
+    tls: bool  # the front speaks HTTPS: scraped trusting its certificate, `sparkform cert` saved as cert_file
     units: str  # a regex of the enabled engines' units
     burst: int
     restarts_before_limit: int  # NRestarts at which one more failed start spends the start limit
@@ -52,6 +53,7 @@ def target(name: str, config: HostConfig, host_address: str) -> Target:
         name=name,
         node=f"{reach(config.monitoring.listen_address, host_address)}:{config.monitoring.port}",
         engines=[(e.name, f"{front}:{e.port}") for e in config.served_engines],
+        tls=config.front_tls_on,
         units="|".join(layout.engine_unit(e.name).replace(".", "[.]") for e in config.enabled_engines),
         burst=config.start_limit_burst,
         restarts_before_limit=max(config.start_limit_burst - 1, 1),
@@ -91,13 +93,25 @@ def targets(hosts: list[Host], addresses: dict[str, str]) -> list[Target]:
     return [target(h.name, h.config, addresses.get(h.name) or h.name) for h in watched]
 
 
+def cert_file(name: str) -> str:
+    """The file, beside the scrape config, that holds the certificate of host `name`'s front."""
+    return f"{name}-front.pem"
+
+
 def _prometheus_template(name: str) -> str:
     """`{{ $labels.NAME }}` and friends, Prometheus' own templating, written by a jinja template."""
     return "{{ " + name + " }}"
 
 
 def scrape_config(found: list[Target], inventory: str) -> str:
-    return template("monitoring/prometheus-scrape.yml.j2", hosts=found, inventory=inventory, rules_file=RULES_FILE)
+    return template(
+        "monitoring/prometheus-scrape.yml.j2",
+        hosts=found,
+        inventory=inventory,
+        rules_file=RULES_FILE,
+        vllm_job=VLLM_JOB,
+        cert_file=cert_file,
+    )
 
 
 def alert_rules(found: list[Target], inventory: str) -> str:
@@ -219,6 +233,14 @@ def dashboard() -> dict:
             (12, 28, 12, 4),
             (f"sparkform_converge_timestamp_seconds{{{node}}} * 1000", "record written"),
             unit="dateTimeAsIso",
+        ),
+        _panel(
+            12,
+            "Requests per client (the front's access log)",
+            "timeseries",
+            (0, 32, 24, 8),
+            (f"sum by (client, code) (rate(sparkform_front_requests_total{{{node}}}[5m]))", "{{client}} {{code}}"),
+            unit="reqps",
         ),
     ]
     return {

@@ -18,6 +18,7 @@ from sparkform.engine import Engine
 from sparkform.host import ROOT_PYTHON
 from sparkform.layout import (
     ENGINES_TARGET,
+    FRONT_ACCESS_LOG,
     FRONT_UNIT,
     GUARD_UNIT,
     KV_LEDGER_ROWS,
@@ -149,6 +150,9 @@ def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None 
         "alert_command": config.alert_command,
         "textfile": config.monitoring.guard_textfile if config.monitoring.enabled else None,
         "gpu_textfile": config.monitoring.gpu_textfile if config.monitoring.enabled else None,
+        # Requests per client: counted from the front's access log into a textfile of its own.
+        "front_textfile": config.monitoring.front_textfile if config.monitoring.enabled else None,
+        "front_access_log": FRONT_ACCESS_LOG,
         "kv_ledger": config.paths.kv_ledger,
         "lock_dir": config.paths.lock_dir,
         # Where the guard checks that the front passes a keyed request (root's key file).
@@ -156,6 +160,8 @@ def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None 
             {"engine": e.name, "address": config.front_local_address, "port": e.port} for e in config.served_engines
         ],
         "front_key": config.paths.front_key if config.front_keyed else None,
+        # Over TLS the guard trusts only the certificate the deploy wrote, whatever name it holds.
+        "front_certificate": config.paths.front_certificate if config.front_tls_on else None,
         "front_unit": FRONT_UNIT,
         # Started again by the guard once every engine serves (sparkform/host/target.py).
         "engines_target": ENGINES_TARGET,
@@ -182,6 +188,7 @@ def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None 
         "vllm_cli": config.paths.vllm_cli,
         "memory_settle_s": 10,
         "gpu_poll_s": 15,
+        "front_count_s": 15,
     }
 
 

@@ -339,6 +339,7 @@ def render_host(config: HostConfig, model_configs: Mapping[str, dict] | None = N
                 "nginx-front.conf.j2",
                 config=config,
                 key=config.front_keyed,
+                tls=config.front_tls_on,
                 **combined_front(config),
                 listen=listen,
                 listen_options=listen_options,

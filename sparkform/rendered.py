@@ -18,3 +18,13 @@ class RenderedFile:
     def is_unit(self) -> bool:
         """systemd reads it: a unit file or a drop-in."""
         return layout.is_unit_path(self.path)
+
+
+@dataclass(frozen=True)
+class Secret:
+    """A secret as sparkform puts it on a host (never shown in a diff or a log)."""
+
+    path: str
+    content: str
+    mode: str
+    group: str

@@ -9,6 +9,7 @@ typo in an inventory must never be silently ignored.
 from __future__ import annotations
 
 import ipaddress
+import shlex
 from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
@@ -16,7 +17,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from sparkform import locks
 from sparkform.engine import Engine, Span
 from sparkform.layout import HostPaths
-from sparkform.schema_sections import CompileCaps, Monitoring, Scrub, checked_address
+from sparkform.schema_sections import CompileCaps, FrontTLS, Monitoring, Scrub, checked_address
 from sparkform.shapes import (
     CLIENT_NAME,
     COMMIT_ID,
@@ -94,6 +95,16 @@ class HostConfig(StrictModel):
     node_exporter when `monitoring` is on."""
     front_read_timeout_s: int = Field(3600, ge=10)
     """How long the front waits for an engine's next bytes; a long non-streamed generation must finish within it."""
+    front_tls: FrontTLS = Field(default_factory=FrontTLS)
+    """TLS on the front's ports, on by default where listen_address is not loopback: the `front_tls.*` fields."""
+    front_connections: int = Field(8192, ge=768, le=65536)
+    """Connections each nginx worker holds at once (nginx.conf's worker_connections, which the deploy sets): idle
+    clients without a key, cut after 10 s without a whole request, cannot take every slot."""
+    front_address_requests: int = Field(512, ge=1)
+    """Requests in progress at once from one client address on the front's ports; more get 429 (an agent fleet behind
+    one address needs one per stream)."""
+    front_address_rate: int = Field(200, ge=1)
+    """Requests a second from one client address on the front's ports (bursts of twice that pass); more get 429."""
     # The ranks' network, for an engine that spans hosts (engines[].nodes): per host, so group data can hold what the
     # pair shares (the interface, the HCAs) and host data what differs (the address).
     node_interface: str | None = Field(None)
@@ -311,6 +322,11 @@ class HostConfig(StrictModel):
         elsewhere (front, readiness, watchdog, contract and bench are the head's)."""
         return [engine for engine in self.enabled_engines if not self.is_worker(engine)]
 
+    @property
+    def node(self) -> str | None:
+        """This host's name in the inventory (None until `named`)."""
+        return self._node
+
     def rank(self, engine: Engine) -> int:
         """This host's rank in `engine`: its place in engines[].nodes; 0 (the head) for an engine of one host."""
         return engine.nodes.index(self._node) if self._node in engine.nodes else 0
@@ -343,12 +359,30 @@ class HostConfig(StrictModel):
         return not ipaddress.ip_address(self.listen_address).is_loopback
 
     @property
+    def front_tls_on(self) -> bool:
+        """Whether the front's ports speak HTTPS: as front_tls.enabled says, else where it serves the LAN."""
+        return self.serves_lan if self.front_tls.enabled is None else self.front_tls.enabled
+
+    @property
     def front_local_address(self) -> str:
         """Where a process on the host reaches the front (a wildcard listens on loopback too)."""
         address = ipaddress.ip_address(self.listen_address)
         if address.is_unspecified:
             return "::1" if address.version == 6 else "127.0.0.1"
         return self.listen_address
+
+    def front_url(self, port: int, path: str) -> str:
+        """The URL a process on the host asks the front at, on `port` (HTTPS when TLS is on)."""
+        address = self.front_local_address
+        host = f"[{address}]" if ":" in address else address
+        return f"{'https' if self.front_tls_on else 'http'}://{host}:{port}{path}"
+
+    @property
+    def front_curl_tls(self) -> str:
+        """curl's options for a request of the host's own to its front: over TLS, the front must
+        show the public key the deploy wrote (a process that took the port while nginx was down
+        cannot), whatever name its certificate holds."""
+        return f"--insecure --pinnedpubkey {shlex.quote(self.paths.front_public_key)}" if self.front_tls_on else ""
 
     def internal_port(self, engine: Engine) -> int:
         """The port the engine itself binds on 127.0.0.1, behind the front."""

@@ -1,14 +1,14 @@
-"""The inventory's nested sections (compile_caps, monitoring, scrub) and the address check they
-share with the host's own fields (sparkform.schema)."""
+"""The inventory's nested sections (compile_caps, monitoring, scrub, front_tls) and the address
+check they share with the host's own fields (sparkform.schema)."""
 
 from __future__ import annotations
 
 import ipaddress
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from sparkform.layout import GPU_TEXTFILE, GUARD_TEXTFILE, RECORD_TEXTFILE
-from sparkform.shapes import StrictModel, checked_calendar, checked_managed_folder
+from sparkform.layout import FRONT_TEXTFILE, GPU_TEXTFILE, GUARD_TEXTFILE, RECORD_TEXTFILE
+from sparkform.shapes import HOST_NAME, StrictModel, checked_calendar, checked_managed_folder
 
 
 class CompileCaps(StrictModel):
@@ -40,7 +40,7 @@ class Monitoring(StrictModel):
     enabled: bool = Field(False)
     """Install prometheus-node-exporter with its systemd collector limited to sparkform's units and textfiles of
     sparkform's (host record, cache keys, cold starts, last converge, the guard's alerts, the GPU's clock-event
-    reasons)."""
+    reasons, the front's requests per client)."""
     listen_address: str = Field("127.0.0.1")
     """Address node_exporter listens on (its --web.listen-address); a LAN address or 0.0.0.0 lets `metrics_allow`
     scrape it from the LAN (its unit allows loopback and `metrics_allow` only)."""
@@ -48,7 +48,7 @@ class Monitoring(StrictModel):
     """node_exporter's port (Debian's default 9100)."""
     textfile_dir: str = Field("/var/lib/prometheus/node-exporter")
     """node_exporter's textfile collector folder (Debian's default); root's, 0755; sparkform writes sparkform.prom,
-    sparkform-guard.prom and sparkform-gpu.prom into it."""
+    sparkform-guard.prom, sparkform-gpu.prom and sparkform-front.prom into it."""
 
     @field_validator("listen_address")
     @classmethod
@@ -76,9 +76,14 @@ class Monitoring(StrictModel):
         return f"{self.textfile_dir}/{GPU_TEXTFILE}"
 
     @property
+    def front_textfile(self) -> str:
+        """Requests per client of the front, counted by the guard from the front's access log."""
+        return f"{self.textfile_dir}/{FRONT_TEXTFILE}"
+
+    @property
     def textfiles(self) -> list[str]:
         """Every textfile sparkform writes."""
-        return [self.record_textfile, self.guard_textfile, self.gpu_textfile]
+        return [self.record_textfile, self.guard_textfile, self.gpu_textfile, self.front_textfile]
 
 
 class Scrub(StrictModel):
@@ -105,6 +110,46 @@ class Scrub(StrictModel):
     @classmethod
     def _calendar(cls, value: str) -> str:
         return checked_calendar(value)
+
+
+class FrontTLS(StrictModel):
+    """TLS on every port of the front (docs/clients.md, TLS): the owner's certificate, or a self-signed one the
+    deploy makes once and keeps."""
+
+    enabled: bool | None = Field(None)
+    """True: every front port speaks HTTPS only, and a plain HTTP request gets a 400 that says so (never a redirect);
+    False: plain HTTP; None: on when listen_address is not loopback."""
+    cert_file: str | None = Field(None)
+    """The owner's certificate on the control machine (PEM: the server's certificate first, then its chain); None: a
+    self-signed one the deploy makes once and keeps, whose SHA-256 fingerprint the deploy and `sparkform status`
+    print (`sparkform cert` prints it for clients to trust)."""
+    key_file: str | None = Field(None)
+    """The private key of cert_file on the control machine (PEM, chmod 600); root's and the front's group's on the
+    host, like the API keys."""
+    names: list[str] = Field(default_factory=list)
+    """Names and addresses clients reach the host by, besides the inventory's host name and listen_address: the
+    self-signed certificate holds them all (and localhost, 127.0.0.1, ::1); a change makes a new one."""
+
+    @field_validator("names")
+    @classmethod
+    def _names(cls, values: list[str]) -> list[str]:
+        for value in values:
+            try:
+                ipaddress.ip_address(value)
+            except ValueError:
+                if not HOST_NAME.fullmatch(value) or ".." in value:
+                    raise ValueError(
+                        f"{value!r} is neither an IP address nor a host name (letters, digits, . - _)"
+                    ) from None
+        return values
+
+    @model_validator(mode="after")
+    def _both_files(self) -> FrontTLS:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError(
+                "cert_file and key_file go together: set both (the owner's certificate) or neither (a self-signed one)"
+            )
+        return self
 
 
 def checked_address(value: str) -> str:

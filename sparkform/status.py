@@ -1,7 +1,8 @@
 """What `sparkform status` reports: each host's engines and GPU as read in one SSH round trip.
 
 Pure: `status_command` is what runs on the host, `read_status` turns its output into a
-`HostStatus` (the documented `--json` object; sparkform/status_table.py prints it as a table).
+`HostStatus` (the documented `--json` object, sparkform/status_schema.py; sparkform/status_table.py
+prints it as a table).
 Every value read back is checked against the shape it must have; one that is not is left out
 (None) and named in `untrusted`, never shown raw.
 """
@@ -13,12 +14,10 @@ import math
 import re
 import shlex
 import time
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field
 
 from sparkform.engine import Engine
-from sparkform.gpu import NvmlReport, NvmlReportError, parse_nvml_report, report_command
+from sparkform.front_tls import fingerprint, read_back, read_command
+from sparkform.gpu import NvmlReportError, parse_nvml_report, report_command
 from sparkform.host import ALERT_MESSAGE_ID
 from sparkform.hostrecord import (
     CACHE_KEY_PATTERN,
@@ -44,8 +43,8 @@ from sparkform.parsers import (
 from sparkform.readback import named_lines
 from sparkform.remote import plain_file, plain_files, section, split_sections
 from sparkform.schema import HostConfig
+from sparkform.status_schema import EngineStatus, HostStatus, ServiceStatus, WatchdogEvent
 
-SCHEMA_VERSION = 1
 # What status adds to the deploy's unit properties: the cgroup's memory and when the state changed.
 STATUS_PROPERTIES = f"{SYSTEMCTL_SHOW_PROPERTIES},MemoryCurrent,MemoryHigh,MemoryMax,StateChangeTimestamp"
 # The vLLM metrics status reads (the rest of /metrics never leaves the host).
@@ -74,110 +73,6 @@ UNIT_STATE_PATTERN = re.compile(r"[a-z][a-z-]{0,31}")  # systemd's ActiveState a
 LAUNCH_STATE_PATTERN = re.compile(r"(waiting|loading)( [a-z0-9][a-z0-9-]{0,39})?")
 
 
-class Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-
-class WatchdogEvent(Model):
-    at: float
-    """unix time the guard journaled it"""
-    event: str
-    """failed, retry-scheduled, retry, hung, recovered, memory-low, memory-critical, memory-recovered, ..."""
-    engine: str
-    """the engine it concerns, "-" for the host"""
-    message: str
-
-
-class ServiceStatus(Model):
-    unit: str
-    active_state: str
-    sub_state: str
-
-
-class EngineStatus(Model):
-    name: str
-    unit: str
-    enabled: bool
-    """enabled in the inventory (a disabled engine never counts against the exit code)"""
-    serving: bool
-    """the unit is active and /health answers 200 (a headless rank: the unit is active, its process running)"""
-    rank: int = 0
-    """this host's rank in an engine across hosts (engines[].nodes): 0 for the head or an engine of one host; a rank >
-    0 runs headless, so its API, /health and metrics are the head's"""
-    active_state: str
-    sub_state: str
-    since: float | None
-    """unix time the unit entered its current state"""
-    restarts: int
-    """systemd's automatic restarts of the unit this boot (its "Scheduled restart job" journal entries)"""
-    main_pid: int
-    """0 when no process runs"""
-    memory_bytes: int | None
-    """the unit's cgroup memory now"""
-    memory_high_bytes: int | None
-    """MemoryHigh (None: no limit)"""
-    memory_max_bytes: int | None
-    """MemoryMax (None: no limit)"""
-    port: int
-    """the port clients use (the front's when there is one)"""
-    health_http: int | None
-    """the HTTP status of the engine's own /health (None: no answer)"""
-    front_http: int | None = None
-    """the HTTP status of /v1/models through the front, with the key (None: no answer)"""
-    launch: str | None = None
-    """what its launch said while it started: "waiting OTHER" (its turn behind a loading neighbour), "loading"; None
-    once it serves"""
-    served_names: list[str]
-    """the model names the engine answers to (the inventory's; vLLM's /metrics names only the first)"""
-    kv_pool_tokens: int | None
-    """the KV cache pool in tokens (vllm:cache_config_info)"""
-    kv_use: float | None
-    """the share of the KV pool in use, 0..1"""
-    requests_running: int | None
-    requests_waiting: int | None
-    generation_tokens_per_s: float | None
-    """generated tokens per second over the sampling interval (None: no sample, or the engine restarted meanwhile)"""
-    last_start_at: float | None
-    """unix time its main process last started"""
-    last_start_s: float | None
-    """seconds that start took to readiness (None while not ready since)"""
-    recorded_cold_start_s: float | None
-    """the last cold start the host record measured, else the inventory's measured.cold_start_s"""
-
-
-class HostStatus(Model):
-    schema_version: Literal[1] = SCHEMA_VERSION
-    host: str
-    reachable: bool
-    error: str | None = None
-    """why the host could not be read (unreachable: ssh's last line)"""
-    checked_at: float
-    """unix time on this machine when the host answered"""
-    serving: bool
-    """every enabled engine serves, through the front too: `sparkform status` exits 0 only when this holds on every
-    host and `problems` is empty"""
-    problems: list[str] = Field(default_factory=list)
-    """what keeps clients from being served or the box from being watched, one line each (an engine that does not
-    serve, the front not passing a keyed request, the guard not running)"""
-    services: list[ServiceStatus] = Field(default_factory=list)
-    """the guard, the front and the scrub timer"""
-    mem_total_bytes: int | None = None
-    mem_available_bytes: int | None = None
-    unified_in_use_bytes: int | None = None
-    """MemTotal - MemAvailable: on GB10's unified memory, what the CPU and the GPU use together"""
-    gpu: NvmlReport | None = None
-    """NVML's report read on the host with pynvml by the engine venv's Python (None: not read)"""
-    vllm_version: str | None = None
-    """the vLLM the host's venv holds"""
-    drift: list[str] = Field(default_factory=list)
-    """how the host changed since its record, one line each (the deploy prints the same lines)"""
-    watchdog: list[WatchdogEvent] = Field(default_factory=list)
-    """the guard's alerts this boot, the latest last"""
-    engines: list[EngineStatus] = Field(default_factory=list)
-    untrusted: list[str] = Field(default_factory=list)
-    """values read back in a shape sparkform never writes: left out"""
-
-
 def _metrics_filter() -> str:
     names = "|".join(re.escape(name) for name in VLLM_METRICS)
     return shlex.quote(f"^({names})[{{ ]")
@@ -190,10 +85,12 @@ def _metrics(engine: Engine, config: HostConfig) -> str:
 
 def _front_request(engine: Engine, config: HostConfig) -> str:
     """/v1/models through the engine's front port, with the key from stdin as a curl config line."""
-    host = config.front_local_address
-    url = f"http://{'[' + host + ']' if ':' in host else host}:{engine.port}/v1/models"
+    url = config.front_url(engine.port, "/v1/models")
     header = """printf 'header = "Authorization: Bearer %s"\\n' "$sparkform_key" | """ if config.front_keyed else ""
-    return f"{header}curl -s -o /dev/null -m 5 -w '%{{http_code}}\\n' {'-K - ' if header else ''}{shlex.quote(url)}"
+    tls = f"{config.front_curl_tls} " if config.front_tls_on else ""
+    return (
+        f"{header}curl -s -o /dev/null -m 5 -w '%{{http_code}}\\n' {'-K - ' if header else ''}{tls}{shlex.quote(url)}"
+    )
 
 
 def _venv_python(config: HostConfig, code: str) -> str:
@@ -238,6 +135,7 @@ def status_command(config: HostConfig, sample_s: float) -> str:
         section("versions", LIVE_VERSIONS_COMMAND),
         section("record", plain_file(config.paths.host_record)),
         section("cache_keys", plain_files(f"{shlex.quote(config.paths.cache_keys)}/*")),
+        section("front_certificate", read_command(config.paths.front_certificate) if config.front_tls_on else "true"),
         section(
             "watchdog", f"journalctl -b -o json --no-pager -n {WATCHDOG_EVENTS_SHOWN} MESSAGE_ID={ALERT_MESSAGE_ID}"
         ),
@@ -405,6 +303,7 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
         else:
             untrusted.append(f"the state of {unit} in a shape systemd never prints")
     problems = _problems(config, engines, services)
+    certificate = read_back(sections.get("front_certificate", []), config.paths.front_certificate, untrusted)
     return HostStatus(
         host=host_name,
         reachable=True,
@@ -417,6 +316,7 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
         unified_in_use_bytes=total - available if total is not None and available is not None else None,
         gpu=report,
         vllm_version=vllm if VERSION_TEXT_PATTERN.fullmatch(vllm) else None,
+        front_tls=fingerprint(certificate) if certificate else None,
         drift=drift_report(host_drift, cold) if record else [],
         watchdog=_watchdog_events(sections.get("watchdog", []), untrusted),
         engines=engines,

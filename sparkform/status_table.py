@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from sparkform.gpu import NvmlReport
-from sparkform.status import EngineStatus, HostStatus
+from sparkform.status_schema import EngineStatus, HostStatus
 
 GIB = 1024**3
 COLUMNS = (
@@ -95,6 +95,8 @@ def format_status(status: HostStatus) -> str:
     )
     lines = [f"{head}   {memory}   vLLM {status.vllm_version or '-'}", *_gpu_lines(status.gpu)]
     lines.append("units: " + ", ".join(f"{u.unit} {u.active_state}/{u.sub_state}" for u in status.services))
+    if status.front_tls:  # 95 characters: a line of its own
+        lines += ["front: HTTPS, its certificate's SHA-256 fingerprint:", f"  {status.front_tls}"]
     lines += _table([list(COLUMNS), *(_engine_row(e, now) for e in status.engines)])
     lines += [f"problem: {line}" for line in status.problems]
     lines += [f"drift since the record: {line}" for line in status.drift]

@@ -36,6 +36,7 @@ def host_problems(host: Host) -> list[Problem]:
         _cpu_pool,
         _native_window,
         access.secret_files,
+        access.front_tls_files,
         access.hub_in_clear,
         _wheelhouse,
         _lock,

@@ -12,6 +12,7 @@ import ipaddress
 import re
 from pathlib import Path
 
+from sparkform.front_tls import BadCertificate, owners_certificate
 from sparkform.model import Host, Problem
 from sparkform.shapes import API_KEY_MAX_LENGTH, API_KEY_MIN_LENGTH, API_KEY_PATTERN, DEFAULT_CLIENT
 
@@ -254,3 +255,37 @@ def front(host: Host) -> list[Problem]:
                 )
             )
     return problems
+
+
+def front_tls_files(host: Host) -> list[Problem]:
+    """The owner's certificate and key for the front: files on this machine, the key root's
+    alone, the key the certificate's, the certificate not ended."""
+    tls = host.config.front_tls
+    if not host.config.front_tls_on or tls.cert_file is None or tls.key_file is None:
+        return []
+    cert, key = Path(tls.cert_file).expanduser(), Path(tls.key_file).expanduser()
+    for field_name, file in (("front_tls.cert_file", cert), ("front_tls.key_file", key)):
+        if not file.is_file():
+            return [
+                Problem(host.name, field_name, str(file), "no such file on this machine", "give the PEM file's path")
+            ]
+    if key.stat().st_mode & 0o077:
+        return [
+            Problem(
+                host.name, "front_tls.key_file", str(key), "the key file is readable by other users", f"chmod 600 {key}"
+            )
+        ]
+    try:
+        owners_certificate(cert.read_text(errors="replace"), key.read_text(errors="replace"))
+    except BadCertificate as err:
+        return [
+            Problem(
+                host.name,
+                "front_tls.cert_file",
+                str(cert),
+                str(err),
+                "give the server's certificate (then its chain) and its own unencrypted key, both PEM; or unset both "
+                "for a self-signed one",
+            )
+        ]
+    return []

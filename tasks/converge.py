@@ -82,6 +82,12 @@ def planned() -> tuple[HostConfig, Snapshot, converge.ConvergePlan]:
     except InventoryError as err:
         exit_invalid(err, f"data of host {host.name}")
     plan = converge.plan(config, snapshot, inventory_host.model_configs)
+    if plan.certificate:
+        logger.info(
+            f"[{host.name}] the front speaks HTTPS with {plan.certificate.origin}, SHA-256 fingerprint "
+            f"{plan.certificate.fingerprint}; clients trust it (`sparkform cert INVENTORY --host {host.name}` "
+            "prints it; docs/clients.md, TLS)"
+        )
     # A link at a managed path would send root's writes, chmods and chowns wherever it points.
     if links := converge.planted_links(snapshot, plan.unwanted):
         exit_untrusted(host.name, links)
@@ -234,6 +240,12 @@ def converge_host() -> None:
         caches_keyed(step)
     # The front last: an engine that moved behind it has freed the port nginx takes over. nginx and
     # the guard restart (or reload) when the files they run with differ from what they last loaded.
+    front.worker_connections(
+        name=f"nginx: {config.front_connections} connections per worker",
+        path=layout.NGINX_MAIN_CONFIG,
+        wanted=config.front_connections,
+        current=snapshot.worker_connections,
+    )
     front.front_serving(
         name="Front (nginx) serving",
         address=config.listen_address,

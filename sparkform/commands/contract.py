@@ -59,11 +59,8 @@ def key_header(snippet: str) -> str:
 def url(config: HostConfig, engine: Engine, request: Request) -> str:
     """Where the request goes from the host: the front, or the engine's own port on loopback."""
     if request.front:
-        address, port = config.front_local_address, engine.port
-    else:
-        address, port = "127.0.0.1", config.internal_port(engine)
-    host = f"[{address}]" if ":" in address else address
-    return f"http://{host}:{port}{request.path}"
+        return config.front_url(engine.port, request.path)
+    return f"http://127.0.0.1:{config.internal_port(engine)}{request.path}"
 
 
 def curl_script(config: HostConfig, engine: Engine, request: Request, timeout_s: float) -> str:
@@ -74,6 +71,7 @@ def curl_script(config: HostConfig, engine: Engine, request: Request, timeout_s:
         f"--max-time {timeout_s:.0f}",
         "-w " + shlex.quote(f"\n{STATUS_MARK}%{{http_code}}"),
         key_header(config.paths.front_key) if request.front and config.front_keyed else "",
+        config.front_curl_tls if request.front else "",
         "-H 'Content-Type: application/json' --data-binary @-" if request.body is not None else "",
         shlex.quote(url(config, engine, request)),
     ]

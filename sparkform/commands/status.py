@@ -22,7 +22,8 @@ from typing import Any
 from sparkform.commands import ssh
 from sparkform.inventory import load_inventory, raw_inventory
 from sparkform.model import Host
-from sparkform.status import HostStatus, read_status, status_command, unreachable
+from sparkform.status import read_status, status_command, unreachable
+from sparkform.status_schema import HostStatus
 from sparkform.status_table import format_status
 
 SSH_TIMEOUT_S = 60.0

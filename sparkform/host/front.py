@@ -3,6 +3,7 @@ to a serving engine. An engine that serves on its own port but not through the f
 a restart loop, a broken configuration) is dark for every client, so after watchdog_failures
 rounds in a row of that the guard alerts once, and once more when the front passes again."""
 
+import ssl
 import time
 import urllib.request
 
@@ -10,16 +11,28 @@ from sparkform.host.alerts import alert
 from sparkform.host.front_keys import front_key
 
 
-def passes(front, key, deadline_s):
-    """Whether the front's port answered /v1/models with 200, with the key."""
+def pinned_context(certificate):
+    """A TLS context that trusts the front's own certificate and nothing else (not even the
+    system's authorities), whatever name it holds: the guard reaches it on a local address."""
+    context = ssl.create_default_context(cafile=certificate)
+    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    context.check_hostname = False
+    return context
+
+
+def passes(front, key, deadline_s, certificate=None):
+    """Whether the front's port answered /v1/models with 200, with the key (over TLS when
+    `certificate`, the front's, is given: a port that shows another sends it no key)."""
     host = f"[{front['address']}]" if ":" in front["address"] else front["address"]
-    request = urllib.request.Request(f"http://{host}:{front['port']}/v1/models")
+    scheme = "https" if certificate else "http"
+    request = urllib.request.Request(f"{scheme}://{host}:{front['port']}/v1/models")
     if key:
         request.add_header("Authorization", f"Bearer {key}")
     try:
-        with urllib.request.urlopen(request, timeout=deadline_s) as response:
+        context = pinned_context(certificate) if certificate else None
+        with urllib.request.urlopen(request, timeout=deadline_s, context=context) as response:
             return response.status == 200
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # ssl.SSLError is an OSError
         return False
 
 
@@ -33,7 +46,7 @@ def front_watch(config, beats, serving):
         time.sleep(interval)
         checked = [f for f in config["fronts"] if f["engine"] in serving]
         key = front_key(config.get("front_key"))
-        failed = [f for f in checked if not passes(f, key, deadline)]
+        failed = [f for f in checked if not passes(f, key, deadline, config.get("front_certificate"))]
         failures = failures + 1 if failed else 0
         if failures >= config["watchdog_failures"] and not down:
             down = True

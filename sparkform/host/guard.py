@@ -41,7 +41,8 @@ file beside it, sparkform-guard.json (rendered from the inventory).
 With monitoring on (the config's "textfile"), every alert is also counted, per event and engine,
 in sparkform_guard_alerts_total of a textfile for node_exporter, rewritten whole at each alert;
 and the daemon samples the GPU with nvidia-smi (temperature, SM clock, the clock-event reasons:
-thermal and hardware slowdowns) into another ("gpu_textfile") every gpu_poll_s.
+thermal and hardware slowdowns) into another ("gpu_textfile") every gpu_poll_s, and counts the
+front's requests per client from its access log into a third ("front_textfile").
 
 The KV pool ledger (the config's "kv_ledger", root's): after each start that served, one JSON
 line with the pool vLLM printed in this start's journal (KV GiB, tokens, concurrency at the
@@ -69,6 +70,7 @@ if __name__ == "__main__":  # run by path on the host: its shared modules beside
 from sparkform.host import RETRY_UNIT_PREFIX, ROOT_PYTHON, outages, settings_path  # noqa: E402
 from sparkform.host.alerts import alert, counted, journal, outbox_watch, read_json, write_json  # noqa: E402
 from sparkform.host.front import front_watch  # noqa: E402
+from sparkform.host.front_clients import clients_watch  # noqa: E402
 from sparkform.host.gpu_metrics import gpu_watch  # noqa: E402
 from sparkform.host.keepalive import Beats, notify  # noqa: E402
 from sparkform.host.kvlog import INVOCATION_ID, JOURNAL_BYTES, LINE_CHARS, printed_pool, started_settings  # noqa: E402
@@ -247,6 +249,8 @@ def cmd_watch(config):
         threads.append(threading.Thread(target=front_watch, args=(config, beats, serving), daemon=True))
     if config.get("gpu_textfile"):
         threads.append(threading.Thread(target=gpu_watch, args=(config,), daemon=True))
+    if config.get("front_textfile"):
+        threads.append(threading.Thread(target=clients_watch, args=(config,), daemon=True))
     for thread in threads:
         thread.start()
     journal(config, f"sparkform-guard: watching {', '.join(e['name'] for e in config['engines']) or 'no engine'}", 6)

@@ -59,6 +59,10 @@ def host_data(box: machine.Sandbox | None) -> dict[str, Any]:
             "api_key_file": str(stage.secret_file(box.runtime_dir, "api_key")),
             # The host's own LAN address, as on a Spark that serves its LAN: the front listens there.
             "listen_address": box.address,
+            # Plain HTTP on the sandbox's private link (a network namespace of this machine's own), so
+            # its printed curl lines work as they are; tests/integration/test_converge.py turns TLS on
+            # for its TLS test, as a Spark's LAN address does by default.
+            "front_tls": {"enabled": False},
             # The alert receiver on this machine (stage.alerts_file has what it got).
             "alert_webhook_file": str(stage.secret_file(box.runtime_dir, "alert_webhook")),
         }

@@ -10,9 +10,11 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import resource
 import shlex
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -413,6 +415,83 @@ def test_a_second_client_gets_its_own_key_and_its_removal_refuses_it_alone(box, 
     logs = ssh(box, "cat /var/log/nginx/*.log").stdout
     assert key not in logs and second not in logs
     assert changed_operations(SANDBOX_INVENTORY) == []
+
+
+def test_with_tls_on_clients_that_trust_the_certificate_are_served_and_plain_http_is_refused(box, tmp_path):
+    """TLS turned on (as a LAN address turns it on on a Spark): the deploy prints the fingerprint
+    of the certificate it makes, `sparkform cert` prints that certificate, the official clients
+    that trust it are served on both kinds of port, plain HTTP is refused even with the key, and
+    status shows the fingerprint. Then TLS off again. Costs two converges that change only the
+    front and the guard (~25 s)."""
+    import anthropic
+    import openai
+
+    from sparkform.front_tls import fingerprint
+
+    key = api_key(box)
+    engines_before = main_pids(box)
+    tls = edited_inventory(tmp_path, host_changes={"front_tls": {"enabled": True}})
+    result = pyinfra(tls, "-y")
+    assert result.returncode == 0, result.stderr[-4000:]
+    printed = re.search(r"SHA-256 fingerprint ((?:[0-9A-F]{2}:){31}[0-9A-F]{2})", result.stdout + result.stderr)
+    assert printed, (result.stdout + result.stderr)[-3000:]
+    cert = subprocess.run([str(BIN / "sparkform"), "cert", str(tls)], capture_output=True, text=True, timeout=120)
+    assert cert.returncode == 0, cert.stderr
+    assert fingerprint(cert.stdout) == printed[1] and printed[1] in cert.stderr
+    (tmp_path / "front.pem").write_text(cert.stdout)
+    trusted = ssl.create_default_context(cafile=str(tmp_path / "front.pem"))
+    for port in (FRONT_PORT, PORTS["q38"]):
+        spark = openai.OpenAI(
+            base_url=f"https://{box.address}:{port}/v1",
+            api_key=key,
+            http_client=openai.DefaultHttpxClient(verify=trusted, timeout=120),
+        )
+        assert {m.id for m in spark.models.list()} >= {"q38", "vision"}, port
+        reply = spark.chat.completions.create(model="q38", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert reply.choices, port
+    messages = anthropic.Anthropic(
+        base_url=f"https://{box.address}:{FRONT_PORT}",
+        api_key=key,
+        http_client=anthropic.DefaultHttpxClient(verify=trusted, timeout=120),
+    ).messages.create(model="nemotron", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert messages.content is not None
+    # Plain HTTP with the key: refused, and no model ran.
+    for engine in ("front", *PORTS):
+        status, body = call(box, engine, "/v1/chat/completions", key=key, body=chat("q38"))
+        assert status == 400 and b"HTTPS only" in body, (engine, body)
+    status = subprocess.run([str(BIN / "sparkform"), "status", str(tls)], capture_output=True, text=True, timeout=300)
+    assert status.returncode == 0 and f"\n  {printed[1]}\n" in status.stdout, status.stdout + status.stderr
+    assert main_pids(box) == engines_before
+    assert changed_operations(tls) == []  # the certificate is kept
+    result = pyinfra(SANDBOX_INVENTORY, "-y")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert call(box, "front", "/v1/models", key=key)[0] == 200
+    assert main_pids(box) == engines_before
+
+
+STALLED_CONNECTIONS = 2000
+
+
+def test_keyless_connections_that_never_finish_a_request_starve_no_keyed_client(box):
+    """2,000 connections without a key, each holding the start of a request it never finishes
+    (what nginx cannot drain as idle): keyed requests are still answered, at once. With Debian's
+    768 slots per worker they got resets (tried: front_connections 768 fails here). ~5 s."""
+    key = api_key(box)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, STALLED_CONNECTIONS + 1024)), hard))
+    held = []
+    try:
+        for _ in range(STALLED_CONNECTIONS):
+            connection = socket.create_connection((box.address, FRONT_PORT), timeout=10)
+            connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: spark\r\n")
+            held.append(connection)
+        for engine in ("front", *PORTS):
+            assert call(box, engine, "/v1/models", key=key, timeout=5)[0] == 200, engine
+    finally:
+        for connection in held:
+            connection.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(held) == STALLED_CONNECTIONS
 
 
 def test_metrics_answer_only_the_allowed_addresses(box, tmp_path):

@@ -5,12 +5,14 @@ engines on loopback. What passes, what the key guards, what the engine sees, str
 
 from __future__ import annotations
 
+import datetime
 import getpass
 import json
 import os
 import re
 import shutil
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -21,12 +23,15 @@ from pathlib import Path
 
 import pytest
 
-from sparkform.converge import secrets
+from sparkform.converge import front_certificate, secrets, tls_files
 from sparkform.engine import API_ROUTES
+from sparkform.front_tls import FrontCertificate, make_self_signed
+from sparkform.host.front import passes
 from sparkform.inventory import load_host
 from sparkform.layout import FRONT_ACCESS_LOG, FRONT_CONFIG, FRONT_DROP_IN, FRONT_ERROR_LOG, FRONT_PID_FILE, FRONT_USER
 from sparkform.render import render_host
 from sparkform.schema import HostConfig
+from sparkform.snapshot import Snapshot
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 NJS_MODULE = "/usr/lib/nginx/modules/ngx_http_js_module.so"  # Debian's libnginx-mod-http-js
@@ -150,9 +155,10 @@ class Front:
         router = Path(config.paths.front_router)
         router.parent.mkdir(parents=True, exist_ok=True)
         router.write_text(rendered[config.paths.front_router].content)
-        for secret in secrets(config):
-            Path(secret.path).parent.mkdir(parents=True, exist_ok=True)
-            Path(secret.path).write_text(secret.content)
+        files, keys = tls_files(config, front_certificate(config, Snapshot(), datetime.datetime.now(datetime.UTC)))
+        for file in [*secrets(config), *files, *keys]:
+            Path(file.path).parent.mkdir(parents=True, exist_ok=True)
+            Path(file.path).write_text(file.content)
 
     def nginx(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -384,6 +390,63 @@ def test_each_client_has_its_own_key_its_name_in_the_access_log_and_one_removed_
     assert server.status(hands, "/v1/models", key=KEY)[0] == 200
     logs = (server.root / "access.log").read_text() + (server.root / "error.log").read_text()
     assert not [name for name, key in keys.items() if key in logs]
+
+
+def tls_status(port: int, path: str, certificate: str, key: str | None = KEY) -> tuple[int, bytes]:
+    """A request over HTTPS from a client that trusts `certificate` alone, to the name `localhost`."""
+    context = ssl.create_default_context(cafile=certificate)
+    request = urllib.request.Request(
+        f"https://localhost:{port}{path}", headers={"Authorization": f"Bearer {key}"} if key else {}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10, context=context) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def test_over_tls_a_client_that_trusts_the_certificate_is_served_and_plain_http_is_refused(tmp_path, stubs, front):
+    hands, _ = stubs
+    config = front_config(tmp_path, stubs, front_tls={"enabled": True})
+    server = front(config)
+    server.start([e.port for e in config.engines] + [config.front_port])
+    hands.requests.clear()
+    certificate = config.paths.front_certificate
+    for port in (config.engines[0].port, config.front_port):
+        assert tls_status(port, "/v1/models", certificate)[0] == 200, port
+        assert tls_status(port, "/v1/models", certificate, key=None)[0] == 401
+        # Plain HTTP, even with the key: refused with a word on why, and nothing reaches an engine.
+        status, body, _ = server.status(port, "/v1/models", key=KEY)
+        assert status == 400 and "HTTPS only" in json.loads(body)["error"]["message"], body
+    assert hands.paths() == ["/v1/models"]  # the engine's port passed it; the combined port's list is the router's
+    # A client that trusts another certificate (a stranger's on the port) does not get through.
+    stranger = tmp_path / "stranger.pem"
+    stranger.write_text(make_self_signed(["localhost", "127.0.0.1"], datetime.datetime.now(datetime.UTC)).pem)
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        tls_status(config.front_port, "/v1/models", str(stranger))
+    # The host's own requests: curl pinned to the deploy's public key, and the guard's watch.
+    url = config.front_url(config.front_port, "/v1/models")
+    pinned = f"curl -s -o /dev/null -w '%{{http_code}}' {config.front_curl_tls} {url}"
+    assert subprocess.run(["bash", "-c", pinned], capture_output=True, text=True).stdout == "401"
+    front_address = {"address": "127.0.0.1", "port": config.front_port}
+    assert passes(front_address, KEY, 5, certificate)
+    assert not passes(front_address, KEY, 5, str(stranger))
+    assert not passes(front_address, KEY, 5)  # plain HTTP: refused
+    other_key = tmp_path / "other.pub.pem"
+    other_key.write_text(FrontCertificate(stranger.read_text(), None, "test").public_key_pem)
+    wrong_pin = pinned.replace(config.paths.front_public_key, str(other_key))
+    assert subprocess.run(["bash", "-c", wrong_pin], capture_output=True, text=True).returncode == 90  # pin mismatch
+
+
+def test_one_address_over_its_rate_gets_429_and_a_keyless_one_is_refused_before_any_limit(tmp_path, stubs, front):
+    config = front_config(tmp_path, stubs, front_address_rate=1)  # bursts of 2 pass at once
+    server = front(config)
+    server.start([e.port for e in config.engines])
+    port = config.engines[0].port
+    statuses = [server.status(port, "/v1/models", key=KEY)[0] for _ in range(8)]
+    assert statuses[0] == 200 and 429 in statuses, statuses
+    # A request without the key is answered 401 before the limits count it: it costs nothing.
+    assert {server.status(port, "/v1/models")[0] for _ in range(8)} == {401}
 
 
 @pytest.mark.parametrize("combined", [False, True], ids=["own-port", "combined-port"])

@@ -135,6 +135,7 @@ def test_the_dashboard_asks_for_metrics_the_exporters_serve(rendered):
         "sparkform_guard_alerts_total",
         "sparkform_engine_cold_start_seconds",
         "sparkform_converge_timestamp_seconds",
+        "sparkform_front_requests_total",
     }
     assert len({panel["id"] for panel in board["panels"]}) == len(board["panels"])
 
@@ -317,6 +318,54 @@ def test_the_guard_samples_the_gpu_into_its_textfile(tmp_path):
         assert 'sparkform_gpu_clocks_event_active{gpu="0",reason="hw_thermal_slowdown"} 1.0' in text
         assert 'sparkform_gpu_clocks_event_active{gpu="0",reason="sw_power_cap"} 1.0' in text
         assert 'sparkform_gpu_clocks_event_active{gpu="0",reason="hw_slowdown"} 0.0' in text
+    finally:
+        guard.close()
+        for stub in stubs:
+            stub.close()
+
+
+def access_line(client: str, status: int, path: str = "/v1/chat/completions") -> str:
+    """A line as the front's log_format (sparkform_clients) writes it."""
+    return f'2026-12-04T10:00:00+00:00 192.168.1.5 {client} "POST {path}" {status} 512 0.031\n'
+
+
+def test_the_guard_counts_the_fronts_requests_per_client_from_its_access_log(tmp_path):
+    """Counted from the log's end at the guard's start, by client and status class; a line of
+    another shape is not counted, a rotated log is read from its start."""
+    folder = tmp_path / "textfiles"
+    folder.mkdir(mode=0o755)
+    log = tmp_path / "sparkform-access.log"
+    log.write_text(access_line("planner", 200) * 5)  # before the guard started: not counted
+    stubs = [StubEngine(), StubEngine()]
+    guard = Guard(tmp_path, stubs, monitoring={"enabled": True, "textfile_dir": str(folder)})
+    settings = json.loads(guard.config_path.read_text())
+    guard.config_path.write_text(json.dumps({**settings, "front_access_log": str(log), "front_count_s": 0.2}))
+    textfile = folder / layout.FRONT_TEXTFILE
+
+    def counts() -> dict[tuple[str, str], float]:
+        found = re.findall(
+            r'sparkform_front_requests_total\{client="([^"]+)",code="(\dxx)"\} (\S+)', textfile.read_text()
+        )
+        return {(client, code): float(value) for client, code, value in found}
+
+    try:
+        guard.watch()
+        guard.wait(textfile.exists, 10, "the front's textfile")
+        with log.open("a") as out:
+            out.write(access_line("planner", 200) * 3 + access_line("coder", 200) + access_line("-", 401))
+            out.write('2026-12-04T10:00:01+00:00 1.2.3.4 evil"} 9 "GET /" 200 1 0.1\n')  # not nginx's shape
+            out.write(access_line("coder", 429)[:30])  # half a line: counted once it is whole
+        want = {("planner", "2xx"): 3.0, ("coder", "2xx"): 1.0, ("-", "4xx"): 1.0}
+        guard.wait(lambda: counts() == want, 10, f"the counts {want}")
+        with log.open("a") as out:
+            out.write(access_line("coder", 429)[30:])
+        guard.wait(lambda: counts().get(("coder", "4xx")) == 1.0, 10, "the half line, whole")
+        log.rename(tmp_path / "sparkform-access.log.1")  # logrotate
+        log.write_text(access_line("coder", 200) * 2)
+        guard.wait(lambda: counts().get(("coder", "2xx")) == 3.0, 10, "the rotated log's lines")
+        checked = promtool("check", "metrics", stdin=textfile.read_text())
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        assert "evil" not in textfile.read_text() and counts()[("planner", "2xx")] == 3.0
     finally:
         guard.close()
         for stub in stubs:

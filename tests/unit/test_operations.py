@@ -452,6 +452,16 @@ TABLE = {
         ],
         dict(FRONT, applied="a c"),
     ),
+    "front: nginx.conf's worker_connections set": (
+        front.worker_connections,
+        dict(path="/etc/nginx/nginx.conf", wanted=8192, current=768),
+        [
+            r"sed -i -E 's/^([[:space:]]*worker_connections[[:space:]]+)[0-9]+;/\18192;/' /etc/nginx/nginx.conf && "
+            "grep -Eq '^[[:space:]]*worker_connections[[:space:]]+8192;' /etc/nginx/nginx.conf || "
+            "{ echo 'sparkform: /etc/nginx/nginx.conf has no worker_connections line to set' >&2; exit 1; }"
+        ],
+        dict(path="/etc/nginx/nginx.conf", wanted=8192, current=8192),
+    ),
     "guard: restart it on new settings": (
         guard.guard_running,
         dict(GUARD, applied="old"),

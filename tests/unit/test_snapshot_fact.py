@@ -35,6 +35,7 @@ SECTIONS = (
     "caches_aside",
     "kept",
     "kept_previous",
+    "worker_connections",
 )
 CAPTURED = f"""{SECTION}packages
 python3 installed
@@ -293,6 +294,30 @@ ROLLED_BACK = {
 }
 
 
+def read_under(tmp_path, **arguments) -> tuple[str, object]:
+    """(output, snapshot) of the fact's own command run in a real shell on a host whose every
+    folder lies under tmp_path (`arguments` override the command's)."""
+    command = HostSnapshot().command(
+        **{
+            "packages": ["coreutils"],
+            "users": ["root"],
+            "paths": [str(tmp_path)],
+            "markers": [],
+            "units": ["none.service"],
+            "unit_glob": str(tmp_path / "none-*.service"),
+            "models_dir": str(tmp_path / "m"),
+            "pins_dir": str(tmp_path / "pins"),
+            "cache_root": str(tmp_path / "c"),
+            "cache_keys_dir": str(tmp_path / "keys"),
+            "record_path": str(tmp_path / "record"),
+            "kept_root": str(tmp_path / "kept"),
+        }
+        | arguments
+    )
+    output = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout
+    return output, HostSnapshot().process(output.splitlines())
+
+
 def kept_snapshot(tmp_path, files: dict[str, str]):
     """The snapshot of a host whose kept folder (under tmp_path) holds `files` (relative path ->
     text), read by the fact's own command in a real shell."""
@@ -300,22 +325,7 @@ def kept_snapshot(tmp_path, files: dict[str, str]):
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
-    command = HostSnapshot().command(
-        packages=["coreutils"],
-        users=["root"],
-        paths=[str(tmp_path)],
-        markers=[],
-        units=["none.service"],
-        unit_glob=str(tmp_path / "none-*.service"),
-        models_dir=str(tmp_path / "m"),
-        pins_dir=str(tmp_path / "pins"),
-        cache_root=str(tmp_path / "c"),
-        cache_keys_dir=str(tmp_path / "keys"),
-        record_path=str(tmp_path / "record"),
-        kept_root=str(root),
-    )
-    output = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout
-    return HostSnapshot().process(output.splitlines())
+    return read_under(tmp_path)[1]
 
 
 def test_kept_settings_and_a_rollback_are_read_back(tmp_path):

@@ -4,6 +4,7 @@ documented JSON and the exit code. Reading a real sandbox: tests/integration/tes
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import subprocess
 import sys
@@ -13,8 +14,10 @@ import jsonschema
 import pytest
 from samples import SERVED_PAIR
 
-from sparkform import cli, status
+from sparkform import cli, status, status_schema
+from sparkform.front_tls import make_self_signed
 from sparkform.remote import LINK, SECTION
+from sparkform.schema_sections import FrontTLS
 from sparkform.status_table import format_status
 
 REPO = Path(__file__).resolve().parents[2]
@@ -271,9 +274,21 @@ def test_the_table_shows_each_engine_on_one_row(spark):
         assert cell in row, cell
 
 
+def test_the_fronts_certificate_fingerprint_is_read_and_a_stranger_shape_is_left_out(spark):
+    config = spark.config.model_copy(update={"front_tls": FrontTLS(enabled=True)})
+    assert "front-tls.pem" in status.status_command(config, 1)
+    assert "front-tls.pem" not in status.status_command(spark.config, 1)  # plain HTTP: nothing to read
+    made = make_self_signed(["spark"], datetime.datetime.now(datetime.UTC))
+    read = status.read_status("spark", config, answer(front_certificate=made.pem.splitlines()), checked_at=T0)
+    assert read.front_tls == made.fingerprint and not read.untrusted
+    assert f"\n  {made.fingerprint}\n" in format_status(read) + "\n"
+    planted = status.read_status("spark", config, answer(front_certificate=["$(id)"]), checked_at=T0)
+    assert planted.front_tls is None and planted.untrusted
+
+
 def test_the_json_is_the_documented_schema(spark):
     documented = SCHEMA_DOC.read_text().split("```json\n", 1)[1].split("```", 1)[0]
-    assert json.loads(documented) == status.HostStatus.model_json_schema(), (
+    assert json.loads(documented) == status_schema.HostStatus.model_json_schema(), (
         "regenerate the schema in docs/status.md with `sparkform status --schema`"
     )
     for s in (

@@ -57,10 +57,9 @@ def _curl(
     on a pipe, never in argv."""
     body = f"-H 'Content-Type: application/json' -d '{json.dumps(data)}'" if data else ""
     header = key_header(config.paths.front_key) if key else ""
-    address = config.front_local_address
-    url = f"http://{'[' + address + ']' if ':' in address else address}:{port or engine.port}{path}"
+    url = config.front_url(port or engine.port, path)
     output = "-s -o /dev/null -w '%{http_code}'" if status_only else "-fsS"
-    script = f"curl {output} --max-time 30 {header} {body} {url}"
+    script = f"curl {output} --max-time 30 {config.front_curl_tls} {header} {body} {url}"
     return remote.check_output("bash -c %s", script)
 
 
