@@ -5,37 +5,56 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 SPARKFORM := $(VENV)/bin/sparkform
 
-.PHONY: sandbox sandbox-down test lint system-deps venv
+.PHONY: sandbox sandbox-down test lint system-deps sandbox-deps venv
 
-# shellcheck and systemd-analyze check rendered files; debootstrap, systemd-nspawn, iproute2 and
-# ssh boot and reach the sandbox; strace shows which argv a secret-handling command exposes; nginx
-# runs the rendered front in the unit tests (the package's service is not started here), with
-# its njs module (libnginx-mod-http-js) for the combined port's router; cc
-# compiles the sandbox's NVML stand-in for the GPU report's unit tests; promtool (Debian's
-# prometheus) checks the rendered scrape config, alert rules and textfile metrics; curl talks to
-# the fake hub and the engines in the tests. python3-venv: a stock Debian's python3 makes no venv
-# without it.
-SYSTEM_TOOLS := shellcheck systemd-analyze debootstrap systemd-nspawn ip ssh ssh-keygen nsenter strace nginx cc promtool curl
-system-deps:
-	@missing=$$(for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null || echo $$tool; done); \
+# Debian packages, without recommends, each only where a command needs it. `make sandbox`:
+# debootstrap builds the sandbox's rootfs (checked with Debian's archive keyring), systemd-nspawn
+# boots it, ip and nsenter wire and reach it, ssh logs in, curl runs the lines it prints,
+# python3-venv makes the venv (a stock Debian's python3 makes none without it). `make test` adds:
+# shellcheck and systemd-analyze check rendered files; strace shows which argv a secret-handling
+# command exposes; nginx runs the rendered front in the unit tests (the package's service is not
+# started here), with its njs module (libnginx-mod-http-js) for the combined port's router; cc
+# (with libc6-dev) compiles the NVML stand-in for the GPU report's unit tests; promtool (Debian's
+# prometheus) checks the rendered scrape config, alert rules and textfile metrics.
+SANDBOX_TOOLS := debootstrap systemd-nspawn ip ssh ssh-keygen nsenter curl
+SANDBOX_PACKAGES := debootstrap debian-archive-keyring systemd-container iproute2 openssh-client util-linux curl python3-venv
+TEST_TOOLS := $(SANDBOX_TOOLS) shellcheck systemd-analyze strace nginx cc promtool
+TEST_PACKAGES := $(SANDBOX_PACKAGES) shellcheck systemd strace nginx libnginx-mod-http-js gcc libc6-dev prometheus
+
+# $(call packages,TOOLS,PACKAGES): install PACKAGES when a tool of TOOLS (or python3's venv, or
+# nginx's njs module where nginx is asked for) is missing.
+define packages
+	@missing=$$(for tool in $(1); do command -v $$tool >/dev/null || echo $$tool; done); \
 	python3 -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
-	test -e /usr/lib/nginx/modules/ngx_http_js_module.so || missing="$$missing libnginx-mod-http-js"; \
+	case " $(2) " in *" libnginx-mod-http-js "*) test -e /usr/lib/nginx/modules/ngx_http_js_module.so || missing="$$missing libnginx-mod-http-js";; esac; \
 	if [ -n "$$missing" ]; then \
 	  echo "== installing Debian packages for:" $$missing; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    shellcheck systemd debootstrap systemd-container iproute2 openssh-client util-linux strace nginx libnginx-mod-http-js gcc \
-	    prometheus curl python3-venv; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(2); \
 	fi
+endef
+
+sandbox-deps:
+	$(call packages,$(SANDBOX_TOOLS),$(SANDBOX_PACKAGES))
+
+system-deps:
+	$(call packages,$(TEST_TOOLS),$(TEST_PACKAGES))
+
+# The venv: sparkform with the sandbox's extras (`make sandbox`), or with the test tools too.
+$(VENV)/.sandbox: pyproject.toml
+	@echo "== creating $(VENV) with sparkform and the sandbox's extras"
+	python3 -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e '.[sandbox]'
+	touch $@
 
 $(VENV)/.installed: pyproject.toml
 	@echo "== creating $(VENV) with sparkform and its test dependencies"
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e '.[test]'
-	touch $@
+	touch $@ $(VENV)/.sandbox
 
 venv: $(VENV)/.installed
 
-sandbox: system-deps venv
+sandbox: sandbox-deps $(VENV)/.sandbox
 	@echo "== sandbox host (first run: builds a Debian rootfs, ~1.5 min, and a wheelhouse of vLLM's CPU build)"
 	$(SPARKFORM) sandbox up --keep
 	@echo "== converging it with inventory/sandbox.py (first run: the vLLM venv and two engine starts, ~3 min)"
@@ -44,7 +63,7 @@ sandbox: system-deps venv
 	$(SPARKFORM) verify inventory/sandbox.py
 	@$(SPARKFORM) sandbox status
 
-sandbox-down: venv
+sandbox-down: $(VENV)/.sandbox
 	$(SPARKFORM) sandbox down
 
 # TEST_WORKERS xdist workers, each integration module (or chain of modules sharing a sandbox) on

@@ -4,8 +4,7 @@
 (`render` asks each host which commit its branches and tags are pinned to); `verify`, `rebuild`,
 `status`, `ledger`, `logs`, `rollback`, `contract` and `bench` validate the inventory before they
 connect; `lock` asks the package indexes.
-Exit codes: 0 success; 2 the inventory is invalid (each problem printed with host, engine,
-field, value and fix); 1 any other error (e.g. the inventory file is missing).
+Exit codes: the table of sparkform/exits.py, for every command (`sparkform --help` prints it).
 """
 
 from __future__ import annotations
@@ -17,9 +16,10 @@ import os
 import shlex
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
-from sparkform import ledger, locks, monitoring, planner
+from sparkform import exits, init, ledger, locks, monitoring, planner
 from sparkform.bundle import DEPLOY, VERIFY_SUITE
 from sparkform.commands import bench as bench_command
 from sparkform.commands import cert as cert_command
@@ -30,7 +30,16 @@ from sparkform.commands import rebuild as rebuild_command
 from sparkform.commands import status as status_command
 from sparkform.commands.hub import resolve_pins
 from sparkform.engine import Checkpoint, Engine, Measured
-from sparkform.inventory import exit_invalid, load_inventory, raw_inventory
+from sparkform.exits import EXIT_CODES
+from sparkform.inventory import (
+    INVENTORY_HELP,
+    UnloadableInventory,
+    default_inventory,
+    exit_invalid,
+    load_inventory,
+    planning,
+    raw_inventory,
+)
 from sparkform.model import Host, InventoryError, Problem
 from sparkform.render import render_host
 from sparkform.sandbox import command as sandbox_command
@@ -38,8 +47,10 @@ from sparkform.schema import CompileCaps, FrontTLS, HostConfig, Monitoring, Scru
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    """Exit code: 0; 1 a ledger asked for could not be read (the plan is printed without it)."""
-    hosts = load_inventory(args.inventory)
+    """Exit code: 0, also while files a deploy needs are missing (listed after the plan); 1 a
+    ledger asked for could not be read (the plan is printed without it)."""
+    with planning():
+        hosts = load_inventory(args.inventory)
     if args.resolve:
         hosts = [Host(h.name, h.config.pinned(resolve_pins(h.name, h.config, {})), h.model_configs) for h in hosts]
     notes: dict[str, list[str]] = {h.name: [] for h in hosts}
@@ -75,6 +86,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 for p, h in zip(plans, hosts, strict=True)
             )
         )
+    if needs := [problem for host in hosts for problem in host.needs]:
+        print("\nWhat a deploy still needs (the plan does not; the deploy and every command that connects refuse):")
+        print("\n".join(f"  - {problem}" for problem in needs))
     return 1 if unread else 0
 
 
@@ -200,6 +214,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         f"--inventory={args.inventory.resolve()}",
         "-p",
         "no:cacheprovider",
+        # anyio's plugin (installed with the SDKs) is imported before pytest starts here, and
+        # pytest warns on every run that it cannot rewrite it; the suite uses none of it.
+        "-p",
+        "no:anyio",
         f"--rootdir={VERIFY_SUITE}",
         "-q",
         *(["--deep"] if args.deep else []),
@@ -275,11 +293,18 @@ def _cmd_fields(_: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sparkform", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="sparkform",
+        description=__doc__.splitlines()[0],
+        epilog="exit codes, every command:\n"
+        + "\n".join(f"  {code:>3}  {textwrap.fill(text, 90, subsequent_indent=' ' * 7)}" for code, text in EXIT_CODES),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"sparkform {importlib.metadata.version('sparkform')}")
     sub = parser.add_subparsers(dest="command", required=True)
+    init.add_parser(sub)
     plan = sub.add_parser("plan", help="validate an inventory and print each host's memory plan")
-    plan.add_argument("inventory", type=Path)
+    plan.add_argument("inventory", type=Path, nargs="?", help=INVENTORY_HELP)
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.add_argument(
         "--resolve",
@@ -298,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     plan.set_defaults(run=_cmd_plan)
     render = sub.add_parser("render", help="write every file a deploy would put on the hosts into a folder")
-    render.add_argument("inventory", type=Path)
+    render.add_argument("inventory", type=Path, nargs="?", help=INVENTORY_HELP)
     render.add_argument("--out", type=Path, required=True)
     render.add_argument("--host", help="only this host")
     render.add_argument(
@@ -308,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     render.set_defaults(run=_cmd_render)
     verify = sub.add_parser("verify", help="check converged hosts over SSH (testinfra suite tests/verify)")
-    verify.add_argument("inventory", type=Path)
+    verify.add_argument("inventory", type=Path, nargs="?", help=INVENTORY_HELP)
     verify.add_argument("--deep", action="store_true", help="also re-hash every checkpoint file against its manifest")
     verify.add_argument("pytest_args", nargs="*", help="further pytest arguments (after --)")
     verify.set_defaults(run=_cmd_verify)
@@ -321,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     rollback.add_parser(sub)
     bench_command.add_parser(sub)
     rebuild = sub.add_parser("rebuild", help="after a reboot: wait for the hosts, converge, print engine start times")
-    rebuild.add_argument("inventory", type=Path)
+    rebuild.add_argument("inventory", type=Path, nargs="?", help=INVENTORY_HELP)
     rebuild.add_argument("--wait", type=float, default=900.0, help="seconds to wait for each host's SSH (default 900)")
     rebuild.set_defaults(run=rebuild_command.run)
     deploy_path = sub.add_parser(
@@ -331,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     watch = sub.add_parser(
         "monitoring", help="write a Prometheus scrape config, alert rules and a Grafana dashboard for the hosts"
     )
-    watch.add_argument("inventory", type=Path)
+    watch.add_argument("inventory", type=Path, nargs="?", help=INVENTORY_HELP)
     watch.add_argument("--out", type=Path, required=True)
     watch.set_defaults(run=_cmd_monitoring)
     fields = sub.add_parser("fields", help="print the inventory field table (Markdown)")
@@ -358,19 +383,28 @@ def main(argv: list[str] | None = None) -> int:
     lock.set_defaults(run=_cmd_lock)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    if getattr(args, "inventory", False) is None:
+        args.inventory = default_inventory()
     args.command_line = shlex.join(["sparkform", *argv])  # what `lock` writes into the lock's header
     try:
         return args.run(args)
     except BrokenPipeError:
-        # The reader left (`sparkform plan ... | head -1`): no traceback, and none at exit when
-        # Python flushes stdout into the closed pipe.
+        # The reader left (`sparkform plan ... | head -1`): success, whether it left before the
+        # last write or after (so a `set -o pipefail` script sees one code), no traceback, and
+        # none at exit when Python flushes stdout into the closed pipe.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return exits.OK
+    except KeyboardInterrupt:
+        print(file=sys.stderr)  # past the ^C the terminal echoed
+        return exits.INTERRUPTED
+    except UnloadableInventory as err:
+        print(f"sparkform: {err}", file=sys.stderr)
+        return exits.USAGE
     except InventoryError as err:
         exit_invalid(err, str(args.inventory))
     except (FileNotFoundError, IsADirectoryError) as err:
         print(f"sparkform: {err}", file=sys.stderr)
-        return 1
+        return exits.FAILED
 
 
 if __name__ == "__main__":

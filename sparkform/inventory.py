@@ -7,8 +7,11 @@ inventory stops `pyinfra inventory/x.py deploy.py` before anything on a host cha
 
 from __future__ import annotations
 
+import contextlib
+import os
 import runpy
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -23,6 +26,10 @@ from sparkform.shapes import owned_flag
 from sparkform.validate import host_problems
 
 BASE_DIR_KEY = "_sparkform_base_dir"  # relative paths in host data resolve against it
+# The inventory a command reads when none is named (where `sparkform init` writes one), unless
+# SPARKFORM_INVENTORY names another.
+DEFAULT_INVENTORY = "~/.config/sparkform/inventory.py"
+INVENTORY_HELP = f"the pyinfra inventory file (default: $SPARKFORM_INVENTORY, else {DEFAULT_INVENTORY})"
 EXIT_INVALID = 2
 EXIT_UNTRUSTED = 3  # the host holds a value sparkform never writes (facts.snapshot.HostSnapshot)
 
@@ -99,6 +106,22 @@ def _model_configs(host: str, config: HostConfig, base_dir: Path) -> tuple[dict,
 LOCAL_PATH_FIELDS = ("hf_token_file", "api_key_file", "alert_webhook_file", "wheelhouse_source", "lock_file")
 
 
+# While `planning()` holds: a file only a deploy reads may be missing (a plan lists it instead).
+_planning = False
+
+
+@contextlib.contextmanager
+def planning():
+    """Load inventories for a plan meanwhile: the problems a deploy alone would meet (a secret
+    or host key file that is not there yet) go into each Host's `needs` instead of failing."""
+    global _planning
+    before, _planning = _planning, True
+    try:
+        yield
+    finally:
+        _planning = before
+
+
 def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Host:
     """Validate one host's data; raise InventoryError with every problem found.
 
@@ -135,6 +158,9 @@ def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Ho
     problems += _host_key_problems(name, data, base_dir)
     host = Host(name, config, model_configs)
     problems += host_problems(host)
+    if _planning:
+        host.needs = [p for p in problems if p.deploy_only]
+        problems = [p for p in problems if not p.deploy_only]
     if problems:
         raise InventoryError(problems)
     return host
@@ -157,6 +183,7 @@ def _host_key_problems(name: str, data: dict[str, Any], base_dir: Path) -> list[
             f'record the host\'s key once (docs/security.md, "Pinned host keys"): ssh-keyscan -t ed25519 '
             f"{data.get('ssh_hostname', name)} >> {known_hosts}, after comparing its fingerprint with "
             "the one the host's console shows",
+            deploy_only=True,
         )
     ]
 
@@ -197,9 +224,47 @@ def host_from_data(name: str, data: dict[str, Any]) -> Host:
     return load_host(name, data, Path(data.get(BASE_DIR_KEY, ".")))
 
 
+def default_inventory() -> Path:
+    """The inventory a command reads when none is named: $SPARKFORM_INVENTORY, else DEFAULT_INVENTORY."""
+    return Path(os.environ.get("SPARKFORM_INVENTORY") or DEFAULT_INVENTORY).expanduser()
+
+
+class UnloadableInventory(Exception):
+    """An inventory file that cannot be read as a pyinfra inventory module: one line says which
+    file, what is wrong and the fix."""
+
+
+def _run_inventory(path: Path) -> dict[str, Any]:
+    """The inventory module's names once it ran; UnloadableInventory when it cannot run."""
+    if not path.exists():
+        raise UnloadableInventory(
+            f"{path}: no such file (name an inventory, e.g. inventory/spark.py, set SPARKFORM_INVENTORY, or write "
+            f"one with `sparkform init`, which makes {DEFAULT_INVENTORY})"
+        )
+    if path.is_dir():
+        raise UnloadableInventory(f"{path} is a folder: give the inventory file in it, e.g. {path / 'spark.py'}")
+    if path.suffix != ".py":
+        raise UnloadableInventory(
+            f"{path} is not a Python file: an inventory is a pyinfra inventory module (.py), as "
+            "inventory/spark.py is; `sparkform init` writes one"
+        )
+    try:
+        return runpy.run_path(str(path))
+    except SyntaxError as err:
+        raise UnloadableInventory(
+            f"{path}, line {err.lineno}: {err.msg}: fix that line (python3 -m py_compile {path} shows it)"
+        ) from None
+    except Exception as err:  # the module's own code raised: name the line of the file that did
+        lines = [frame.lineno for frame in traceback.extract_tb(err.__traceback__) if frame.filename == str(path)]
+        where = f", line {lines[-1]}" if lines else ""
+        raise UnloadableInventory(
+            f"{path}{where} raised {type(err).__name__}: {err}: fix the inventory (python3 {path} shows the traceback)"
+        ) from None
+
+
 def raw_inventory(path: Path) -> dict[str, dict[str, Any]]:
     """Each host's data as the pyinfra inventory module defines it (connector keys included)."""
-    namespace = runpy.run_path(str(path))
+    namespace = _run_inventory(Path(path))
     found: dict[str, dict[str, Any]] = {}
     for name, value in namespace.items():
         if name.startswith("_") or not isinstance(value, (list, tuple)):

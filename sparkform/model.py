@@ -20,6 +20,9 @@ class Problem:
     message: str
     fix: str
     engine: str | None = None
+    # A file only a deploy reads (a secret, a pinned host key) is missing: `sparkform plan` goes on
+    # and lists it as what a deploy still needs; the deploy and every command that connects refuse.
+    deploy_only: bool = False
 
     def __str__(self) -> str:
         where = f"{self.host}: engine {self.engine}: " if self.engine else f"{self.host}: "
@@ -41,3 +44,4 @@ class Host:
     name: str
     config: HostConfig
     model_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    needs: list[Problem] = field(default_factory=list)  # what a deploy still needs (loaded for a plan)

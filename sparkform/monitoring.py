@@ -114,11 +114,19 @@ def scrape_config(found: list[Target], inventory: str) -> str:
     )
 
 
+# Every alert kind the guard, the scrub, the rollback and a rank raise, by the rule that fires on
+# it (tests/unit/test_monitoring.py holds this against sparkform.host.alerts' lists).
+ACTED_EVENTS = ("stopped", "stalled", "hung", "failed", "memory-low", "memory-critical", "head-lost")
+RECOVERY_EVENTS = ("recovered", "memory-recovered", "checkpoint-repaired", "front-recovered")
+
+
 def alert_rules(found: list[Target], inventory: str) -> str:
     return template(
         "monitoring/alerts.yml.j2",
         hosts=found,
         inventory=inventory,
+        acted="|".join(ACTED_EVENTS),
+        recoveries="|".join(RECOVERY_EVENTS),
         label=lambda name: _prometheus_template(f"$labels.{name}"),
         value=lambda: _prometheus_template("$value"),
         value_percent=lambda: _prometheus_template("$value | humanizePercentage"),
@@ -148,6 +156,15 @@ def dashboard() -> dict:
     node = f'job="{NODE_JOB}",host="$host"'
     vllm = f'job="{VLLM_JOB}",host="$host"'
     units = f'name=~"{layout.UNIT_PREFIX}.+"'
+
+    def gpu(name: str) -> str:
+        return f"sparkform_gpu_{name}{{{node}}}"
+
+    def latency(histogram: str) -> list[tuple[str, str]]:
+        """The median and the 95th percentile of a vLLM histogram, per engine, over 5 minutes."""
+        rate = f"sum by (le, engine) (rate(vllm:{histogram}_bucket{{{vllm}}}[5m]))"
+        return [(f"histogram_quantile({q}, {rate})", f"{{{{engine}}}} p{round(q * 100)}") for q in (0.5, 0.95)]
+
     panels = [
         _panel(
             1,
@@ -241,6 +258,29 @@ def dashboard() -> dict:
             (0, 32, 24, 8),
             (f"sum by (client, code) (rate(sparkform_front_requests_total{{{node}}}[5m]))", "{{client}} {{code}}"),
             unit="reqps",
+        ),
+        # The signals vLLM's own Spark guidance names: the GPU's heat and clocks, and latency.
+        _panel(
+            13,
+            "GPU temperature",
+            "timeseries",
+            (0, 40, 8, 8),
+            (gpu("temperature_celsius"), "GPU {{gpu}}"),
+            unit="celsius",
+        ),
+        _panel(14, "GPU SM clock", "timeseries", (8, 40, 8, 8), (gpu("sm_clock_hertz"), "GPU {{gpu}}"), unit="hertz"),
+        _panel(
+            15,
+            "GPU clock-event reasons (throttling)",
+            "timeseries",
+            (16, 40, 8, 8),
+            (f"{gpu('clocks_event_active')} == 1", "GPU {{gpu}} {{reason}}"),
+        ),
+        _panel(
+            16, "Time to first token", "timeseries", (0, 48, 12, 8), *latency("time_to_first_token_seconds"), unit="s"
+        ),
+        _panel(
+            17, "Inter-token latency", "timeseries", (12, 48, 12, 8), *latency("inter_token_latency_seconds"), unit="s"
         ),
     ]
     return {

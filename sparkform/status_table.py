@@ -1,7 +1,9 @@
-"""The table `sparkform status` prints: one block per host, one row per engine."""
+"""The table `sparkform status` prints: one block per host, one row per engine; 100 columns at
+most by default (the columns a glance needs, long lines wrapped), every column with --wide."""
 
 from __future__ import annotations
 
+import textwrap
 import time
 
 from sparkform.gpu import NvmlReport
@@ -12,6 +14,10 @@ COLUMNS = (
     "ENGINE", "STATE", "SINCE", "RESTARTS", "PID", "MEMORY GiB now/high/max", "PORT", "SERVED AS",
     "KV POOL tokens", "KV USE", "RUNNING", "WAITING", "GEN tok/s", "LAST START", "COLD START",
 )  # fmt: skip
+# The narrow table's columns (of COLUMNS), with shorter headings: what a glance needs.
+NARROW = {"ENGINE": "ENGINE", "STATE": "STATE", "SINCE": "SINCE", "RESTARTS": "RESTARTS", "KV USE": "KV USE",
+          "RUNNING": "RUN", "WAITING": "WAIT", "GEN tok/s": "TOK/S", "LAST START": "LAST START"}  # fmt: skip
+WIDTH = 100
 
 
 def _ago(at: float | None, now: float) -> str:
@@ -35,8 +41,8 @@ def _or_dash(value: object, form: str = "{}") -> str:
     return "-" if value is None else form.format(value)
 
 
-def _engine_row(e: EngineStatus, now: float) -> list[str]:
-    state = f"{e.active_state}/{e.sub_state}" + ("" if e.enabled else " (disabled)")
+def _engine_row(e: EngineStatus, now: float, wide: bool) -> list[str]:
+    state = (f"{e.active_state}/{e.sub_state}" if wide else e.active_state) + ("" if e.enabled else " (disabled)")
     if e.rank:
         state += f" (rank {e.rank}, headless)"
     elif e.active_state == "active" and not e.serving:
@@ -80,10 +86,25 @@ def _gpu_lines(report: NvmlReport | None) -> list[str]:
     ]
 
 
-def format_status(status: HostStatus) -> str:
-    """The block a person reads for one host."""
+def _narrow(rows: list[list[str]]) -> list[list[str]]:
+    keep = [COLUMNS.index(name) for name in NARROW]
+    return [[NARROW[COLUMNS[i]] for i in keep]] + [[row[i] for i in keep] for row in rows[1:]]
+
+
+def _wrapped(line: str) -> list[str]:
+    return textwrap.wrap(line, WIDTH, subsequent_indent="    ", break_on_hyphens=False) or [""]
+
+
+def format_status(status: HostStatus, wide: bool = False) -> str:
+    """The block a person reads for one host: at most WIDTH columns unless `wide` (a host not
+    read is one line, whatever ssh said)."""
     if not status.reachable:
         return f"{status.host}: NOT READ: {status.error}"
+    lines = _status_lines(status, wide)
+    return "\n".join(lines if wide else [part for line in lines for part in _wrapped(line)])
+
+
+def _status_lines(status: HostStatus, wide: bool) -> list[str]:
     now = status.checked_at
     down = [e.name for e in status.engines if e.enabled and not e.serving]
     head = f"{status.host}: " + (
@@ -97,7 +118,8 @@ def format_status(status: HostStatus) -> str:
     lines.append("units: " + ", ".join(f"{u.unit} {u.active_state}/{u.sub_state}" for u in status.services))
     if status.front_tls:  # 95 characters: a line of its own
         lines += ["front: HTTPS, its certificate's SHA-256 fingerprint:", f"  {status.front_tls}"]
-    lines += _table([list(COLUMNS), *(_engine_row(e, now) for e in status.engines)])
+    rows = [list(COLUMNS), *(_engine_row(e, now, wide) for e in status.engines)]
+    lines += _table(rows if wide else _narrow(rows))
     lines += [f"problem: {line}" for line in status.problems]
     lines += [f"drift since the record: {line}" for line in status.drift]
     lines += [
@@ -105,4 +127,4 @@ def format_status(status: HostStatus) -> str:
         for w in status.watchdog
     ]
     lines += [f"left out (untrusted): {line}" for line in status.untrusted]
-    return "\n".join(lines)
+    return lines

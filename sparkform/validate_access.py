@@ -122,6 +122,7 @@ def secret_files(host: Host) -> list[Problem]:
                     path,
                     "no such file on this machine",
                     "write the secret to that file (chmod 600) or unset the field",
+                    deploy_only=True,
                 )
             )
         elif file.stat().st_mode & 0o077:
@@ -267,7 +268,14 @@ def front_tls_files(host: Host) -> list[Problem]:
     for field_name, file in (("front_tls.cert_file", cert), ("front_tls.key_file", key)):
         if not file.is_file():
             return [
-                Problem(host.name, field_name, str(file), "no such file on this machine", "give the PEM file's path")
+                Problem(
+                    host.name,
+                    field_name,
+                    str(file),
+                    "no such file on this machine",
+                    "give the PEM file's path",
+                    deploy_only=True,
+                )
             ]
     if key.stat().st_mode & 0o077:
         return [

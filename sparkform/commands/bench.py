@@ -42,7 +42,7 @@ from sparkform.bench import (
 )
 from sparkform.bench_table import format_history, format_row
 from sparkform.commands import hostpins, ssh
-from sparkform.inventory import load_inventory, raw_inventory
+from sparkform.inventory import INVENTORY_HELP, load_inventory, raw_inventory
 from sparkform.layout import record_dir
 from sparkform.model import Host
 from sparkform.parsers import parse_prometheus
@@ -227,7 +227,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser(
         "bench", help="measure each engine alone, then all together: decode tok/s, TTFT, the co-residency penalty"
     )
-    bench.add_argument("inventory", type=Path)
+    bench.add_argument("inventory", type=Path, nargs="?", help=INVENTORY_HELP)
     bench.add_argument("--host", help="only this host")
     bench.add_argument("--input-len", type=positive, default=256, help="prompt tokens per request (default 256)")
     bench.add_argument(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from sparkform.commands import ssh
 from sparkform.front_tls import fingerprint, read_back, read_command
-from sparkform.inventory import load_inventory, raw_inventory
+from sparkform.inventory import INVENTORY_HELP, load_inventory, raw_inventory
 
 SSH_TIMEOUT_S = 60.0
 
@@ -65,6 +65,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cert = sub.add_parser(
         "cert", help="print the certificate a host's front serves over TLS (PEM), for clients to trust"
     )
-    cert.add_argument("inventory", type=Path)
+    cert.add_argument("inventory", type=Path, nargs="?", help=INVENTORY_HELP)
     cert.add_argument("--host", help="the host (needed when the inventory has several)")
     cert.set_defaults(run=run)

@@ -27,7 +27,7 @@ from sparkform.commands.status import positive_seconds
 from sparkform.contract import Finding, NoAnswer, Reply, Request, contract_table, major_minor
 from sparkform.contract_requests import check_engine
 from sparkform.engine import Engine
-from sparkform.inventory import load_inventory, raw_inventory
+from sparkform.inventory import INVENTORY_HELP, load_inventory, raw_inventory
 from sparkform.schema import HostConfig
 
 EXIT_FAILED, EXIT_NO_ANSWER = 1, 3
@@ -142,9 +142,6 @@ def run(args: argparse.Namespace) -> int:
     if args.table:
         print(contract_table())
         return 0
-    if args.inventory is None:
-        print("sparkform contract: name the inventory (sparkform contract INVENTORY)", file=sys.stderr)
-        return 2
     hosts = [h for h in load_inventory(args.inventory) if args.host in (None, h.name)]
     targets = [(h, e) for h in hosts for e in h.config.served_engines if args.engine in (None, e.name)]
     if not targets:
@@ -192,7 +189,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     contract = sub.add_parser(
         "contract", help="check each live engine against the request contract of its vLLM version (docs/operator.md)"
     )
-    contract.add_argument("inventory", type=Path, nargs="?")
+    contract.add_argument("inventory", type=Path, nargs="?", help=INVENTORY_HELP)
     contract.add_argument("--host", help="only this host")
     contract.add_argument("--engine", help="only this engine")
     contract.add_argument("--json", action="store_true", help="one JSON list of every check, with what was observed")

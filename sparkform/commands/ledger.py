@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkform.commands import ssh
-from sparkform.inventory import load_inventory, raw_inventory
+from sparkform.inventory import INVENTORY_HELP, load_inventory, raw_inventory
 from sparkform.ledger import LedgerRow, format_ledger, read_command, read_rows
 from sparkform.model import Host
 
@@ -115,7 +115,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ledger = sub.add_parser(
         "ledger", help="each host's KV pool ledger: every start's pool as vLLM printed it, beside the plan's"
     )
-    ledger.add_argument("inventory", type=Path)
+    ledger.add_argument("inventory", type=Path, nargs="?", help=INVENTORY_HELP)
     ledger.add_argument("--host", help="only this host")
     ledger.add_argument("--engine", help="only this engine's rows")
     ledger.add_argument(

@@ -1,8 +1,15 @@
-"""`sparkform logs INVENTORY ENGINE`: the engine's journal on its host, read over SSH.
+"""`sparkform logs [INVENTORY] [ENGINE]`: journals of a host, read over SSH: the engine's, or
+without one every journal of sparkform's on the host merged in time order (the engines, the
+guard, the retries of a spent start limit, the scrub, the front).
 
 Every line an engine and its unit write goes to journald under the engine's unit (the launch
 script's refusals, vLLM's own log, the readiness helper, systemd's start and stop lines), so one
-`journalctl -u` shows why an engine is not serving.
+`journalctl -u` shows why an engine is not serving; the merged journal shows it beside what the
+guard did about it.
+
+Exit codes: journalctl's (0, or 1 with its own line); 1 the host did not answer over SSH (said in
+one line of sparkform's, with ssh's reason); 2 an engine, a host or a --since it cannot use; 130
+Ctrl-C (what -f ends with).
 """
 
 from __future__ import annotations
@@ -15,8 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from sparkform import exits
 from sparkform.commands import ssh
-from sparkform.inventory import load_inventory, raw_inventory
+from sparkform.inventory import INVENTORY_HELP, load_inventory, raw_inventory
+from sparkform.layout import FRONT_UNIT, GUARD_UNIT, RECOVER_UNIT, SCRUB_UNIT
 from sparkform.model import Host
 
 # What journalctl's --since takes (`-1h`, given as --since=-1h; `2026-11-30 10:00`, `today`,
@@ -25,9 +34,10 @@ SINCE_PATTERN = re.compile(r"[A-Za-z0-9 :+.-]{1,40}")
 EXIT_USAGE = 2
 
 
-def journal_command(unit: str, since: str | None, boot: bool, follow: bool) -> str:
-    """The journalctl command line run on the host."""
-    words = ["journalctl", "-u", unit, "--no-pager", "-o", "short-iso"]
+def journal_command(matches: list[str], since: str | None, boot: bool, follow: bool) -> str:
+    """The journalctl command line run on the host, for these matches (`-u UNIT`, or journalctl's
+    FIELD=VALUE matches joined by "+"), in time order."""
+    words = ["journalctl", *matches, "--no-pager", "-o", "short-iso"]
     words += ["--since", since] if since else []
     words += ["-b"] if boot else []
     words += ["-f"] if follow else []
@@ -46,32 +56,78 @@ def engine_host(hosts: list[Host], engine: str, host: str | None) -> Host:
     raise ValueError(f"{where} has no engine {engine!r} (engines: {', '.join(known) or 'none'})")
 
 
+# Lines that sparkform's programs write from units of their own (an alert sent from a transient
+# unit, the scrub's retries, a rollback), by the name they write under.
+IDENTIFIERS = ("sparkform-guard", "sparkform-scrub", "sparkform-rollback")
+
+
+def host_matches(host: Host) -> list[str]:
+    """journalctl's matches for every journal of sparkform's on the host, any of them: each unit's
+    own lines and systemd's about it (the engines, the guard, each engine's recovery, the scrub,
+    the front), and the lines its programs write from units of their own."""
+    config = host.config
+    units = [
+        *(engine.unit for engine in config.engines),
+        GUARD_UNIT,
+        *(RECOVER_UNIT.replace("@.", f"@{engine.name}.") for engine in config.engines),
+        SCRUB_UNIT,
+        FRONT_UNIT,
+    ]
+    matches = [match for unit in units for match in (f"_SYSTEMD_UNIT={unit}", f"UNIT={unit}")]
+    matches += [f"SYSLOG_IDENTIFIER={name}" for name in IDENTIFIERS]
+    return [word for match in matches for word in (match, "+")][:-1]
+
+
 def run(args: argparse.Namespace) -> int:
-    """Exit code: journalctl's (255: no SSH connection); 2 for an engine or --since it cannot use."""
     if args.since is not None and not SINCE_PATTERN.fullmatch(args.since):
         print(
             f"sparkform logs: --since {args.since!r} is not a time journalctl reads (e.g. today, -1h)", file=sys.stderr
         )
         return EXIT_USAGE
     hosts = load_inventory(args.inventory)
+    engine = args.engine or args.engine_option
     try:
-        target = engine_host(hosts, args.engine, args.host)
+        if engine is not None:
+            target = engine_host(hosts, engine, args.host)
+            matches = ["-u", next(e.unit for e in target.config.engines if e.name == engine)]
+        else:
+            target = pick_host(hosts, args.host)
+            matches = host_matches(target)
     except ValueError as err:
         print(f"sparkform logs: {err}", file=sys.stderr)
         return EXIT_USAGE
-    unit = next(e.unit for e in target.config.engines if e.name == args.engine)
     with tempfile.TemporaryDirectory(prefix="sparkform-logs-") as folder:
         config = ssh.write_config(target.name, raw_inventory(args.inventory)[target.name], Path(folder))
-        command = journal_command(unit, args.since, args.boot, args.follow)
-        return subprocess.call(["ssh", "-F", str(config), ssh.alias(target.name), command])
+        command = journal_command(matches, args.since, args.boot, args.follow)
+        # The journal streams through; ssh's own complaints are kept to say why in one line.
+        result = subprocess.run(
+            ["ssh", "-F", str(config), ssh.alias(target.name), command], stderr=subprocess.PIPE, text=True
+        )
+    if result.returncode == ssh.NO_CONNECTION:
+        print(f"sparkform logs: {target.name} does not answer over SSH ({ssh.failure(result)})", file=sys.stderr)
+        return exits.FAILED
+    sys.stderr.write(result.stderr)
+    return result.returncode
+
+
+def pick_host(hosts: list[Host], host: str | None) -> Host:
+    """The host named, or the inventory's only one; ValueError says why there is none."""
+    picked = [h for h in hosts if host in (None, h.name)]
+    if len(picked) == 1:
+        return picked[0]
+    names = ", ".join(h.name for h in hosts)
+    raise ValueError(
+        f"the inventory has no host {host!r} ({names})" if host else f"choose a host with --host ({names})"
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    logs = sub.add_parser("logs", help="an engine's journal on its host (journalctl over SSH)")
-    logs.add_argument("inventory", type=Path)
-    logs.add_argument("engine", help="the engine's name in the inventory")
+    logs = sub.add_parser("logs", help="a host's journals merged in time order, or one engine's (journalctl over SSH)")
+    logs.add_argument("inventory", type=Path, nargs="?", help=INVENTORY_HELP)
+    logs.add_argument("engine", nargs="?", help="the engine's name in the inventory (none: every journal of the host)")
+    logs.add_argument("--engine", dest="engine_option", metavar="ENGINE", help="the same, as an option")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines (Ctrl-C stops)")
     logs.add_argument("--since", help="from this time on, as journalctl reads it: today, '1 hour ago', --since=-1h")
     logs.add_argument("--boot", action="store_true", help="this boot only")
-    logs.add_argument("--host", help="the host, when several run an engine of that name")
+    logs.add_argument("--host", help="the host, when the inventory has several")
     logs.set_defaults(run=run)

@@ -21,7 +21,7 @@ from pathlib import Path
 from sparkform import bootchain
 from sparkform.commands import ssh
 from sparkform.commands.logs import engine_host
-from sparkform.inventory import load_inventory, raw_inventory
+from sparkform.inventory import INVENTORY_HELP, load_inventory, raw_inventory
 from sparkform.layout import ROOT_PYTHON
 from sparkform.model import Host
 from sparkform.programs import host_locked, run_by
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     rollback = sub.add_parser("rollback", help="put engines back on the settings they last served with")
-    rollback.add_argument("inventory", type=Path)
+    rollback.add_argument("inventory", type=Path, nargs="?", help=INVENTORY_HELP)
     rollback.add_argument("--engine", help="only this engine (default: every engine with settings to go back to)")
     rollback.add_argument("--host", help="only this host (or the host of --engine, when several run one of that name)")
     rollback.add_argument("--reason", help="why, for the record, the alert and the next dry-run")

@@ -54,6 +54,7 @@ def run(
     )
 
 
+NO_CONNECTION = 255  # ssh's exit code when it could not connect (or log in)
 # ssh's last words when the host answered and refused the key or the login: waiting mends neither.
 LASTING_FAILURES = ("Host key verification failed", "Permission denied")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkform.commands import ssh
-from sparkform.inventory import load_inventory, raw_inventory
+from sparkform.inventory import INVENTORY_HELP, load_inventory, raw_inventory
 from sparkform.model import Host
 from sparkform.status import read_status, status_command, unreachable
 from sparkform.status_schema import HostStatus
@@ -51,9 +51,6 @@ def run(args: argparse.Namespace) -> int:
     if args.schema:
         print(json.dumps(HostStatus.model_json_schema(), indent=2))
         return 0
-    if args.inventory is None:
-        print("sparkform status: name the inventory (sparkform status INVENTORY)", file=sys.stderr)
-        return 2
     hosts = [h for h in load_inventory(args.inventory) if args.host in (None, h.name)]
     if not hosts:
         print(f"sparkform status: {args.inventory} has no host {args.host!r}", file=sys.stderr)
@@ -66,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                 print("\n".join(s.model_dump_json() for s in statuses), flush=True)
             else:
                 screen = CLEAR_SCREEN if args.watch and sys.stdout.isatty() else ""
-                print(screen + "\n\n".join(format_status(s) for s in statuses), flush=True)
+                print(screen + "\n\n".join(format_status(s, args.wide) for s in statuses), flush=True)
             code = 0 if all(s.serving and not s.problems for s in statuses) else 1
             if not args.watch:
                 return code
@@ -88,10 +85,11 @@ def positive_seconds(text: str) -> float:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     status = sub.add_parser("status", help="each host's engines, memory and GPU at a glance (one SSH round trip)")
-    status.add_argument("inventory", type=Path, nargs="?")
+    status.add_argument("inventory", type=Path, nargs="?", help=INVENTORY_HELP)
     status.add_argument("--json", action="store_true", help="one JSON object per host and line (docs/status.md)")
     status.add_argument("--watch", type=positive_seconds, metavar="N", help="read again every N seconds until Ctrl-C")
     status.add_argument("--host", help="only this host")
+    status.add_argument("--wide", action="store_true", help="every column, lines unwrapped (default: 100 columns)")
     status.add_argument(
         "--sample",
         type=positive_seconds,

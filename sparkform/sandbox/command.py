@@ -6,8 +6,10 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 from sparkform.bundle import INVENTORIES
 from sparkform.inventory import load_inventory
@@ -23,7 +25,10 @@ def _howto(box) -> str:
     from sparkform.sandbox import stage
 
     key = stage.secret_file(box.runtime_dir, "api_key")
-    lines = [f"ssh in:  sparkform sandbox ssh --name {box.name}   (or: ssh -F {box.ssh_config} {box.host_alias})"]
+    # This sparkform's own path: `make sandbox` runs it from a venv it does not activate.
+    beside = Path(sys.executable).with_name("sparkform")
+    sparkform = shlex.quote(str(beside)) if beside.exists() else "sparkform"
+    lines = [f"ssh in:  {sparkform} sandbox ssh --name {box.name}   (or: ssh -F {box.ssh_config} {box.host_alias})"]
     if not key.exists():  # up --bare: no secrets, so the sandbox inventory does not load
         return "\n".join(lines)
     os.environ["SPARKFORM_SANDBOX"] = box.name  # the inventory points at this sandbox

@@ -89,6 +89,10 @@ def test_first_converge_then_verify(box):
         assert re.search(rf"^{host}{engine}: serving after \d+ s$", shown, re.M), shown
     result = verify()
     assert result.returncode == 0, result.stdout[-4000:]
+    # No warning of its own making, and every skip says why in words.
+    assert "Warning" not in result.stdout + result.stderr, result.stdout[-4000:]
+    skips = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert skips and not [line for line in skips if "got empty parameter set" in line], skips
 
 
 def test_second_run_changes_nothing(box):

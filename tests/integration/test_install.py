@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -103,3 +104,26 @@ def test_a_dry_run_from_another_folder_changes_nothing(installed, deploy, tmp_pa
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     plan = json.loads(result.stdout)["plan"]
     assert [op["name"] for op in plan if op["hosts_with_change"]] == []
+
+
+def test_init_then_plan_in_an_empty_folder_before_any_secret_or_host_key(installed, tmp_path):
+    """The installed wheel's own template: the plan of the written inventory exits 0 and lists what
+    a deploy still needs (the key, the pinned host key); SPARKFORM_INVENTORY names it the same."""
+    home = tmp_path / "home"  # no ~/.config/sparkform yet
+    env = {**os.environ, "HOME": str(home)}
+    env.pop("SPARKFORM_INVENTORY", None)
+    written = subprocess.run(
+        [str(installed / "sparkform"), "init", "my-spark.py", "--host", "spark.example"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )  # fmt: skip
+    assert written.returncode == 0 and "sparkform plan my-spark.py" in written.stdout, written.stderr
+    plans = [
+        subprocess.run([str(installed / "sparkform"), "plan", *named], capture_output=True, text=True, cwd=tmp_path,
+                       env=env | extra, timeout=120)
+        for named, extra in ((["my-spark.py"], {}), ([], {"SPARKFORM_INVENTORY": "my-spark.py"}))
+    ]  # fmt: skip
+    for plan in plans:
+        assert plan.returncode == 0, plan.stderr
+        assert "nemotron" in plan.stdout and "What a deploy still needs" in plan.stdout
+        assert "ssh_known_hosts_file" in plan.stdout and "api_key_file" in plan.stdout
+    assert plans[0].stdout == plans[1].stdout

@@ -161,10 +161,11 @@ def test_status_shows_the_pair_serving_and_counts_a_crash_and_the_time_it_was_do
     # pynvml in the engine venv, against the sandbox's NVML stand-in: a GB10
     assert host["gpu"]["error"] is None and host["gpu"]["gpus"][0]["name"] == "NVIDIA GB10", host["gpu"]
     table = status().stdout
-    assert table.startswith(f"{host['host']}: serving") and "KV POOL" in table, table
+    assert table.startswith(f"{host['host']}: serving") and "KV USE" in table, table
+    assert max(len(line) for line in table.splitlines()) <= 100, table  # fits the screen (--wide: everything)
     before = {name: e["restarts"] for name, e in engines.items()}
 
-    since = now(box)
+    since, since_text = now(box), ssh(box, "date '+%Y-%m-%d %H:%M:%S'").stdout.strip()
     ssh(box, f"kill -9 {engine_core(box, 'vllm-q38.service')}")
 
     def down() -> dict | None:
@@ -178,6 +179,11 @@ def test_status_shows_the_pair_serving_and_counts_a_crash_and_the_time_it_was_do
     assert code == 0, host
     after = {e["name"]: e["restarts"] for e in host["engines"]}
     assert after == {"nemotron": before["nemotron"], "q38": before["q38"] + 1}, (before, after)
+    # Every journal of the host merged in time order: q38's restart, then the guard's word on it.
+    merged = sparkform("logs", "--since", since_text).stdout.splitlines()
+    started = next(i for i, line in enumerate(merged) if "sparkform-launch: starting q38" in line)
+    told = [i for i, line in enumerate(merged) if "sparkform-guard" in line and "serves again after" in line]
+    assert told and started < told[-1], merged[-60:]
 
 
 def test_both_engine_cores_killed_at_once_again_and_again_both_serve_again_every_time(box):

@@ -21,6 +21,7 @@ from test_rebuild_parts import KEY, SHOW_ACTIVE, VERSIONS
 
 from sparkform import converge, layout, monitoring
 from sparkform.cli import main
+from sparkform.host.alerts import ENGINE_EVENTS, HOST_EVENTS
 from sparkform.hostrecord import EngineRecord, HostRecord
 from sparkform.inventory import load_host, load_inventory
 from sparkform.render import render_host
@@ -44,6 +45,12 @@ ALERTS = (
     "SparkformCheckpointCorrupt",
     "SparkformScrubFailed",
     "SparkformGuardActed",
+    "SparkformFrontDown",
+    "SparkformDrift",
+    "SparkformRolledBack",
+    "SparkformRebooted",
+    "SparkformCheckpointRepairFailed",
+    "SparkformRecovered",
 )
 STAND_IN = ROOT / "sparkform" / "sandbox" / "nvidia-smi"
 
@@ -87,6 +94,16 @@ def test_every_alert_fires_and_stays_quiet_under_promtool_test_rules(rendered):
     shutil.copy(RULES_TEST, rendered / RULES_TEST.name)
     result = promtool("test", "rules", RULES_TEST.name, cwd=rendered)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_alert_kind_the_host_raises_fires_a_rule(rendered):
+    """Each event the guard, the scrub, the rollback and a rank alert (sparkform.host.alerts'
+    lists, and a rank's head-lost) is matched by a rule's event matcher."""
+    rules = (rendered / monitoring.RULES_FILE).read_text()
+    matchers = re.findall(r'event=~?"([^"]+)"', rules)
+    kinds = {*ENGINE_EVENTS, *HOST_EVENTS, "head-lost"}
+    unmatched = {kind for kind in kinds if not any(re.fullmatch(m, kind) for m in matchers)}
+    assert unmatched == set(), unmatched
 
 
 def test_promtool_test_rules_fails_on_a_changed_threshold(rendered):
@@ -136,6 +153,11 @@ def test_the_dashboard_asks_for_metrics_the_exporters_serve(rendered):
         "sparkform_engine_cold_start_seconds",
         "sparkform_converge_timestamp_seconds",
         "sparkform_front_requests_total",
+        "sparkform_gpu_temperature_celsius",
+        "sparkform_gpu_sm_clock_hertz",
+        "sparkform_gpu_clocks_event_active",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
     }
     assert len({panel["id"] for panel in board["panels"]}) == len(board["panels"])
 

@@ -216,7 +216,7 @@ def test_values_in_a_shape_never_written_are_left_out_and_named(spark):
     assert any("host-record.json is a symbolic link" in line for line in s.untrusted)
     assert any("watchdog journal entry" in line for line in s.untrusted)
     assert s.gpu is None and any(line.startswith("the GPU report: gpus[0].name") for line in s.untrusted)
-    table = format_status(s)
+    table = format_status(s, wide=True)
     assert "\x1b" not in table and "rm -rf" not in table
     # a left-out value appears only quoted, on the line that says it was left out
     assert [line for line in table.splitlines() if "pwned" in line] == [
@@ -255,7 +255,7 @@ def test_watchdog_alerts_and_drift_since_the_record_are_shown(spark):
 
 
 def test_the_table_shows_each_engine_on_one_row(spark):
-    table = format_status(status.read_status("spark", spark.config, answer(), checked_at=T0))
+    table = format_status(status.read_status("spark", spark.config, answer(), checked_at=T0), wide=True)
     head, *_ = table.splitlines()
     assert head.startswith("spark: serving   memory: 43.4 GiB available of 119.7 GiB (76.3 GiB in use")
     row = next(line for line in table.splitlines() if line.startswith("nemotron "))
@@ -371,7 +371,36 @@ def test_a_headless_rank_serves_while_its_unit_runs_and_says_whose_rank_it_is(ma
     s = status.read_status("spark", worker, answer(**silent), checked_at=T0)
     nemotron, rank = s.engines
     assert (nemotron.rank, rank.rank, rank.serving, rank.health_http) == (0, 1, True, None) and s.serving
-    assert "active/running (rank 1, headless)" in format_status(s)
+    assert "active/running (rank 1, headless)" in format_status(s, wide=True)
     down = units({"ActiveState": "failed", "MainPID": "0"})
     stopped = status.read_status("spark", worker, answer(**silent, units=down), checked_at=T0)
     assert not stopped.serving and not stopped.engines[1].serving
+
+
+def test_by_default_the_status_fits_100_columns_and_wide_shows_every_column(spark):
+    """The narrow table keeps what a glance needs; long lines (a problem, an alert) wrap."""
+    entry = {
+        "__REALTIME_TIMESTAMP": f"{T0 - 60}000000", "MESSAGE": "vllm-q38.service stopped: " + "why " * 60,
+        "SPARKFORM_EVENT": "stopped", "SPARKFORM_ENGINE": "q38",
+    }  # fmt: skip
+    read = status.read_status("spark", spark.config, answer(watchdog=[json.dumps(entry)]), checked_at=T0)
+    narrow, wide = format_status(read), format_status(read, wide=True)
+    assert max(len(line) for line in narrow.splitlines()) <= 100, narrow
+    assert max(len(line) for line in wide.splitlines()) > 100
+    heading = next(line for line in narrow.splitlines() if line.startswith("ENGINE"))
+    assert heading.split() == [
+        "ENGINE",
+        "STATE",
+        "SINCE",
+        "RESTARTS",
+        "KV",
+        "USE",
+        "RUN",
+        "WAIT",
+        "TOK/S",
+        "LAST",
+        "START",
+    ]
+    row = next(line for line in narrow.splitlines() if line.startswith("nemotron "))
+    assert row.split()[:2] == ["nemotron", "active"] and "25%" in row and "42.0" in row
+    assert "why why" in narrow and "KV POOL tokens" in wide and "MEMORY GiB now/high/max" in wide

@@ -1,0 +1,111 @@
+"""The operator's first steps and the errors on the way, run as the console script in a real
+process: an inventory that cannot be loaded is one line and exit 2, a reader that leaves the pipe
+early gets one exit code, Ctrl-C is 130 without a traceback, a plan needs no secret yet, and
+SPARKFORM_INVENTORY names the inventory for every command."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import pytest
+from samples import SERVED_PAIR
+from test_cli import CONSOLE_SCRIPT, clean_env, sparkform
+
+from sparkform import exits
+from sparkform.exits import exit_code_table
+
+REPO = SERVED_PAIR.parents[3]
+
+
+@pytest.mark.parametrize(
+    "name, text, said",
+    [
+        ("folder", None, "is a folder: give the inventory file in it"),
+        ("broken.py", "spark = hosts({\n", "line 1: '{' was never closed: fix that line"),
+        ("raising.py", "import os\nHOST = os.environ['NO_SUCH_VARIABLE_HERE']\n", "line 2 raised KeyError"),
+        ("spark.yaml", "spark:\n  listen_address: 0.0.0.0\n", "is not a Python file"),
+        ("missing.py", None, "no such file (name an inventory"),
+    ],
+    ids=["folder", "syntax-error", "raising", "yaml", "missing"],
+)
+def test_an_inventory_that_cannot_be_loaded_is_one_line_and_exit_2(tmp_path, name, text, said):
+    path = tmp_path / name
+    if name == "folder":
+        path.mkdir()
+    elif text is not None:
+        path.write_text(text)
+    for command in (["plan", str(path)], ["status", str(path)]):
+        result, _ = sparkform(*command, cwd=tmp_path)
+        assert result.returncode == exits.USAGE, result.stderr
+        assert result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+        assert result.stderr.startswith(f"sparkform: {path}") and said in result.stderr, result.stderr
+
+
+def test_a_reader_that_leaves_early_gets_the_same_exit_code_every_time(tmp_path):
+    """`sparkform plan X | head -1` in a `set -o pipefail` script: 20 runs, one code, no traceback."""
+    script = f"set -o pipefail; {CONSOLE_SCRIPT} plan {SERVED_PAIR} | head -c 1 >/dev/null"
+    results = [
+        subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=clean_env(), timeout=60)
+        for _ in range(20)
+    ]
+    assert {r.returncode for r in results} == {exits.OK}, [(r.returncode, r.stderr[-300:]) for r in results]
+    assert not [r.stderr for r in results if r.stderr]
+
+
+def test_ctrl_c_ends_a_command_quietly_with_130(tmp_path):
+    """`status --watch` waiting on a host that never answers (a blackholed address), cut by SIGINT."""
+    inventory = tmp_path / "silent.py"
+    inventory.write_text(
+        "import runpy\nfrom sparkform.inventory import hosts\n"
+        f"name, data = runpy.run_path({str(SERVED_PAIR)!r})['spark'][0]\n"
+        "data.update(ssh_hostname='192.0.2.1', ssh_port=22)  # TEST-NET-1: nothing answers\n"
+        "spark = hosts({name: data}, __file__)\n"
+    )
+    process = subprocess.Popen(
+        [str(CONSOLE_SCRIPT), "status", str(inventory), "--watch", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
+    time.sleep(3)  # well into its first read
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == exits.INTERRUPTED, (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_a_plan_needs_no_secret_and_lists_what_a_deploy_still_needs(tmp_path):
+    """No API key file and no pinned host key yet: the plan, exit 0, and those two named after it."""
+    env = {"SPARK_API_KEY_FILE": str(tmp_path / "no-key"), "SPARK_KNOWN_HOSTS": str(tmp_path / "no-known-hosts")}
+    result, _ = sparkform("plan", str(SERVED_PAIR), cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    still = result.stdout.split("What a deploy still needs", 1)[1].splitlines()[1:]
+    assert [line.split(" = ")[0] for line in still] == [
+        "  - spark.local: ssh_known_hosts_file",
+        "  - spark.local: api_key_file",
+    ]
+    # What connects still refuses, naming the same file.
+    status, _ = sparkform("status", str(SERVED_PAIR), cwd=tmp_path, env=env)
+    assert status.returncode == exits.USAGE and "no-key" in status.stderr
+
+
+def test_sparkform_inventory_names_the_inventory_of_every_command(tmp_path):
+    env = {"SPARKFORM_INVENTORY": str(SERVED_PAIR)}
+    named, _ = sparkform("plan", str(SERVED_PAIR), cwd=tmp_path)
+    assert sparkform("plan", cwd=tmp_path, env=env)[0].stdout == named.stdout
+    # Without it, the default file, which is not there: one line saying how to name one.
+    missing, _ = sparkform("plan", cwd=tmp_path, env={"HOME": str(tmp_path)})
+    assert missing.returncode == exits.USAGE
+    assert missing.stderr.startswith(f"sparkform: {tmp_path}/.config/sparkform/inventory.py: no such file")
+    assert "SPARKFORM_INVENTORY" in missing.stderr and "sparkform init" in missing.stderr
+
+
+def test_one_exit_code_table_in_help_and_in_the_operators_guide(tmp_path):
+    result, _ = sparkform("--help", cwd=tmp_path)
+    help_text = " ".join(result.stdout.split())
+    for code, meaning in exits.EXIT_CODES:
+        assert f"{code} {' '.join(meaning.split())}" in help_text, code
+    assert exit_code_table() in (REPO / "docs" / "operator.md").read_text()
