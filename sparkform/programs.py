@@ -150,6 +150,9 @@ def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None 
         "alert_command": config.alert_command,
         "textfile": config.monitoring.guard_textfile if config.monitoring.enabled else None,
         "gpu_textfile": config.monitoring.gpu_textfile if config.monitoring.enabled else None,
+        # The GPU read as `sparkform status` reads it: NVML's report, by the venv's python (pynvml).
+        "gpu_python": f"{config.venv}/bin/python",
+        "nvml_report": f"{config.paths.host_modules}/sparkform/host/nvml_report.py",
         # Requests per client: counted from the front's access log into a textfile of its own.
         "front_textfile": config.monitoring.front_textfile if config.monitoring.enabled else None,
         "front_access_log": FRONT_ACCESS_LOG,

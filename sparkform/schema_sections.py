@@ -72,7 +72,7 @@ class Monitoring(StrictModel):
 
     @property
     def gpu_textfile(self) -> str:
-        """The GPU as nvidia-smi reports it, sampled by the guard."""
+        """The GPU as NVML reports it, sampled by the guard."""
         return f"{self.textfile_dir}/{GPU_TEXTFILE}"
 
     @property

@@ -1,54 +1,47 @@
-"""The GPU's temperature, SM clock and clock-event reasons from nvidia-smi, as metrics for
-node_exporter's textfile collector (sampled by sparkform-guard's daemon with monitoring on)."""
+"""The GPU's temperature, SM clock and clock-event reasons as NVML reports them, as metrics for
+node_exporter's textfile collector (sampled by sparkform-guard's daemon with monitoring on). The
+reader is sparkform.host.nvml_report, the one `sparkform status` runs too, run by an engine venv's
+python (which holds pynvml; the guard's own python3 does not)."""
 
+import json
 import subprocess
 import time
 
 from sparkform.host.alerts import journal
+from sparkform.host.nvml_report import REASONS
 from sparkform.host.textfile import metric_family, write_textfile
 
-GPU_REASONS = (
-    "gpu_idle",
-    "applications_clocks_setting",
-    "sw_power_cap",
-    "hw_slowdown",
-    "sync_boost",
-    "sw_thermal_slowdown",
-    "hw_thermal_slowdown",
-    "hw_power_brake_slowdown",
-)
-GPU_QUERY = ("index", "temperature.gpu", "clocks.sm", *(f"clocks_event_reasons.{reason}" for reason in GPU_REASONS))
-ACTIVE = {"Active": 1, "Not Active": 0}
+MAX_REPORT_BYTES = 64 * 1024
 
 
-def gpu_metrics(csv_text):
-    """nvidia-smi's query rows as metrics; a value of another shape ("[N/A]", an error) is left out."""
+def reading(value, low, high):
+    """A number of the report within its range, else None (left out of the metrics)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high else None
+
+
+def gpu_metrics(report):
+    """The report's GPUs as metrics; a value of another shape or range is left out."""
     temperature, clock, reasons = [], [], []
-    for line in csv_text.splitlines():
-        fields = [field.strip() for field in line.split(",")]
-        if len(fields) != len(GPU_QUERY) or not fields[0].isdigit():
+    for gpu in report.get("gpus") or []:
+        index = reading(gpu.get("index"), 0, 63) if isinstance(gpu, dict) else None
+        if index is None:
             continue
-        gpu = {"gpu": fields[0]}
-        if fields[1].isdigit():
-            temperature.append((gpu, int(fields[1])))
-        if fields[2].isdigit():
-            clock.append((gpu, int(fields[2]) * 1e6))
-        reasons += [
-            ({**gpu, "reason": reason}, ACTIVE[value])
-            for reason, value in zip(GPU_REASONS, fields[3:], strict=True)
-            if value in ACTIVE
-        ]
+        labels = {"gpu": str(index)}
+        if (celsius := reading(gpu.get("temperature_c"), 0, 200)) is not None:
+            temperature.append((labels, celsius))
+        if (mhz := reading(gpu.get("sm_clock_mhz"), 0, 10_000)) is not None:
+            clock.append((labels, mhz * 1e6))
+        active = gpu.get("throttle_reasons")
+        if isinstance(active, list):
+            reasons += [({**labels, "reason": reason}, int(reason in active)) for reason in REASONS.values()]
     return "".join(
         [
-            metric_family(
-                "sparkform_gpu_temperature_celsius", "gauge", "The GPU's temperature (nvidia-smi).", temperature
-            ),
-            metric_family("sparkform_gpu_sm_clock_hertz", "gauge", "The GPU's SM clock (nvidia-smi).", clock),
+            metric_family("sparkform_gpu_temperature_celsius", "gauge", "The GPU's temperature (NVML).", temperature),
+            metric_family("sparkform_gpu_sm_clock_hertz", "gauge", "The GPU's SM clock (NVML).", clock),
             metric_family(
                 "sparkform_gpu_clocks_event_active",
                 "gauge",
-                "1 while nvidia-smi reports this reason for "
-                "lowered clocks (thermal or hardware slowdown, power cap, idle).",
+                "1 while NVML reports this reason for lowered clocks (thermal or hardware slowdown, power cap, idle).",
                 reasons,
             ),
         ]
@@ -56,23 +49,21 @@ def gpu_metrics(csv_text):
 
 
 def gpu_watch(config):
-    """Sample the GPU into its textfile every gpu_poll_s; a failure (no nvidia-smi, no driver) is
-    journaled once per kind (the file keeps its last values: node_textfile_mtime_seconds ages)."""
+    """Sample the GPU into its textfile every gpu_poll_s; a failure (no venv yet, no driver, NVML's
+    error) is journaled once per kind (the file keeps its last values: node_textfile_mtime_seconds ages)."""
     told = None
     while True:
         try:
             answer = subprocess.run(
-                ["nvidia-smi", f"--query-gpu={','.join(GPU_QUERY)}", "--format=csv,noheader,nounits"],
-                capture_output=True,
-                text=True,
-                timeout=30,
+                [config["gpu_python"], "-I", config["nvml_report"]], capture_output=True, text=True, timeout=60
             )
-            if answer.returncode != 0:
-                raise OSError(f"nvidia-smi exited {answer.returncode}: {(answer.stdout + answer.stderr).strip()[:200]}")
-            write_textfile(config["gpu_textfile"], gpu_metrics(answer.stdout))
+            report = json.loads(answer.stdout[:MAX_REPORT_BYTES] or "null")
+            if not isinstance(report, dict) or report.get("error"):
+                raise OSError(f"NVML: {str(report.get('error') if isinstance(report, dict) else answer.stderr)[:200]}")
+            write_textfile(config["gpu_textfile"], gpu_metrics(report))
             told = None
-        except (OSError, subprocess.SubprocessError) as err:
-            if told is not type(err):
+        except (OSError, ValueError, subprocess.SubprocessError) as err:
+            if told != str(err):
                 journal(config, f"sparkform-guard: no GPU metrics: {err}", 4)
-                told = type(err)
+                told = str(err)
         time.sleep(config["gpu_poll_s"])

@@ -40,8 +40,8 @@ file beside it, sparkform-guard.json (rendered from the inventory).
 
 With monitoring on (the config's "textfile"), every alert is also counted, per event and engine,
 in sparkform_guard_alerts_total of a textfile for node_exporter, rewritten whole at each alert;
-and the daemon samples the GPU with nvidia-smi (temperature, SM clock, the clock-event reasons:
-thermal and hardware slowdowns) into another ("gpu_textfile") every gpu_poll_s, and counts the
+and the daemon samples the GPU with NVML (temperature, SM clock, the clock-event reasons: thermal
+and hardware slowdowns) into another ("gpu_textfile") every gpu_poll_s, and counts the
 front's requests per client from its access log into a third ("front_textfile").
 
 The KV pool ledger (the config's "kv_ledger", root's): after each start that served, one JSON

@@ -4,11 +4,15 @@ the fake hub of the deploy's dry runs against this machine (local_deploy.py)."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 from script_box import INTERNAL_OFFSET, Box, FakeEngine, Staller, build_box
 
+from sparkform.sandbox import stage
 from sparkform.sandbox.fakehub import FakeHub
 
 
@@ -46,3 +50,14 @@ def hub(tmp_path):
     """A local fake hub serving org/slow, whose `main` the test may move."""
     with FakeHub(tmp_path / "hub") as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The NVML stand-in compiled as the sandbox compiles it: the folder that holds libnvidia-ml.so.1."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (make system-deps installs gcc)")
+    folder = tmp_path_factory.mktemp("nvml")
+    command = ["cc", *stage.NVML_BUILD_FLAGS, "-o", str(folder / "libnvidia-ml.so.1"), str(stage.NVML_SOURCE)]
+    subprocess.run(command, check=True, capture_output=True, timeout=120)
+    return folder

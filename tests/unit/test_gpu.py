@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,20 +15,10 @@ import pytest
 
 from sparkform import gpu
 from sparkform.gpu import NvmlGpu, NvmlReport, NvmlReportError, parse_nvml_report
+from sparkform.host import nvml_report
 from sparkform.sandbox import stage
 
 GB10 = stage.DEFAULT_NVIDIA_ENV
-
-
-@pytest.fixture(scope="module")
-def nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The NVML stand-in compiled as the sandbox compiles it: the folder that holds libnvidia-ml.so.1."""
-    if shutil.which("cc") is None:
-        pytest.skip("no C compiler (make system-deps installs gcc)")
-    folder = tmp_path_factory.mktemp("nvml")
-    command = ["cc", *stage.NVML_BUILD_FLAGS, "-o", str(folder / "libnvidia-ml.so.1"), str(stage.NVML_SOURCE)]
-    subprocess.run(command, check=True, capture_output=True, timeout=120)
-    return folder
 
 
 def write_env(path: Path, **changes: str) -> Path:
@@ -97,9 +86,9 @@ def test_the_report_follows_the_env_file_driver_and_throttle_bits(nvml_lib, tmp_
 
 
 def test_every_named_throttle_bit_reads_back_by_its_name(nvml_lib, tmp_path):
-    env = write_env(tmp_path / "nvidia.env", CLOCKS_EVENT_REASONS=str(sum(gpu.THROTTLE_REASONS)))
+    env = write_env(tmp_path / "nvidia.env", CLOCKS_EVENT_REASONS=str(sum(nvml_report.REASONS)))
     (reading,) = parse_nvml_report(run_report(nvml_lib, env).stdout).gpus
-    assert reading.throttle_reasons == tuple(gpu.THROTTLE_REASONS.values())
+    assert reading.throttle_reasons == tuple(nvml_report.REASONS.values())
     assert set(reading.throttle_reasons) >= {"sw_power_cap", "hw_slowdown", "hw_power_brake", "gpu_idle"}
 
 

@@ -52,7 +52,7 @@ ALERTS = (
     "SparkformCheckpointRepairFailed",
     "SparkformRecovered",
 )
-STAND_IN = ROOT / "sparkform" / "sandbox" / "nvidia-smi"
+NVML_REPORT = str(ROOT / "sparkform" / "host" / "nvml_report.py")
 
 
 def promtool(*args: str, cwd: Path | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -315,13 +315,16 @@ def test_the_guard_counts_its_alerts_in_its_textfile(tmp_path):
             stub.close()
 
 
-def test_the_guard_samples_the_gpu_into_its_textfile(tmp_path):
-    """The daemon asks nvidia-smi (the sandbox's stand-in, answering as a GB10 slowed down by heat)."""
+def test_the_guard_samples_the_gpu_into_its_textfile(tmp_path, nvml_lib):
+    """The daemon runs NVML's report, as `sparkform status` does, by a python with pynvml against
+    the sandbox's NVML stand-in (answering as a GB10 slowed down by heat); nvidia-smi is not asked."""
     stubs = [StubEngine(), StubEngine()]
     folder = tmp_path / "textfiles"
     folder.mkdir(mode=0o755)
     guard = Guard(tmp_path, stubs, monitoring={"enabled": True, "textfile_dir": str(folder)})
-    shutil.copy(STAND_IN, tmp_path / "bin" / "nvidia-smi")
+    settings = json.loads(guard.config_path.read_text())
+    guard.config_path.write_text(json.dumps({**settings, "gpu_python": sys.executable, "nvml_report": NVML_REPORT}))
+    guard.env["LD_LIBRARY_PATH"] = str(nvml_lib)
     env_file = tmp_path / "nvidia.env"
     # 0x44: NVML's hw_thermal_slowdown (0x40) and sw_power_cap (0x4) bits.
     env_file.write_text(
