@@ -95,7 +95,7 @@ def checks_with_monitoring_on(box, watched, before) -> None:
         assert re.search(rf'^sparkform_engine_cold_start_seconds\{{engine="{engine}"\}} \d', text, re.M)
         assert f'sparkform_guard_alerts_total{{engine="{engine}",event="hung"}} 0' in text
     assert re.search(r"^sparkform_converge_timestamp_seconds \d", text, re.M)
-    # The guard's GPU sample, from the sandbox's nvidia-smi stand-in (a GB10 at 44 C, no slowdown).
+    # The guard's GPU sample, NVML's report against the sandbox's stand-in (a GB10 at 44 C, no slowdown).
     assert 'sparkform_gpu_temperature_celsius{gpu="0"} 44' in text
     assert 'sparkform_gpu_clocks_event_active{gpu="0",reason="hw_thermal_slowdown"} 0' in text
     assert re.search(r"^node_textfile_scrape_error 0$", text, re.M)

@@ -6,6 +6,7 @@ SPARKFORM_INVENTORY names the inventory for every command."""
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import time
 
@@ -55,12 +56,16 @@ def test_a_reader_that_leaves_early_gets_the_same_exit_code_every_time(tmp_path)
 
 
 def test_ctrl_c_ends_a_command_quietly_with_130(tmp_path):
-    """`status --watch` waiting on a host that never answers (a blackholed address), cut by SIGINT."""
+    """`status --watch` waiting on a host that never answers (a port on this machine that takes
+    the connection and never says a word), cut by SIGINT."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # never accepted: ssh waits for a banner that does not come
     inventory = tmp_path / "silent.py"
     inventory.write_text(
         "import runpy\nfrom sparkform.inventory import hosts\n"
         f"name, data = runpy.run_path({str(SERVED_PAIR)!r})['spark'][0]\n"
-        "data.update(ssh_hostname='192.0.2.1', ssh_port=22)  # TEST-NET-1: nothing answers\n"
+        f"data.update(ssh_hostname='127.0.0.1', ssh_port={silent.getsockname()[1]})\n"
         "spark = hosts({name: data}, __file__)\n"
     )
     process = subprocess.Popen(
@@ -73,6 +78,7 @@ def test_ctrl_c_ends_a_command_quietly_with_130(tmp_path):
     time.sleep(3)  # well into its first read
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=30)
+    silent.close()
     assert process.returncode == exits.INTERRUPTED, (out, err)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
