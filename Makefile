@@ -15,11 +15,12 @@ SPARKFORM := $(VENV)/bin/sparkform
 # command exposes; nginx runs the rendered front in the unit tests (the package's service is not
 # started here), with its njs module (libnginx-mod-http-js) for the combined port's router; cc
 # (with libc6-dev) compiles the NVML stand-in for the GPU report's unit tests; promtool (Debian's
-# prometheus) checks the rendered scrape config, alert rules and textfile metrics.
+# prometheus) checks the rendered scrape config, alert rules and textfile metrics; tmux is the real
+# terminal a Ctrl-C test types into.
 SANDBOX_TOOLS := debootstrap systemd-nspawn ip ssh ssh-keygen nsenter curl
 SANDBOX_PACKAGES := debootstrap debian-archive-keyring systemd-container iproute2 openssh-client util-linux curl python3-venv
-TEST_TOOLS := $(SANDBOX_TOOLS) shellcheck systemd-analyze strace nginx cc promtool
-TEST_PACKAGES := $(SANDBOX_PACKAGES) shellcheck systemd strace nginx libnginx-mod-http-js gcc libc6-dev prometheus
+TEST_TOOLS := $(SANDBOX_TOOLS) shellcheck systemd-analyze strace nginx cc promtool tmux
+TEST_PACKAGES := $(SANDBOX_PACKAGES) shellcheck systemd strace nginx libnginx-mod-http-js gcc libc6-dev prometheus tmux
 
 # $(call packages,TOOLS,PACKAGES): install PACKAGES when a tool of TOOLS (or python3's venv, or
 # nginx's njs module where nginx is asked for) is missing.

@@ -5,10 +5,12 @@ SPARKFORM_INVENTORY names the inventory for every command."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from samples import SERVED_PAIR
@@ -55,19 +57,26 @@ def test_a_reader_that_leaves_early_gets_the_same_exit_code_every_time(tmp_path)
     assert not [r.stderr for r in results if r.stderr]
 
 
-def test_ctrl_c_ends_a_command_quietly_with_130(tmp_path):
-    """`status --watch` waiting on a host that never answers (a port on this machine that takes
-    the connection and never says a word), cut by SIGINT."""
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(8)  # never accepted: ssh waits for a banner that does not come
+SILENT = socket.socket()  # takes connections and never says a word: ssh waits for a banner
+SILENT.bind(("127.0.0.1", 0))
+SILENT.listen(64)
+
+
+def silent_inventory(tmp_path) -> Path:
+    """The served pair on a host that never answers (this machine's silent port)."""
     inventory = tmp_path / "silent.py"
     inventory.write_text(
         "import runpy\nfrom sparkform.inventory import hosts\n"
         f"name, data = runpy.run_path({str(SERVED_PAIR)!r})['spark'][0]\n"
-        f"data.update(ssh_hostname='127.0.0.1', ssh_port={silent.getsockname()[1]})\n"
+        f"data.update(ssh_hostname='127.0.0.1', ssh_port={SILENT.getsockname()[1]})\n"
         "spark = hosts({name: data}, __file__)\n"
     )
+    return inventory
+
+
+def test_ctrl_c_ends_a_command_quietly_with_130(tmp_path):
+    """`status --watch` waiting on a host that never answers, cut by SIGINT."""
+    inventory = silent_inventory(tmp_path)
     process = subprocess.Popen(
         [str(CONSOLE_SCRIPT), "status", str(inventory), "--watch", "1"],
         stdout=subprocess.PIPE,
@@ -78,9 +87,33 @@ def test_ctrl_c_ends_a_command_quietly_with_130(tmp_path):
     time.sleep(3)  # well into its first read
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=30)
-    silent.close()
     assert process.returncode == exits.INTERRUPTED, (out, err)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+@pytest.mark.parametrize("command", [["status", "--watch", "1"], ["logs", "-f"]], ids=["status-watch", "logs-follow"])
+def test_ctrl_c_in_a_real_terminal_leaves_no_traceback(tmp_path, command):
+    """In tmux, as a person types it: the command waits on a host that never answers, Ctrl-C ends
+    it, and the screen shows no traceback and the shell's $? is 130."""
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed (make system-deps installs it)")
+    inventory = silent_inventory(tmp_path)
+    session = f"sparkform-test-{tmp_path.name}"[:60]
+    shell = f"{CONSOLE_SCRIPT} {command[0]} {inventory} {' '.join(command[1:])}; echo exit=$?"
+    tmux = ["tmux", "-L", session, "-f", "/dev/null"]
+    subprocess.run([*tmux, "new-session", "-d", "-s", session, "-x", "200", "-y", "50", "bash", "--norc"], check=True)
+    try:
+        subprocess.run([*tmux, "send-keys", "-t", session, shell, "Enter"], check=True)
+        time.sleep(3)  # well into its wait
+        subprocess.run([*tmux, "send-keys", "-t", session, "C-c"], check=True)
+        deadline, screen = time.monotonic() + 30, ""
+        while "exit=" not in screen and time.monotonic() < deadline:
+            time.sleep(0.5)
+            screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+    assert "exit=130" in screen, screen
+    assert "Traceback" not in screen and "KeyboardInterrupt" not in screen, screen
 
 
 def test_a_plan_needs_no_secret_and_lists_what_a_deploy_still_needs(tmp_path):
