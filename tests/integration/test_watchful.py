@@ -179,11 +179,16 @@ def test_status_shows_the_pair_serving_and_counts_a_crash_and_the_time_it_was_do
     assert code == 0, host
     after = {e["name"]: e["restarts"] for e in host["engines"]}
     assert after == {"nemotron": before["nemotron"], "q38": before["q38"] + 1}, (before, after)
-    # Every journal of the host merged in time order: q38's restart, then the guard's word on it.
-    merged = sparkform("logs", "--since", since_text).stdout.splitlines()
-    started = next(i for i, line in enumerate(merged) if "sparkform-launch: starting q38" in line)
-    told = [i for i, line in enumerate(merged) if "sparkform-guard" in line and "serves again after" in line]
-    assert told and started < told[-1], merged[-60:]
+
+    # Every journal of the host merged in time order: q38's restart, then the guard's word on it
+    # (sent from a unit of its own, a moment after q38 serves).
+    def restart_then_word() -> list[str] | None:
+        merged = sparkform("logs", "--since", since_text).stdout.splitlines()
+        started = [i for i, line in enumerate(merged) if "sparkform-launch: starting q38" in line]
+        told = [i for i, line in enumerate(merged) if "sparkform-guard" in line and "serves again after" in line]
+        return merged if started and told and started[0] < told[-1] else None
+
+    wait_for(restart_then_word, 60, "q38's restart, then the guard's 'serves again', in `sparkform logs`")
 
 
 def test_both_engine_cores_killed_at_once_again_and_again_both_serve_again_every_time(box):
