@@ -214,10 +214,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         f"--inventory={args.inventory.resolve()}",
         "-p",
         "no:cacheprovider",
-        # anyio's plugin (installed with the SDKs) is imported before pytest starts here, and
-        # pytest warns on every run that it cannot rewrite it; the suite uses none of it.
-        "-p",
-        "no:anyio",
+        # anyio (a plugin of pytest's, installed with the SDKs) is imported before pytest starts
+        # here, and pytest would warn on every run that it cannot rewrite it: the suite uses none of it.
+        "-W",
+        "ignore:Module already imported so cannot be rewritten; anyio:pytest.PytestAssertRewriteWarning",
         f"--rootdir={VERIFY_SUITE}",
         "-q",
         *(["--deep"] if args.deep else []),
