@@ -31,7 +31,6 @@ from sparkform.model import Host
 # What journalctl's --since takes (`-1h`, given as --since=-1h; `2026-11-30 10:00`, `today`,
 # `1 hour ago`); nothing a shell would read as syntax.
 SINCE_PATTERN = re.compile(r"[A-Za-z0-9 :+.-]{1,40}")
-EXIT_USAGE = 2
 
 
 def journal_command(matches: list[str], since: str | None, boot: bool, follow: bool) -> str:
@@ -83,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"sparkform logs: --since {args.since!r} is not a time journalctl reads (e.g. today, -1h)", file=sys.stderr
         )
-        return EXIT_USAGE
+        return exits.USAGE
     hosts = load_inventory(args.inventory)
     engine = args.engine or args.engine_option
     try:
@@ -95,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             matches = host_matches(target)
     except ValueError as err:
         print(f"sparkform logs: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return exits.USAGE
     with tempfile.TemporaryDirectory(prefix="sparkform-logs-") as folder:
         config = ssh.write_config(target.name, raw_inventory(args.inventory)[target.name], Path(folder))
         command = journal_command(matches, args.since, args.boot, args.follow)

@@ -57,26 +57,30 @@ def test_a_reader_that_leaves_early_gets_the_same_exit_code_every_time(tmp_path)
     assert not [r.stderr for r in results if r.stderr]
 
 
-SILENT = socket.socket()  # takes connections and never says a word: ssh waits for a banner
-SILENT.bind(("127.0.0.1", 0))
-SILENT.listen(64)
+@pytest.fixture(scope="module")
+def silent_port():
+    """A port of this machine that takes connections and never says a word (ssh waits for a banner)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        yield silent.getsockname()[1]
 
 
-def silent_inventory(tmp_path) -> Path:
+def silent_inventory(tmp_path, port: int) -> Path:
     """The served pair on a host that never answers (this machine's silent port)."""
     inventory = tmp_path / "silent.py"
     inventory.write_text(
         "import runpy\nfrom sparkform.inventory import hosts\n"
         f"name, data = runpy.run_path({str(SERVED_PAIR)!r})['spark'][0]\n"
-        f"data.update(ssh_hostname='127.0.0.1', ssh_port={SILENT.getsockname()[1]})\n"
+        f"data.update(ssh_hostname='127.0.0.1', ssh_port={port})\n"
         "spark = hosts({name: data}, __file__)\n"
     )
     return inventory
 
 
-def test_ctrl_c_ends_a_command_quietly_with_130(tmp_path):
+def test_ctrl_c_ends_a_command_quietly_with_130(tmp_path, silent_port):
     """`status --watch` waiting on a host that never answers, cut by SIGINT."""
-    inventory = silent_inventory(tmp_path)
+    inventory = silent_inventory(tmp_path, silent_port)
     process = subprocess.Popen(
         [str(CONSOLE_SCRIPT), "status", str(inventory), "--watch", "1"],
         stdout=subprocess.PIPE,
@@ -92,12 +96,12 @@ def test_ctrl_c_ends_a_command_quietly_with_130(tmp_path):
 
 
 @pytest.mark.parametrize("command", [["status", "--watch", "1"], ["logs", "-f"]], ids=["status-watch", "logs-follow"])
-def test_ctrl_c_in_a_real_terminal_leaves_no_traceback(tmp_path, command):
+def test_ctrl_c_in_a_real_terminal_leaves_no_traceback(tmp_path, command, silent_port):
     """In tmux, as a person types it: the command waits on a host that never answers, Ctrl-C ends
     it, and the screen shows no traceback and the shell's $? is 130."""
     if shutil.which("tmux") is None:
         pytest.skip("tmux is not installed (make system-deps installs it)")
-    inventory = silent_inventory(tmp_path)
+    inventory = silent_inventory(tmp_path, silent_port)
     session = f"sparkform-test-{tmp_path.name}"[:60]
     shell = f"{CONSOLE_SCRIPT} {command[0]} {inventory} {' '.join(command[1:])}; echo exit=$?"
     tmux = ["tmux", "-L", session, "-f", "/dev/null"]
