@@ -92,7 +92,7 @@ class Settings:
 def settings_problems(config: HostConfig, settings: Settings) -> list[str]:
     """Why an engine of the host cannot take these settings as asked (empty: it can)."""
     problems = []
-    for engine in config.enabled_engines:
+    for engine in config.generating_engines:
         window = settings.input_len + settings.output_len
         if window > engine.max_model_len:
             problems.append(

@@ -234,6 +234,44 @@ def judge_served_name(name: str, reply: Reply) -> Finding:
     return Finding(check, "pass", "answers a one-token completion")
 
 
+def judge_pooled(name: str, kind: str, reply: Reply) -> Finding:
+    """A pooling engine's probe (sparkform.engine.PROBES) asked of `name` comes back in its shape:
+    an embedding's vector (its dimensions are what a client's index must hold), a rerank's scores."""
+    check = f"name {name}"
+    if reply.status != 200:
+        return Finding(check, "fail", f"its {kind} request: {reply_error(reply)}")
+    body = reply.json()
+    items = body.get("data" if kind == "embed" else "results") if isinstance(body, dict) else None
+    first = items[0] if isinstance(items, list) and items and isinstance(items[0], dict) else {}
+    if kind == "embed":
+        vector = first.get("embedding")
+        if not isinstance(vector, list) or not vector or not all(isinstance(x, int | float) for x in vector):
+            return Finding(check, "fail", "an embedding came back without a vector of numbers")
+        return Finding(check, "pass", f"embeds into {len(vector):,} dimensions", {"dimensions": len(vector)})
+    score = first.get("relevance_score")
+    if not isinstance(score, int | float) or isinstance(score, bool):
+        return Finding(check, "fail", "a rerank of one document came back without its relevance_score")
+    return Finding(check, "pass", "reranks: one relevance_score per document", {"relevance_score": score})
+
+
+def judge_over_input(window: int, tokens: int, reply: Reply) -> Finding:
+    """What a pooling engine answers to an input of `tokens` tokens, over its window: observed and
+    reported (no contract table for pooling engines: nothing generates, so nothing is cut short)."""
+    observed = {"input_tokens": tokens, "status": reply.status}
+    if reply.status == 200:
+        return Finding(
+            "over window", "pass", f"an input of {tokens:,} tokens (window {window:,}) is accepted", observed
+        )
+    if 400 <= reply.status < 500:
+        return Finding(
+            "over window",
+            "pass",
+            f"an input of {tokens:,} tokens (window {window:,}) is refused, nothing cut: {reply_error(reply)}",
+            observed,
+        )
+    return Finding("over window", "fail", f"an input over the window: {reply_error(reply)}", observed)
+
+
 def judge_tokenize(tokenized: Reply, chat: Reply) -> Finding:
     """/tokenize of the text counts no more than the chat's usage.prompt_tokens (the template adds)."""
     if tokenized.status != 200:

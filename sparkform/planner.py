@@ -47,6 +47,7 @@ class EnginePlan:
     state_blocks: int | None  # hybrids: sequences the pool can hold state for
     layout: KvLayout | None  # vLLM's paging of one rank, from config.json, when the tokens come from it
     tensor_parallel: int = 1  # ranks, one per node; the figures above are this node's
+    kind: str = "generate"  # a pooling engine (embed, score, rerank) keeps its share out of the split
 
     @property
     def pool_tokens(self) -> int | None:
@@ -177,6 +178,7 @@ def engine_plan(host: Host, engine: Engine) -> EnginePlan:
         state_blocks,
         paging,
         engine.tensor_parallel_size,
+        engine.kind,
     )
 
 
@@ -250,10 +252,13 @@ def recommend_split(plans: list[EnginePlan], total_gib: float) -> tuple[Split | 
     """Same total share, divided so every engine holds the same full-window concurrency.
 
     Each engine's share is its fixed non-KV cost plus c full-length requests of KV:
-    u_i * T = n_i + c * L_i / t_i, and sum(u_i) stays what the inventory gives.
+    u_i * T = n_i + c * L_i / t_i, and sum(u_i) stays what the inventory gives. Only generators
+    share: a pooling engine's requests are single prompts, so its share is what its own
+    max_num_seqs x max_model_len needs, not concurrency to trade.
     """
+    plans = [p for p in plans if p.kind == "generate"]
     if len(plans) < 2:
-        return None, "one engine: nothing to split"
+        return None, "one generating engine: nothing to split"
     if any(p.non_kv_gib is None or p.tokens_per_gib is None for p in plans):
         return None, "needs each engine's non-KV size and tokens per GiB (weights_gib or measured)"
     budget = sum(p.share_gib for p in plans)
@@ -342,7 +347,10 @@ def format_plan(result: Plan) -> str:
             if e.tensor_parallel == 1
             else f"; this node is one of {e.tensor_parallel} tensor-parallel ranks (its GiB, the engine's tokens)"
         )
-        lines.append(f"  {e.name}: KV from {e.kv_source}; tokens/GiB from {e.tokens_source}{paging}{blocks}{ranks}")
+        pooling = "" if e.kind == "generate" else f"; a pooling engine ({e.kind}): prompts only, no generation"
+        lines.append(
+            f"  {e.name}: KV from {e.kv_source}; tokens/GiB from {e.tokens_source}{paging}{blocks}{ranks}{pooling}"
+        )
     if result.split:
         parts = ", ".join(
             f"{name} {util:.2f} ({result.split.concurrency[name]:.2f}x)"

@@ -131,6 +131,7 @@ def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None 
                 "unit": e.unit,
                 "port": config.internal_port(e),
                 "names": e.names,
+                "probe": e.probe,
                 "priority": e.priority,
                 "need_gib": round(min_available_kib(config, e) / 2**20, 2),
                 "ledger": ledger.guard_ledger(host, e),

@@ -16,7 +16,7 @@ import jinja2
 
 from sparkform import bootchain, layout
 from sparkform.bundle import TEMPLATES
-from sparkform.engine import API_ROUTES, Engine
+from sparkform.engine import API_ROUTES, Engine, pooling_flags
 from sparkform.host.front_keys import NO_CLIENT
 from sparkform.host.kvlog import SETTING_FLAGS
 from sparkform.layout import (
@@ -111,7 +111,7 @@ def prerequisite_packages(device: str) -> list[str]:
     return packages + ["libnuma1"] if device == "cpu" else packages
 
 
-# The front's allow-list is each engine's `routes` (sparkform.engine.API_ROUTES, narrowed by its
+# The front's allow-list is each engine's `routes` (sparkform.engine.KIND_ROUTES, narrowed by its
 # front_routes). Every other path (vLLM's /invocations, /generative_scoring, /scale_elastic_ep,
 # /docs, ...) gets 404.
 # Routes vLLM answers without asking for its own --api-key (it guards only /v1, /v2, /inference
@@ -188,6 +188,7 @@ def engine_args(config: HostConfig, engine: Engine) -> list[str]:
         str(engine.max_num_seqs),
         "--generation-config",
         engine.generation_config,
+        *pooling_flags(engine.kind, config.vllm_version),
     ]
     if engine.kv_cache_memory_bytes:
         args += [SETTING_FLAGS["kv_cache_memory_bytes"], str(engine.kv_cache_memory_bytes)]

@@ -167,7 +167,8 @@ class HostConfig(StrictModel):
     """The longest pause between those retries."""
     # The guard: hung engines, memory floors, alerts
     watchdog_interval_s: int = Field(15, ge=1)
-    """Seconds between two one-token probes of each serving engine."""
+    """Seconds between two probes of each serving engine (a one-token completion; an embedding or rerank for a pooling
+    engine)."""
     watchdog_deadline_s: int = Field(10, ge=1)
     """A probe (and the /metrics read that judges progress) that takes longer failed."""
     watchdog_failures: int = Field(3, ge=1)
@@ -315,6 +316,11 @@ class HostConfig(StrictModel):
     @property
     def enabled_engines(self) -> list[Engine]:
         return [engine for engine in self.engines if engine.enabled]
+
+    @property
+    def generating_engines(self) -> list[Engine]:
+        """The enabled engines that generate (kind generate): what bench measures; a pooling engine is not."""
+        return [engine for engine in self.enabled_engines if not engine.pooling]
 
     @property
     def served_engines(self) -> list[Engine]:

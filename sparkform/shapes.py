@@ -11,6 +11,8 @@ import re
 
 from pydantic import BaseModel, ConfigDict
 
+from sparkform.vllm_versions import TAKES
+
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
 HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")  # a host of the inventory, as an engine's nodes name it
 # A network interface as the kernel names one (at most 15 characters: IFNAMSIZ - 1).
@@ -30,17 +32,13 @@ DEFAULT_CLIENT = "default"
 REQUEST_BYTES_PER_TOKEN = 16
 IMAGE_REQUEST_MIB = 64
 
-# Quantization methods `vllm serve --quantization` accepts (0.27-0.33); an unknown string only
-# fails later, at engine start, with "Unknown quantization method".
-KNOWN_QUANTIZATIONS = frozenset(
-    {
-        "awq", "awq_marlin", "bitsandbytes", "compressed-tensors", "experts_int8", "fbgemm_fp8",
-        "fp8", "gguf", "gptq", "gptq_marlin", "hqq", "inc", "ipex", "modelopt", "modelopt_fp4",
-        "modelopt_mxfp8", "moe_wna16", "mxfp4", "petit_nvfp4", "ptpc_fp8", "quark", "torchao",
-        "tpu_int8",
-    }
-)  # fmt: skip
-KNOWN_KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "nvfp4")
+# Quantization methods and KV cache dtypes some vLLM takes: every version whose code was read
+# (sparkform.vllm_versions; the host's own version is checked against its row), and what older
+# versions took. An unknown string only fails later, at engine start ("Unknown quantization method").
+KNOWN_QUANTIZATIONS = frozenset().union(
+    *(known.quantizations for known in TAKES.values()), {"hqq", "ipex", "petit_nvfp4", "ptpc_fp8", "tpu_int8"}
+)
+KNOWN_KV_CACHE_DTYPES = tuple(sorted(frozenset().union(*(known.kv_cache_dtypes for known in TAKES.values()))))
 
 # What a path may hold. Paths reach unit files, shell scripts, env files and argv, so nothing
 # systemd (%, $, quotes, backslash) or a shell (; $ ` spaces, newlines) would read as syntax.

@@ -262,6 +262,7 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
                 health_http=health_http,
                 front_http=_http_code(sections.get(f"front:{engine.name}", [])),
                 launch=launch if LAUNCH_STATE_PATTERN.fullmatch(launch) and not active else None,
+                kind=engine.kind,
                 served_names=engine.names,
                 kv_pool_tokens=_kv_pool_tokens(first),
                 kv_use=kv_use if kv_use is not None and kv_use <= 1 else None,

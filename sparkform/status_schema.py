@@ -65,6 +65,8 @@ class EngineStatus(Model):
     launch: str | None = None
     """what its launch said while it started: "waiting OTHER" (its turn behind a loading neighbour), "loading"; None
     once it serves"""
+    kind: str = "generate"
+    """what it serves (engines[].kind): generate, or a pooling engine: embed, score, rerank"""
     served_names: list[str]
     """the model names the engine answers to (the inventory's; vLLM's /metrics names only the first)"""
     kv_pool_tokens: int | None

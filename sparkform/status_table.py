@@ -50,7 +50,7 @@ def _engine_row(e: EngineStatus, now: float, wide: bool) -> list[str]:
     elif e.launch and e.launch.startswith("waiting "):
         state += f" (waits for {e.launch.split()[1]})"
     return [
-        e.name,
+        e.name if e.kind == "generate" else f"{e.name} ({e.kind})",
         state,
         _ago(e.since, now),
         str(e.restarts),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sparkform import bootchain, locks, modelconfig
+from sparkform import bootchain, locks, modelconfig, vllm_versions
 from sparkform import validate_access as access
 from sparkform.engine import Engine
 from sparkform.model import Host, Problem
@@ -40,6 +40,7 @@ def host_problems(host: Host) -> list[Problem]:
         access.hub_in_clear,
         _wheelhouse,
         _lock,
+        _vllm_takes,
         _spanning,
         state_block_problems,
         node_memory_problems,
@@ -321,6 +322,32 @@ def _lock(host: Host) -> list[Problem]:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         return [Problem(host.name, "lock_file", cfg.lock, "; ".join(problems[:3]) + more, fix)]
     return []
+
+
+def _vllm_takes(host: Host) -> list[Problem]:
+    """Each engine's quantization and KV cache dtype are ones its vLLM takes, where its code was
+    read (sparkform.vllm_versions): a method a version dropped (0.32 dropped bitsandbytes) would
+    fail at engine start, after the deploy changed the host."""
+    cfg = host.config
+    known = vllm_versions.takes(cfg.vllm_version)
+    problems = []
+    for engine in cfg.enabled_engines if known else []:
+        for field, value, taken in (
+            ("quantization", engine.quantization, known.quantizations),
+            ("kv_cache_dtype", engine.kv_cache_dtype, known.kv_cache_dtypes),
+        ):
+            if value is not None and value not in taken:
+                problems.append(
+                    Problem(
+                        host.name,
+                        field,
+                        value,
+                        f"vLLM {cfg.vllm_version} takes no {field} {value!r} (read from its code): it would not start",
+                        f"use one it takes ({', '.join(sorted(taken))}), or pin a vLLM that takes {value!r}",
+                        engine.name,
+                    )
+                )
+    return problems
 
 
 def _spanning(host: Host) -> list[Problem]:

@@ -123,12 +123,12 @@ def tokenizers(remote: Remote) -> dict[str, str]:
             f"{host.name}: engine {missing[0]}: the host records no commit for its checkpoint "
             "(not converged yet?): converge it first"
         )
-    return {engine.name: config.checkpoint_dir(engine) for engine in config.enabled_engines}
+    return {engine.name: config.checkpoint_dir(engine) for engine in config.generating_engines}
 
 
 def bench_host(remote: Remote, settings: Settings) -> BenchRow:
     """Every phase of every run on one host; the row of its ledger."""
-    host, engines = remote.host, remote.host.config.enabled_engines
+    host, engines = remote.host, remote.host.config.generating_engines
     folders = tokenizers(remote)
     for _ in range(IDLE_READS):
         working = busy(remote.run(busy_command(host), PHASE_SLACK_S, "reading the engines' /metrics"))
@@ -181,8 +181,10 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     problems = []
     for h in hosts:
-        if len(h.config.enabled_engines) < 2:
-            problems.append(f"{h.name}: {len(h.config.enabled_engines)} enabled engine(s): co-residency needs two")
+        if len(h.config.generating_engines) < 2:
+            problems.append(
+                f"{h.name}: {len(h.config.generating_engines)} enabled generating engine(s): co-residency needs two"
+            )
         problems += [f"{h.name}: {problem}" for problem in settings_problems(h.config, settings)]
     if problems:
         print("\n".join(f"sparkform bench: {problem}" for problem in problems), file=sys.stderr)
@@ -191,7 +193,10 @@ def run(args: argparse.Namespace) -> int:
     failed = False
     with tempfile.TemporaryDirectory(prefix="sparkform-bench-") as folder:
         for h in hosts:
-            print(f"{h.name}: {settings.describe(len(h.config.enabled_engines))}", flush=True)
+            print(f"{h.name}: {settings.describe(len(h.config.generating_engines))}", flush=True)
+            for engine in h.config.enabled_engines:
+                if engine.pooling:
+                    print(f"{h.name}: engine {engine.name} ({engine.kind}): not measured, bench times generation")
             try:
                 remote = Remote(h, raw[h.name], Path(folder))
                 row = bench_host(remote, settings)

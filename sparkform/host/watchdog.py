@@ -1,7 +1,8 @@
 """The guard's watchdog: one thread per engine with an API on this host, from the engine's exec
-on. While it starts, its StartJudge (sparkform.host.starts); once systemd counts it started, a
-one-token completion with a deadline every interval, judged by a HangJudge. A failed start's or
-a hung engine's whole cgroup is killed and systemd starts it again."""
+on. While it starts, its StartJudge (sparkform.host.starts); once systemd counts it started, its
+probe (a one-token completion; an embedding or a rerank for a pooling engine) with a deadline
+every interval, judged by a HangJudge. A failed start's or a hung engine's whole cgroup is killed
+and systemd starts it again."""
 
 import json
 import threading
@@ -19,16 +20,20 @@ PROGRESS_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 
 
 def probe(engine, deadline_s):
-    """Whether a one-token completion came back within the deadline."""
-    body = json.dumps({"model": engine["names"][0], "prompt": "ping", "max_tokens": 1}).encode()
+    """Whether the engine's probe (sparkform.engine.PROBES: a one-token completion, an embedding,
+    a rerank of one document) came back within the deadline with its answer, a non-empty list."""
+    spec = engine["probe"]
     request = urllib.request.Request(
-        f"http://127.0.0.1:{engine['port']}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        f"http://127.0.0.1:{engine['port']}{spec['route']}",
+        data=json.dumps(spec["body"]).encode(),
+        headers={"Content-Type": "application/json"},
     )
     try:
         with urllib.request.urlopen(request, timeout=deadline_s) as response:
-            return response.status == 200 and bool(json.load(response).get("choices"))
-    except (OSError, ValueError):
+            answer = json.load(response).get(spec["answer"]) if response.status == 200 else None
+    except (OSError, ValueError, AttributeError):
         return False
+    return isinstance(answer, list) and bool(answer)
 
 
 def progress(engine, deadline_s):
@@ -239,7 +244,7 @@ class Watchdog(threading.Thread):
             elif verdict == "hung":
                 self.kill(
                     "hung",
-                    f"answered none of {judge.limit} one-token probes ({deadline_s} s each, "
+                    f"answered none of {judge.limit} probes ({engine['probe']['route']}, {deadline_s} s each, "
                     f"every {config['watchdog_interval_s']} s) and made no progress",
                 )
                 next_round = time.monotonic()

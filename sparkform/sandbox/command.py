@@ -34,13 +34,19 @@ def _howto(box) -> str:
     os.environ["SPARKFORM_SANDBOX"] = box.name  # the inventory points at this sandbox
     for target in load_inventory(SANDBOX_INVENTORY):
         for engine in target.config.served_engines:
-            body = json.dumps(
-                {"model": engine.names[0], "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}
+            # A chat for a generator; a pooling engine's own request (an embedding, a rerank).
+            route, request = (
+                (engine.probe["route"], engine.probe["body"])
+                if engine.pooling
+                else (
+                    "/v1/chat/completions",
+                    {"model": engine.names[0], "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]},
+                )
             )
             lines.append(
                 f'{engine.name}: curl -s -H "Authorization: Bearer $(cat {key})" '
-                f"-H 'Content-Type: application/json' -d '{body}' "
-                f"http://{box.address}:{engine.port}/v1/chat/completions"
+                f"-H 'Content-Type: application/json' -d '{json.dumps(request)}' "
+                f"http://{box.address}:{engine.port}{route}"
             )
         if target.config.front_port:
             lines.append(

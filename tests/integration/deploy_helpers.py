@@ -138,15 +138,17 @@ def edited_inventory(
     engine_changes: dict[str, dict] | None = None,
     host_changes: dict | None = None,
     drop: tuple[str, ...] = (),
+    add: tuple[dict, ...] = (),
 ) -> Path:
-    """The sandbox inventory with some fields changed, as a user would edit it."""
+    """The sandbox inventory with some fields changed, engines dropped or added, as a user would
+    edit it."""
     path = folder / f"edited-{time.monotonic_ns()}.py"
     path.write_text(
         "import runpy\n"
         "from sparkform.inventory import hosts\n"
         f"data = runpy.run_path({str(SANDBOX_INVENTORY)!r})['sandbox'][0][1]\n"
         f"data.update({host_changes or {}!r})\n"
-        f"data['engines'] = [e for e in data['engines'] if e['name'] not in {list(drop)!r}]\n"
+        f"data['engines'] = [e for e in data['engines'] if e['name'] not in {list(drop)!r}] + {list(add)!r}\n"
         f"for engine in data['engines']:\n"
         f"    engine.update({engine_changes or {}!r}.get(engine['name'], {{}}))\n"
         f"edited = hosts({{{os.environ['SPARKFORM_SANDBOX']!r}: data}}, __file__)\n"

@@ -38,19 +38,22 @@ from deploy_helpers import (
     mark_converged,
     pyinfra,
     serving,
+    sparkform,
     ssh,
     unit_properties,
     verify,
+    wait_for,
     why_it_restarted,
 )
 
 from sparkform import gpu, layout
-from sparkform.engine import API_ROUTES
+from sparkform.engine import GENERATE_ROUTES
 from sparkform.inventory import load_inventory
 from sparkform.locks import lock_id
 from sparkform.render import VLLM_UNGUARDED_ROUTES
 from sparkform.sandbox import machine, stage
 from sparkform.sandbox.fakehub import FakeHub
+from sparkform.sandbox.hostdata import CPU_ENGINE
 from sparkform.sandbox.wheelhouse import LOCK
 from sparkform.shapes import owned_flag
 
@@ -153,7 +156,7 @@ def test_broken_inventory_fails_before_connecting(box, tmp_path):
 
 # vLLM's routes without a key check that the front does not pass, and one under /v1 that no
 # engine of the sandbox serves (a generator's: no pooling routes).
-CLOSED = (*(route for route in VLLM_UNGUARDED_ROUTES if route not in API_ROUTES), "/v1/embeddings")
+CLOSED = (*(route for route in VLLM_UNGUARDED_ROUTES if route not in GENERATE_ROUTES), "/v1/embeddings")
 FRONT_PORT = 8000  # the combined port (front_port's default)
 
 
@@ -193,7 +196,7 @@ def test_outside_the_host_nothing_answers_without_the_key(box):
                 status, _ = call(box, port, path, body=body)
                 assert status in (401, refused), (port, path, body is not None, status)
             assert call(box, port, path, key=key)[0] == refused, (port, path)  # the key opens no other route
-        for path in API_ROUTES:
+        for path in GENERATE_ROUTES:
             body = None if path == "/v1/models" else chat(model)
             assert call(box, port, path, body=body)[0] == 401, (port, path)
             assert call(box, port, path, key=key + "x", body=body)[0] == 401, (port, path)
@@ -340,6 +343,91 @@ def test_the_contract_holds_on_vllm_0_32_with_the_over_window_request_truncated(
         f"sparkform contract: {box.name} q38: /version on the engine's own port (http://127.0.0.1:18011/version): "
         "connection refused; its contract was not checked\n"
     )
+
+
+# The field notes' third unit (bge-m3 on :8004, ordered after both drivers), scaled down: the
+# sandbox's tiny Qwen3 checkpoint served by vLLM's pooling runner, as Qwen3 embedding models are.
+EMBED = {
+    **{field: value for field, value in CPU_ENGINE.items() if field != "tool_call_parser"},
+    "name": "embed",
+    "port": 8004,
+    "kind": "embed",
+    "checkpoint": {"repo": "sparkform-test/tiny-qwen3", "revision": "main"},
+    "after": ["nemotron", "q38"],
+}
+PORTS["embed"] = EMBED["port"]
+
+
+def main_pid(box: machine.Sandbox, unit: str) -> int:
+    return int(unit_properties(box, unit, "MainPID")["MainPID"])
+
+
+def embedding(box: machine.Sandbox, port: str, key: str) -> list[float] | bytes:
+    """The vector /v1/embeddings gives `port` ("front": by model on the combined port), or the body of a refusal."""
+    status, body = call(box, port, "/v1/embeddings", key, {"model": "embed", "input": "what the agent remembers"})
+    return json.loads(body)["data"][0]["embedding"] if status == 200 else body
+
+
+def test_an_embedding_engine_beside_the_pair_serves_vectors_and_comes_back_alone_from_a_crash(box, tmp_path):
+    """kind embed: added beside the pair, it starts alone (the pair's processes stay), is warmed
+    and watched with an embedding (a completion it answers 404 would fail every start), passes
+    /v1/embeddings on its port and by model on the combined one, and nothing of a generator's;
+    status and the contract name what it is. A kill -9 of its EngineCore: back without a hand,
+    its neighbours untouched. Removed again, its unit goes. Costs one engine start, a restart and
+    two converges and a verify (~2 min on a quiet machine); the third engine lives here only, not in every
+    module's sandbox."""
+    pair = main_pids(box)
+    inventory = edited_inventory(tmp_path, add=(EMBED,))
+    try:
+        result = pyinfra(inventory, "-y")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert main_pids(box) == pair
+        key = api_key(box)
+        hidden = json.loads((SANDBOX_INVENTORY.parent / "model_configs" / "tiny-qwen3.json").read_text())["hidden_size"]
+        for port in ("embed", "front"):
+            vector = embedding(box, port, key)
+            assert isinstance(vector, list) and len(vector) == hidden, (port, vector)
+            assert call(box, port, "/v1/chat/completions", key, chat("embed"))[0] == 404, port
+        assert call(box, "embed", "/v1/embeddings", None, {"model": "embed", "input": "x"})[0] == 401
+        document = json.loads(sparkform("status", "--json", "--sample", "1", inventory=inventory).stdout)
+        assert {e["name"]: e["kind"] for e in document["engines"]} == {
+            "nemotron": "generate", "q38": "generate", "embed": "embed"
+        } and document["serving"], document  # fmt: skip
+        contract = sparkform("contract", "--engine", "embed", "--json", inventory=inventory)
+        assert contract.returncode == 0, contract.stdout + contract.stderr
+        checks = {row["check"]: row for row in json.loads(contract.stdout)}
+        assert checks["name embed"]["observed"] == {"dimensions": hidden}, checks
+        assert checks["over window"]["observed"]["status"] == 400, checks
+        verified = verify(inventory=inventory)  # testinfra: each engine answers its kind's probe
+        assert verified.returncode == 0 and "a pooling engine (embed) has no chat" in verified.stdout, verified.stdout
+
+        # Back within twice its first start, and the restart's pause (the sandbox's restart_s: 5 s):
+        # the other modules' sandboxes may load the machine meanwhile.
+        times = unit_properties(
+            box, "vllm-embed.service", "ExecMainStartTimestampMonotonic", "ActiveEnterTimestampMonotonic"
+        )
+        first_start_s = (
+            int(times["ActiveEnterTimestampMonotonic"]) - int(times["ExecMainStartTimestampMonotonic"])
+        ) / 1e6
+        api_server = main_pid(box, "vllm-embed.service")
+        core = ssh(box, f"ps -o pid=,args= --ppid {api_server} | awk '/EngineCore/ {{print $1; exit}}'").stdout.strip()
+        assert core, "no EngineCore under vllm-embed"
+        ssh(box, f"kill -9 {core}")
+        wait_for(
+            lambda: (
+                main_pid(box, "vllm-embed.service") not in (0, api_server)
+                and serving(box, "vllm-embed.service")
+                and isinstance(embedding(box, "embed", key), list)
+            ),
+            5 + 2 * first_start_s + 60,
+            "the embedding engine serving again after its EngineCore was killed",
+        )
+        assert main_pids(box) == pair
+    finally:
+        removed = pyinfra(SANDBOX_INVENTORY, "-y")
+    assert removed.returncode == 0, removed.stderr[-3000:]
+    assert ssh(box, "systemctl cat vllm-embed.service", check=False).returncode != 0
+    assert main_pids(box) == pair
 
 
 def test_a_jit_path_through_the_internal_port_does_not_kill_the_engine(box):

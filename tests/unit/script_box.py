@@ -156,10 +156,11 @@ def build_box(
     cuda_home: str | None = None,
     kv_bytes: int = 256 * 2**20,
     head_port: int | None = None,
+    engine_fields: dict[str, dict[str, Any]] | None = None,
 ) -> Box:
     """Render the box into `root`; its engines a and b listen (internally) on port_a and port_b.
     With `head_port`, the box runs rank 1 of b for a head elsewhere whose master port that is (on
-    loopback)."""
+    loopback). `engine_fields`: further inventory fields of engine a or b."""
     data = {
         "device": device,
         # The repo's locks: the sandbox's CPU build and the Spark's vLLM.
@@ -197,6 +198,8 @@ def build_box(
             },
         ],
     }
+    for engine in data["engines"]:
+        engine.update((engine_fields or {}).get(engine["name"], {}))
     if head_port is not None:
         data["node_interface"] = "lo"
         b = data["engines"][1]
@@ -230,8 +233,10 @@ class FakeEngine:
         health: int = 200,
         completion: int = 200,
         compact: bool = False,
+        serves: tuple[str, ...] = ("/v1/completions",),
     ):
         self.names, self.health, self.completion, self.compact = names, health, completion, compact
+        self.serves = serves
         self.requests: list[dict[str, Any]] = []
         outer = self
 
@@ -273,8 +278,12 @@ class FakeEngine:
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 self._record(body)
-                if self.path == "/v1/completions":
+                if self.path not in outer.serves:
+                    self._reply(404, {"detail": "Not Found"})
+                elif self.path == "/v1/completions":
                     self._reply(outer.completion, {"choices": [{"text": "pong"}]})
+                elif self.path == "/v1/embeddings":
+                    self._reply(200, {"data": [{"object": "embedding", "embedding": [0.5, 0.5], "index": 0}]})
                 else:
                     self._reply(404, {"detail": "Not Found"})
 

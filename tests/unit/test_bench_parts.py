@@ -218,6 +218,17 @@ def test_settings_that_do_not_fit_an_engine_are_named(host):
     assert any(p.startswith("engine fast: --concurrency 1000 exceeds its max_num_seqs") for p in problems)
 
 
+def test_a_pooling_engine_is_left_out_of_the_bench_and_its_settings_checks(host):
+    embed = host.config.engines[0].model_copy(
+        update={"name": "embed", "kind": "embed", "max_model_len": 512, "max_num_seqs": 1}
+    )
+    config = host.config.model_copy(update={"engines": [*host.config.engines, embed]})
+    assert [e.name for e in config.generating_engines] == [e.name for e in host.config.enabled_engines]
+    assert settings_problems(config, Settings(1024, 512, 4, 3, 1, 600)) == settings_problems(
+        host.config, Settings(1024, 512, 4, 3, 1, 600)
+    )
+
+
 def shellcheck(script: str) -> None:
     result = subprocess.run(["shellcheck", "-s", "bash", "-"], input=script, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout

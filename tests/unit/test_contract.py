@@ -27,7 +27,7 @@ from sparkform.contract import (
     judge_vision,
     judge_window,
 )
-from sparkform.contract_requests import GAP, near_window_prompt
+from sparkform.contract_requests import GAP, check_engine, near_window_prompt
 from sparkform.host.front_keys import clients_snippet
 from sparkform.inventory import load_host
 
@@ -195,6 +195,68 @@ def test_the_over_window_prompt_lands_just_under_the_window(window):
 
 def test_no_prompt_is_made_when_tokenize_refuses():
     assert near_window_prompt(lambda request: Reply(404, "Not Found"), "m", 2048) is None
+
+
+def pooling_engine(kind: str, window: int, dimensions: int = 8):
+    """vLLM's pooling engine as a client sees it: one token a word (plus a BOS), /v1/models with
+    the window, and its pooling route: an embedding (or a rerank) of an input within the window,
+    HTTP 400 over it."""
+
+    def ask(request: Request) -> Reply:
+        body = request.body or {}
+        if request.path == "/v1/models":
+            return Reply(200, json.dumps({"data": [{"id": "emb", "max_model_len": window}]}))
+        text = body.get("prompt") or body.get("input") or " ".join(body.get("documents", []))
+        count = 1 + len(text.split())
+        if count > window:
+            return Reply(400, json.dumps({"error": {"message": f"maximum context length is {window} tokens"}}))
+        if request.path == "/tokenize":
+            return Reply(200, json.dumps({"count": count}))
+        if request.path == "/v1/embeddings" and kind == "embed":
+            return Reply(200, json.dumps({"data": [{"embedding": [0.5] * dimensions, "index": 0}]}))
+        if request.path == "/rerank" and kind != "embed":
+            return Reply(200, json.dumps({"results": [{"index": 0, "relevance_score": 0.25}]}))
+        return Reply(404, json.dumps({"error": {"message": "Not Found"}}))
+
+    return ask
+
+
+@pytest.mark.parametrize("kind", ["embed", "rerank"])
+def test_a_pooling_engine_s_contract_is_its_shape_its_window_and_what_an_over_long_input_gets(kind):
+    host = load_host(
+        "h", {"engines": [{"name": "emb", "port": 8004, "kind": kind, "max_model_len": 512,
+                           "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"}}]}
+    ).config  # fmt: skip
+    findings = {f.check: f for f in check_engine(pooling_engine(kind, 512), host, host.engines[0], host.vllm_version)}
+    assert findings["window"].result == "pass"
+    if kind == "embed":
+        assert findings["name emb"].observed == {"dimensions": 8} and "8 dimensions" in findings["name emb"].detail
+    else:
+        assert findings["name emb"].result == "pass" and "relevance_score" in findings["name emb"].detail
+    over = findings["over window"]
+    assert over.result == "pass" and "is refused, nothing cut: HTTP 400" in over.detail
+    assert over.observed["input_tokens"] > 512
+    assert {findings[c].result for c in ("tokenize", "reasoning", "vision")} == {"skip"}
+    # A generator's contract asked of it fails: it answers no completion.
+    generator = host.engines[0].model_copy(update={"kind": "generate"})
+    names = [
+        f for f in check_engine(pooling_engine(kind, 512), host, generator, host.vllm_version) if f.check == "name emb"
+    ]
+    assert names[0].result == "fail"
+
+
+def test_an_embedding_without_a_vector_fails():
+    def ask(request: Request) -> Reply:
+        if request.path == "/v1/embeddings":
+            return Reply(200, json.dumps({"data": [{"embedding": "nope"}]}))
+        return pooling_engine("embed", 512)(request)
+
+    host = load_host(
+        "h", {"engines": [{"name": "emb", "port": 8004, "kind": "embed", "max_model_len": 512,
+                           "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"}}]}
+    ).config  # fmt: skip
+    (name,) = [f for f in check_engine(ask, host, host.engines[0], host.vllm_version) if f.check == "name emb"]
+    assert name.result == "fail" and "without a vector" in name.detail
 
 
 class FrontStandIn(BaseHTTPRequestHandler):

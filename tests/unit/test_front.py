@@ -24,11 +24,12 @@ from pathlib import Path
 import pytest
 
 from sparkform.converge import front_certificate, secrets, tls_files
-from sparkform.engine import API_ROUTES
+from sparkform.engine import GENERATE_ROUTES
 from sparkform.front_tls import FrontCertificate, make_self_signed
 from sparkform.host.front import passes
 from sparkform.inventory import load_host
 from sparkform.layout import FRONT_ACCESS_LOG, FRONT_CONFIG, FRONT_DROP_IN, FRONT_ERROR_LOG, FRONT_PID_FILE, FRONT_USER
+from sparkform.model import InventoryError
 from sparkform.render import render_host
 from sparkform.schema import HostConfig
 from sparkform.snapshot import Snapshot
@@ -269,7 +270,7 @@ def test_only_the_api_routes_pass_and_only_with_the_key(tmp_path, stubs, front):
         "/v1/responses/abc",
     ):
         assert server.status(port, path, key=KEY, body=b"{}")[0] == 404, path
-    for path in API_ROUTES:
+    for path in GENERATE_ROUTES:
         status, body, headers = server.status(port, path, body=b"{}")
         assert status == 401 and headers.get("WWW-Authenticate") == "Bearer", path
         assert "API key" in json.loads(body)["error"]["message"]
@@ -279,7 +280,7 @@ def test_only_the_api_routes_pass_and_only_with_the_key(tmp_path, stubs, front):
     assert server.status(port, "/v1/embeddings", key=KEY, body=b"{}")[0] == 404
     assert server.status(port, "/metrics", key=KEY)[0] == 403  # metrics_allow only, key or not
     assert hands.paths() == ["/health"]  # nothing else reached the engine
-    for path in API_ROUTES:
+    for path in GENERATE_ROUTES:
         status, body, _ = server.status(port, path, key=KEY, body=b"{}")
         assert status == 200 and json.loads(body)["path"] == path
     assert all("Authorization" not in r["headers"] for r in hands.requests)  # the engine never sees the key
@@ -330,14 +331,54 @@ def test_the_combined_port_sends_each_request_to_the_engine_that_serves_its_mode
         ("eyes", 4096), ("hands", 4096), ("hands-vision", 4096)
     ]  # fmt: skip
     # The key first, on every route; nothing else answers.
-    for path in (*API_ROUTES, "/v1/embeddings", "/invocations"):
+    for path in (*GENERATE_ROUTES, "/v1/embeddings", "/invocations"):
         assert server.status(port, path, body=chat("hands"))[0] in (401, 404), path
         assert server.status(port, path, key=KEY[:-1], body=chat("hands"), header="x-api-key")[0] in (401, 404)
-    for path in API_ROUTES:
+    for path in GENERATE_ROUTES:
         assert server.status(port, path, body=chat("hands"))[0] == 401, path
     for path in ("/v1/embeddings", "/invocations", "/health", "/metrics", "/v1/responses/abc"):
         assert server.status(port, path, key=KEY, body=chat("hands"))[0] == 404, path
     assert [len(hands.requests), len(eyes.requests)] == [4, 1]
+
+
+def test_an_embedding_engine_gets_its_pooling_routes_and_no_generator_s(tmp_path, stubs, front):
+    """kind embed: /v1/embeddings passes with the key, on its port and by model on the combined
+    one; a generator's routes are 404 there, and the generator beside it gets no /v1/embeddings."""
+    hands, eyes = stubs
+    config = front_config(tmp_path, stubs, {"eyes": {"kind": "embed"}})
+    server = front(config)
+    server.start([e.port for e in config.engines] + [config.front_port])
+    embedding = json.dumps({"model": "eyes", "input": "hi"}).encode()
+    for port in (config.front_port, config.engines[1].port):
+        status, body, _ = server.status(port, "/v1/embeddings", key=KEY, body=embedding)
+        assert status == 200 and json.loads(body)["path"] == "/v1/embeddings", (port, body)
+        assert server.status(port, "/v1/embeddings", body=embedding)[0] == 401
+        assert server.status(port, "/v1/chat/completions", key=KEY, body=chat("eyes"))[0] == 404, port
+        assert server.status(port, "/tokenize", key=KEY, body=chat("eyes"))[0] == 200, port
+    answer = server.status(config.front_port, "/v1/embeddings", key=KEY, body=chat("hands"))
+    assert answer[0] == 404 and "model 'hands' does not serve /v1/embeddings" in answer[1].decode()
+    assert server.status(config.engines[0].port, "/v1/embeddings", key=KEY, body=chat("hands"))[0] == 404
+    assert server.status(config.engines[0].port, "/v1/chat/completions", key=KEY, body=chat("hands"))[0] == 200
+    assert "/v1/embeddings" not in [r["path"] for r in hands.requests]
+
+
+def test_a_reranker_gets_score_and_rerank_by_model_on_the_combined_port(tmp_path, stubs, front):
+    hands, eyes = stubs
+    config = front_config(tmp_path, stubs, {"eyes": {"kind": "rerank"}})
+    server = front(config)
+    server.start([e.port for e in config.engines] + [config.front_port])
+    rerank = json.dumps({"model": "eyes", "query": "a", "documents": ["b"]}).encode()
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank", "/score", "/v1/score"):
+        status, body, _ = server.status(config.front_port, path, key=KEY, body=rerank)
+        assert status == 200 and json.loads(body)["path"] == path, (path, body)
+        assert server.status(config.front_port, path, body=rerank)[0] == 401, path
+    assert server.status(config.front_port, "/v1/embeddings", key=KEY, body=rerank)[0] == 404
+
+
+def test_front_routes_outside_the_engine_s_kind_are_refused_naming_its_routes(tmp_path, stubs):
+    with pytest.raises(InventoryError) as caught:
+        front_config(tmp_path, stubs, {"eyes": {"kind": "embed", "front_routes": ["/v1/chat/completions"]}})
+    assert "['/v1/chat/completions'] are not served by an engine of kind embed" in str(caught.value)
 
 
 def test_the_combined_port_holds_each_body_to_its_models_limit_and_says_which_engine_is_down(tmp_path, stubs, front):

@@ -26,12 +26,21 @@ from sparkform.sandbox.alerts import make_server, read_alerts
 WEBHOOK_SECRET = "sf-webhook-token-0123456789"
 
 
-class StubEngine:
-    """/v1/completions answers at once ("ok"), never ("hung") or never while /metrics keeps
-    counting tokens ("busy")."""
+# What each kind's probe route answers, as vLLM does (the probe checks its list is not empty).
+STUB_ANSWERS = {
+    "/v1/completions": b'{"choices": [{"text": "pong"}]}',
+    "/v1/embeddings": b'{"data": [{"object": "embedding", "embedding": [0.1, 0.2], "index": 0}]}',
+    "/rerank": b'{"results": [{"index": 0, "relevance_score": 0.5}]}',
+}
 
-    def __init__(self, mode: str = "ok"):
-        self.mode, self.tokens, self.probes = mode, 0, 0
+
+class StubEngine:
+    """Its kind's probe route answers at once ("ok"), never ("hung") or never while /metrics keeps
+    counting tokens ("busy"); `serves` lists the routes it has (others: 404, as vLLM's pooling
+    engine answers /v1/completions)."""
+
+    def __init__(self, mode: str = "ok", serves: tuple[str, ...] = tuple(STUB_ANSWERS)):
+        self.mode, self.tokens, self.probes, self.paths = mode, 0, 0, []
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -62,10 +71,14 @@ class StubEngine:
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 outer.probes += 1
+                outer.paths.append(self.path)
                 if outer.mode != "ok":
                     time.sleep(30)
                     return
-                self._send(b'{"choices": [{"text": "pong"}]}')
+                if self.path in serves:
+                    self._send(STUB_ANSWERS[self.path])
+                else:
+                    self.send_error(404)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -117,7 +130,9 @@ def replace_text(path: Path, text: str) -> None:
 class Guard:
     """The rendered guard with its config, stand-ins and receivers, all under `root`."""
 
-    def __init__(self, root: Path, engines: list[StubEngine], fronts=(), outbox_first_s=10, **settings):
+    def __init__(
+        self, root: Path, engines: list[StubEngine], fronts=(), outbox_first_s=10, kinds=("generate",) * 2, **settings
+    ):
         self.root = root
         self.journal = Journal(root / "journal.sock")
         self.calls = root / "calls"
@@ -152,9 +167,10 @@ class Guard:
                         "port": stub.port - 10000,
                         "kv_cache_memory_bytes": 2**28,
                         "priority": priority,
+                        "kind": kind,
                         "checkpoint": {"repo": f"o/{name}", "revision": "main"},
                     }
-                    for (name, priority), stub in zip((("hands", 1), ("eyes", 0)), engines, strict=True)
+                    for (name, priority), stub, kind in zip((("hands", 1), ("eyes", 0)), engines, kinds, strict=True)
                 ],
                 **settings,
             },
@@ -233,8 +249,8 @@ def guard(tmp_path):
     made: list[Guard] = []
     stubs: list[StubEngine] = []
 
-    def _guard(modes=("ok", "ok"), front=None, **settings) -> tuple[Guard, list[StubEngine]]:
-        engines = [StubEngine(mode) for mode in modes]
+    def _guard(modes=("ok", "ok"), front=None, serves=None, **settings) -> tuple[Guard, list[StubEngine]]:
+        engines = [StubEngine(mode, *([serves[i]] if serves else [])) for i, mode in enumerate(modes)]
         stubs.extend(engines)
         fronts = []
         if front is not None:  # a stub as the front of the second engine ("eyes")
@@ -342,9 +358,25 @@ def test_the_watchdog_kills_a_hung_engine_and_leaves_the_others(guard):
     box.wait(lambda: "systemctl kill --signal=SIGKILL vllm-hands.service" in box.calls_made(), 15, "the kill")
     (alert,) = box.wait(lambda: box.webhook_alerts(), 20, "the alert")
     assert alert["event"] == "hung" and alert["engine"] == "hands"
-    assert "answered none of 2 one-token probes" in alert["message"]
+    assert "answered none of 2 probes (/v1/completions, " in alert["message"]
     assert not any("vllm-eyes" in call and "kill" in call for call in box.calls_made())
     assert eyes.probes >= 2
+
+
+def test_a_pooling_engine_is_probed_on_its_own_route_and_killed_only_when_that_hangs(guard):
+    """An embedding engine answers no completion (404): probed on /v1/embeddings it serves, and is
+    left alone; a reranker that stops answering /rerank is called hung, by that route."""
+    embedder_only, reranker_only = ("/v1/embeddings",), ("/rerank",)
+    box, (hands, eyes) = guard(
+        modes=("hung", "ok"), serves=(reranker_only, embedder_only), kinds=("rerank", "embed"), **FAST_WATCHDOG
+    )
+    box.watch()
+    (alert,) = box.wait(lambda: box.webhook_alerts(), 20, "the alert")
+    assert alert["event"] == "hung" and alert["engine"] == "hands"
+    assert "answered none of 2 probes (/rerank, " in alert["message"]
+    box.wait(lambda: eyes.probes >= 3, 20, "three probes of the embedder")
+    assert set(eyes.paths) == {"/v1/embeddings"} and set(hands.paths) == {"/rerank"}
+    assert not any("vllm-eyes" in call and "kill" in call for call in box.calls_made())
 
 
 def test_the_watchdog_leaves_a_busy_engine_whose_counters_move(guard):

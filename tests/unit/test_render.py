@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -282,6 +283,7 @@ VARIANT = {
             "name": "embed",
             "port": 9004,
             "checkpoint": {"repo": "BAAI/bge-m3", "revision": "89ab"},
+            "kind": "embed",
             "after": ["hands", "eyes"],
             "gpu_memory_utilization": 0.05,
         },
@@ -598,15 +600,25 @@ def test_unit_restart_start_limits_and_timeouts(seed_files, name):
     assert unit_value(unit, "Unit", "StartLimitBurst") == "3"
     assert unit_value(unit, "Unit", "StartLimitIntervalSec") == "3600"
     assert unit_value(unit, "Service", "TimeoutStartSec") == "1200"
-    post, served = (value.split() for value in unit_values(unit, "Service", "ExecStartPost"))
+    post, served = (shlex.split(value) for value in unit_values(unit, "Service", "ExecStartPost"))
     port = {"nemotron": "18012", "q38": "18011"}[name]  # the engine itself, behind the front
     names = {"nemotron": ["nemotron"], "q38": ["q38", "vision"]}[name]
-    assert post == ["/usr/local/lib/sparkform/sparkform-wait-ready", port, "1080", *names]
+    # A generator is warmed with a one-token completion of its first name.
+    probe = json.dumps({"max_tokens": 1, "model": names[0], "prompt": "ping"})
+    assert post == [
+        "/usr/local/lib/sparkform/sparkform-wait-ready",
+        "--probe",
+        "/v1/completions",
+        probe,
+        port,
+        "1080",
+        *names,
+    ]
     # Only after the helper saw it serve: root resets the start count (a crash loop is starts
     # that never served), and a failure of that bookkeeping never fails the start.
     assert served == ["-+/usr/bin/python3", "-I", "/usr/local/lib/sparkform/sparkform-guard", "served", name]
     assert unit_value(unit, "Unit", "OnFailure") == f"sparkform-recover@{name}.service"
-    assert int(unit_value(unit, "Service", "TimeoutStartSec")) > int(post[2])
+    assert int(unit_value(unit, "Service", "TimeoutStartSec")) > int(post[5])
     assert unit_value(unit, "Service", "ExecStart") == f"/usr/local/lib/sparkform/sparkform-launch {name}"
     assert unit_value(unit, "Service", "MemoryHigh") == f"{105 * 1024}M"
     assert unit_value(unit, "Service", "MemoryMax") == f"{112 * 1024}M"
@@ -662,7 +674,8 @@ def test_variant_unit_values(tmp_path):
     eyes = parse_unit(files["/etc/systemd/system/vllm-eyes.service"].content)
     assert (
         unit_values(eyes, "Service", "ExecStartPost")[0]
-        == "/srv/sparkform/lib/sparkform-wait-ready 19011 600 eyes vision eyes-alias"
+        == '/srv/sparkform/lib/sparkform-wait-ready --probe /v1/completions "{\\"max_tokens\\": 1, \\"model\\": '
+        '\\"eyes\\", \\"prompt\\": \\"ping\\"}" 19011 600 eyes vision eyes-alias'
     )
     assert unit_value(eyes, "Service", "TimeoutStartSec") == "700"
     # The disabled engine still gets its files (the deploy stops and disables its unit).
@@ -745,6 +758,42 @@ def test_variant_args():
     # The args file holds one token per line, so the JSON survives as one argument.
     rendered = {f.path: f for f in render_host(config)}
     assert rendered["/srv/sparkform/etc/engines/hands.args"].content.splitlines() == hands_args
+
+
+# vLLM's pooling runner as each version spells it (read from the code of each: vllm/config/model.py
+# and vllm/engine/arg_utils.py take --runner and --convert from 0.10.1 on, --task before).
+POOLING_SPELLINGS = {
+    ("embed", "0.9.2"): ["--task", "embed"],
+    ("rerank", "0.9.2"): ["--task", "score"],
+    ("embed", "0.21.0"): ["--runner", "pooling", "--convert", "embed"],
+    ("embed", "0.27.1"): ["--runner", "pooling", "--convert", "embed"],
+    ("embed", "0.32.0"): ["--runner", "pooling", "--convert", "embed"],
+    ("embed", "0.33.0"): ["--runner", "pooling", "--convert", "embed"],
+    ("score", "0.33.0"): ["--runner", "pooling", "--convert", "classify"],
+    ("rerank", "0.27.1"): ["--runner", "pooling", "--convert", "classify"],
+    ("generate", "0.33.0"): [],
+}
+
+
+@pytest.mark.parametrize(("kind", "version"), POOLING_SPELLINGS, ids=[f"{k}-{v}" for k, v in POOLING_SPELLINGS])
+def test_a_pooling_engine_s_runner_flags_as_its_vllm_spells_them(kind, version):
+    config = variant_config().model_copy(update={"vllm_version": version})
+    embed = config.engines[2].model_copy(update={"kind": kind})
+    args = engine_args(config, embed)
+    spelled = [(arg, args[i + 1]) for i, arg in enumerate(args) if arg in ("--task", "--runner", "--convert")]
+    expected = POOLING_SPELLINGS[kind, version]
+    assert spelled == list(zip(expected[::2], expected[1::2], strict=True)), args
+
+
+def test_the_variant_s_embedding_engine_renders_as_one():
+    files = {f.path: f for f in render_host(variant_config())}
+    args = files["/srv/sparkform/etc/engines/embed.args"].content.splitlines()
+    assert flag(args, "--runner") == ["pooling"] and flag(args, "--convert") == ["embed"]
+    assert "--enable-auto-tool-choice" not in args and "--reasoning-parser" not in args
+    unit = parse_unit(files["/etc/systemd/system/vllm-embed.service"].content)
+    post = shlex.split(unit_values(unit, "Service", "ExecStartPost")[0])
+    # Warmed with an embedding, not a completion it would never answer.
+    assert post[1:4] == ["--probe", "/v1/embeddings", json.dumps({"input": "ping", "model": "embed"})]
 
 
 # --- env files and the profile snippet -------------------------------------------------------------------

@@ -320,6 +320,35 @@ INVALID = [
         ["not a systemd calendar event", "'Sun *-*-* 03:00'"],
     ),
     ("scrub-rate-zero", host(scrub={"rate_mib_s": 0}), "scrub.rate_mib_s", None, ["greater than or equal to 1"]),
+    (
+        "pooling-engine-with-a-reasoning-parser",
+        lambda data: data["engines"].append(embed(kind="embed", reasoning_parser="qwen3")),
+        "reasoning_parser",
+        "embed",
+        ["for a generating engine only", "kind is embed", "set kind: generate"],
+    ),
+    (
+        "reranker-passing-a-generators-route",
+        lambda data: data["engines"].append(embed(kind="rerank", front_routes=["/rerank", "/v1/chat/completions"])),
+        "front_routes",
+        "embed",
+        ["['/v1/chat/completions'] are not served by an engine of kind rerank", "/v2/rerank"],
+    ),
+    (
+        "a-quantization-its-vllm-dropped",
+        both(host(vllm_version="0.33.0"), at("q38", quantization="bitsandbytes")),
+        "quantization",
+        "q38",
+        ["vLLM 0.33.0 takes no quantization 'bitsandbytes' (read from its code)"],
+    ),
+    (
+        "a-kv-dtype-its-vllm-has-not-yet",
+        at("q38", kv_cache_dtype="octave_k3v4"),
+        "kv_cache_dtype",
+        "q38",
+        ["vLLM 0.27.1 takes no kv_cache_dtype 'octave_k3v4'"],
+    ),
+    ("a-kind-vllm-has-not", lambda data: data["engines"].append(embed(kind="classify")), "kind", "embed", ["'rerank'"]),
 ]
 
 
@@ -350,6 +379,13 @@ def test_invalid_host_data_names_host_engine_field_and_fix(seed_data, problems_o
 
 VALID = [
     ("seed-pair", lambda data: None),
+    ("the-pair-on-vllm-0-33", host(vllm_version="0.33.0")),
+    ("a-quantization-its-vllm-takes", at("q38", quantization="bitsandbytes")),
+    # The field notes' third unit: bge-m3 embedding, ordered after both drivers.
+    (
+        "embedding-engine-after-the-pair",
+        lambda data: data["engines"].append(embed(kind="embed", after=["nemotron", "q38"])),
+    ),
     # 0.38 + 0.45 = 0.83 of 121 GiB = 100.43 GiB <= 101 GiB.
     ("utilization-just-under-pool", at("nemotron", gpu_memory_utilization=0.38)),
     # A disabled engine's share does not count.

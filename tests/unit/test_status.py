@@ -254,6 +254,16 @@ def test_watchdog_alerts_and_drift_since_the_record_are_shown(spark):
     assert "q38 hung: vllm-q38.service answered none of 3 probes: killed" in table
 
 
+def test_a_pooling_engine_shows_its_kind_in_the_json_and_the_table(make_host, seed_data):
+    next(e for e in seed_data["engines"] if e["name"] == "q38").update(
+        kind="embed", served_names=["q38"], multimodal=False, tool_call_parser=None
+    )
+    s = status.read_status("spark", make_host(seed_data, name="spark").config, answer(), checked_at=T0)
+    assert [(e.name, e.kind) for e in s.engines] == [("nemotron", "generate"), ("q38", "embed")]
+    rows = format_status(s).splitlines()
+    assert any(line.startswith("q38 (embed) ") for line in rows) and any(line.startswith("nemotron ") for line in rows)
+
+
 def test_the_table_shows_each_engine_on_one_row(spark):
     table = format_status(status.read_status("spark", spark.config, answer(), checked_at=T0), wide=True)
     head, *_ = table.splitlines()

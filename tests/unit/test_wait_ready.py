@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import threading
@@ -15,6 +16,8 @@ import time
 
 import pytest
 from suite_hygiene import temp_folder
+
+from sparkform.layout import unit_path
 
 
 def test_wait_ready_succeeds_when_every_name_is_served(make_box, servers):
@@ -152,13 +155,32 @@ def test_wait_ready_takes_a_main_process_it_may_not_signal_as_alive(make_box, se
     assert "died" not in result.stderr and time.monotonic() - start < 10
 
 
-@pytest.mark.parametrize("args", [[], ["8011"], ["8011", "10"]])
+@pytest.mark.parametrize(
+    "args", [[], ["8011"], ["8011", "10"], ["--probe", "/v1/embeddings"], ["--probe", "/r", "{}", "1", "2"]]
+)
 def test_wait_ready_usage(make_box, args):
     box = make_box()
     result, elapsed = box.run_wait_ready(*args)
     assert result.returncode == 2
-    assert "usage: sparkform-wait-ready PORT BUDGET_S NAME..." in result.stderr
+    assert "usage: sparkform-wait-ready [--probe ROUTE BODY] PORT BUDGET_S NAME..." in result.stderr
     assert elapsed < 2
+
+
+def test_a_pooling_engine_is_warmed_with_its_probe_as_its_unit_renders_it(make_box, servers):
+    """An embedding engine answers no completion: the unit hands the helper its kind's probe."""
+    box = make_box(engine_fields={"b": {"kind": "embed"}})
+    unit = box.files[unit_path(box.engine("b").unit)].content
+    (line,) = [line for line in unit.splitlines() if line.startswith("ExecStartPost=") and "wait-ready" in line]
+    args = shlex.split(line.split("=", 1)[1])[1:]
+    assert args[:3] == ["--probe", "/v1/embeddings", json.dumps({"input": "ping", "model": "b"})], args
+    engine = servers(names=("b",), serves=("/v1/embeddings",))
+    result, _ = box.run_wait_ready(*args[:3], str(engine.port), "10", "b")
+    assert result.returncode == 0, result.stderr
+    (embedding,) = [r for r in engine.requests if r["method"] == "POST"]
+    assert embedding["path"] == "/v1/embeddings" and json.loads(embedding["body"]) == {"input": "ping", "model": "b"}
+    # The generator's warm-up, a completion, would never pass it: that engine 404s completions.
+    result, _ = box.run_wait_ready(str(engine.port), "2", "b")
+    assert result.returncode == 1 and "did not serve b within 2 s" in result.stderr
 
 
 def test_wait_ready_asks_the_engine_itself_without_a_key(make_box, servers):

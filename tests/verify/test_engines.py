@@ -91,9 +91,10 @@ def test_memory_ceilings(remote, engine, config):
 def test_start_timeout_above_readiness_budget(remote, engine, config):
     props = remote.service(engine.unit).systemd_properties
     assert _seconds(props["TimeoutStartUSec"]) > config.readiness_budget_s
-    assert f"sparkform-wait-ready {config.internal_port(engine)} {config.readiness_budget_s}" in _exec_start_post(
-        remote, engine
-    )
+    # The helper asks what the engine's kind serves (a completion, an embedding, a rerank).
+    probe = f"--probe {engine.probe['route']} {json.dumps(engine.probe['body'], sort_keys=True)}"
+    helper = f"sparkform-wait-ready {probe} {config.internal_port(engine)} {config.readiness_budget_s}"
+    assert helper in _exec_start_post(remote, engine)
 
 
 def test_caps_path_and_cuda_in_unit_environment(remote, engine, config):
@@ -232,14 +233,24 @@ def test_models_lists_every_served_name(remote, engine, config):
     assert {entry["id"] for entry in models["data"]} >= set(engine.names)
 
 
-def test_one_token_completion(remote, engine, config):
-    answer = json.loads(
-        _curl(remote, config, engine, "/v1/completions", {"model": engine.names[0], "prompt": "hello", "max_tokens": 1})
-    )
-    assert answer["usage"]["completion_tokens"] == 1
+def test_each_name_answers_its_kinds_probe(remote, engine, config):
+    """Every served name answers what its kind serves, through the front: a one-token completion,
+    an embedding (a vector of numbers) or a rerank (a relevance score)."""
+    probe = engine.probe
+    for name in engine.names:
+        answer = json.loads(_curl(remote, config, engine, probe["route"], {**probe["body"], "model": name}))
+        assert answer[probe["answer"]], answer
+        if engine.kind == "generate":
+            assert answer["usage"]["completion_tokens"] == 1
+        elif engine.kind == "embed":
+            vector = answer["data"][0]["embedding"]
+            assert vector and all(isinstance(x, float) for x in vector)
+            print(f"{engine.name}: embeds into {len(vector)} dimensions")
 
 
 def test_chat_completion(remote, engine, config):
+    if engine.pooling:
+        pytest.skip(f"a pooling engine ({engine.kind}) has no chat")
     answer = json.loads(
         _curl(
             remote,
@@ -279,10 +290,11 @@ def test_the_combined_port_sends_each_name_to_its_engine(remote, engine, config)
         pytest.skip("front_port is null: no combined port")
     listed = json.loads(_curl(remote, config, engine, "/v1/models", port=config.front_port))
     assert set(engine.names) <= {model["id"] for model in listed["data"]}
+    probe = engine.probe
     for name in engine.names:
-        body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-        answer = json.loads(_curl(remote, config, engine, "/v1/chat/completions", body, port=config.front_port))
-        assert answer["model"] == engine.names[0]  # vLLM answers with the first name it serves
+        body = {**probe["body"], "model": name}
+        answer = json.loads(_curl(remote, config, engine, probe["route"], body, port=config.front_port))
+        assert answer[probe["answer"]] and answer["model"] == engine.names[0]  # vLLM names it by its first name
 
 
 def test_front_metrics_to_the_allowed_addresses_only(remote, engine, config):
@@ -315,6 +327,8 @@ def test_front_enabled_active_unprivileged_and_its_key_its_and_roots_only(remote
 def test_kv_pool_read_back(remote, engine):
     journal = remote.check_output(f"journalctl -u {engine.unit} -b --no-pager -o cat")
     pool = parse_kv_pool(journal.splitlines())
+    if pool is None and engine.pooling:
+        pytest.skip(f"{engine.unit} printed no KV pool: an encoder-only pooling model keeps none")
     assert pool is not None, f"{engine.unit} printed no KV cache size line this boot"
     assert pool.tokens > 0 and pool.max_model_len == engine.max_model_len
     print(f"{engine.name}: {pool.device} KV pool {pool.tokens:,} tokens, {pool.concurrency}x at {pool.max_model_len:,}")
