@@ -164,6 +164,20 @@ def api_key(box: machine.Sandbox) -> str:
     return stage.secret_file(box.runtime_dir, "api_key").read_text().strip()
 
 
+# The field notes' third unit (bge-m3 on :8004, ordered after both drivers), scaled down: the
+# sandbox's tiny Qwen3 checkpoint served by vLLM's pooling runner, as Qwen3 embedding models are.
+EMBED = {
+    **{field: value for field, value in CPU_ENGINE.items() if field != "tool_call_parser"},
+    "name": "embed",
+    "port": 8004,
+    "kind": "embed",
+    "checkpoint": {"repo": "sparkform-test/tiny-qwen3", "revision": "main"},
+    "after": ["nemotron", "q38"],
+}
+# Where call() reaches each engine: the pair's ports and the embedding engine's (added by one test).
+ENGINE_PORTS = {**PORTS, EMBED["name"]: EMBED["port"]}
+
+
 def call(
     box: machine.Sandbox, engine: str, path: str, key: str | None = None, body: dict | None = None, timeout: float = 60
 ) -> tuple[int, bytes]:
@@ -171,7 +185,7 @@ def call(
     ("front": the combined port)."""
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
     request = urllib.request.Request(
-        f"http://{box.address}:{FRONT_PORT if engine == 'front' else PORTS[engine]}{path}",
+        f"http://{box.address}:{FRONT_PORT if engine == 'front' else ENGINE_PORTS[engine]}{path}",
         headers=headers,
         data=json.dumps(body).encode() if body is not None else None,
     )
@@ -343,19 +357,6 @@ def test_the_contract_holds_on_vllm_0_32_with_the_over_window_request_truncated(
         f"sparkform contract: {box.name} q38: /version on the engine's own port (http://127.0.0.1:18011/version): "
         "connection refused; its contract was not checked\n"
     )
-
-
-# The field notes' third unit (bge-m3 on :8004, ordered after both drivers), scaled down: the
-# sandbox's tiny Qwen3 checkpoint served by vLLM's pooling runner, as Qwen3 embedding models are.
-EMBED = {
-    **{field: value for field, value in CPU_ENGINE.items() if field != "tool_call_parser"},
-    "name": "embed",
-    "port": 8004,
-    "kind": "embed",
-    "checkpoint": {"repo": "sparkform-test/tiny-qwen3", "revision": "main"},
-    "after": ["nemotron", "q38"],
-}
-PORTS["embed"] = EMBED["port"]
 
 
 def main_pid(box: machine.Sandbox, unit: str) -> int:
