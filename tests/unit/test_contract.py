@@ -20,6 +20,7 @@ from sparkform.contract import (
     Request,
     contract_for,
     contract_table,
+    judge_over_input,
     judge_over_window,
     judge_reasoning,
     judge_tokenize,
@@ -243,6 +244,12 @@ def test_a_pooling_engine_s_contract_is_its_shape_its_window_and_what_an_over_lo
         f for f in check_engine(pooling_engine(kind, 512), host, generator, host.vllm_version) if f.check == "name emb"
     ]
     assert names[0].result == "fail"
+
+
+@pytest.mark.parametrize("status", [404, 401, 500])
+def test_an_over_window_answer_other_than_vllm_s_400_fails(status):
+    finding = judge_over_input(512, 560, Reply(status, json.dumps({"error": {"message": "no"}})))
+    assert finding.result == "fail" and f"HTTP {status}" in finding.detail
 
 
 def test_an_embedding_without_a_vector_fails():
