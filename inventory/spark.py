@@ -1,4 +1,4 @@
-"""The owner's DGX Spark: two engines resident at once, q38 started after nemotron is ready.
+"""The owner's DGX Spark: the pair resident at once, q38 started after nemotron is ready, and bge-m3 after both.
 
     pyinfra inventory/spark.py deploy.py --dry --diff   # look first
     pyinfra inventory/spark.py deploy.py                # converge
@@ -81,6 +81,21 @@ spark = hosts(
                         "kv_pool_tokens": 858_483,
                         "cold_start_s": 335,
                     },
+                },
+                {
+                    # The agents' embedding model: ordered after both drivers (the helper's race with
+                    # their warm-up cost it a CUDA OOM once), and still on the vLLM 0.21.0 it has run
+                    # since May, in a venv of its own (docs/operator.md, "A vLLM per engine").
+                    "name": "embed",
+                    "kind": "embed",
+                    "port": 8004,
+                    "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"},
+                    "vllm_version": "0.21.0",
+                    "gpu_memory_utilization": 0.05,
+                    "max_model_len": 8192,
+                    "max_num_seqs": 32,
+                    "after": ["nemotron", "q38"],
+                    "weights_gib": 1.06,
                 },
             ],
         }

@@ -299,7 +299,7 @@ class BenchRow:
     """One bench of one host: a row of its ledger.
 
     + date: when it ended, UTC, ISO 8601 to the second
-    + vllm: the package-version it measured, e.g. vllm-0.27.1
+    + vllm: the package-version it measured, e.g. vllm-0.27.1 (engines on vLLMs of their own: joined by "+")
     + settings: what every phase sent (Settings' fields)
     + engines: engine name -> its EngineResult
     """
@@ -345,7 +345,7 @@ class UntrustedRow(ValueError):
 
 
 DATE_PATTERN = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z")
-VLLM_PATTERN = re.compile(r"[A-Za-z0-9._+-]{1,64}")
+VLLM_PATTERN = re.compile(r"[A-Za-z0-9._+-]{1,200}")  # package-versions joined by "+"
 ENGINE_NAME = re.compile(NAME_PATTERN)
 ROW_KEYS = {"date", "vllm", "settings", "engines"}
 SETTINGS_FIELDS = tuple(Settings.__dataclass_fields__)

@@ -112,7 +112,7 @@ def _planned_with_ledgers(
         lines = [u.line(host.name) for u in used]
         lines += [
             f"{e.name}: no row of the ledger matches its settings (checkpoint repo, window, KV dtype, KV bytes, "
-            f"vLLM {host.config.vllm_version})"
+            f"vLLM {host.config.pin(e).version})"
             for e in host.config.engines
             if e.name not in taken and not ledger.has_measured(e)
         ]

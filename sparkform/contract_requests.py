@@ -95,7 +95,7 @@ def near_window_prompt(ask: Ask, name: str, window: int) -> tuple[str, int] | No
 def check_pooling_engine(ask: Ask, config: HostConfig, engine: Engine, live_version: str) -> list[Finding]:
     """A pooling engine's contract: its window, each name's answer in its shape (an embedding's
     dimensions, a rerank's scores) and what an input over the window gets."""
-    version, _ = judge_version(live_version, config.vllm_version)
+    version, _ = judge_version(live_version, config.pin(engine).version)
     findings = [version, judge_window(engine, ask(Request("/v1/models")))]
     route, fields, _ = PROBES[engine.kind]
     for served in engine.names:
@@ -127,7 +127,7 @@ def check_engine(ask: Ask, config: HostConfig, engine: Engine, live_version: str
     if engine.pooling:
         return check_pooling_engine(ask, config, engine, live_version)
     name = engine.names[0]
-    version, row = judge_version(live_version, config.vllm_version)
+    version, row = judge_version(live_version, config.pin(engine).version)
     findings = [version, judge_window(engine, ask(Request("/v1/models")))]
     for served in engine.names:
         findings.append(

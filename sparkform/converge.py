@@ -1,10 +1,9 @@
 """The converge plan: every decision one run takes, from the inventory and the host's snapshot.
 
-deploy.py gathers the snapshot (`snapshot_request` says what to read, facts/snapshot.py reads it
-in one round trip), asks `plan` what to do and calls one operation per step. What restarts,
-what counts as a cold start, which boot-chain hole the run repairs, which units are leftovers,
-and the order of it all live here, so they are tested on snapshots without pyinfra
-(tests/unit/test_converge_plan.py).
+deploy.py gathers the snapshot (`snapshot_request` says what to read, facts/snapshot.py reads it in one round trip),
+asks `plan` what to do and calls one operation per step. What restarts, what counts as a cold start, which boot-chain
+hole the run repairs, which units are leftovers, and the order of it all live here, so they are tested on snapshots
+without pyinfra (tests/unit/test_converge_plan.py).
 """
 
 from __future__ import annotations
@@ -179,7 +178,7 @@ def snapshot_request(config: HostConfig) -> dict:
             + ([config.monitoring.record_textfile] if config.monitoring.enabled else [])
         ),
         markers=[
-            layout.venv_marker(config.venv),
+            *(layout.venv_marker(pin.venv) for pin in config.pins),
             config.paths.stamp("nginx"),
             config.paths.stamp("guard"),
             config.paths.stamp("scrub"),
@@ -213,27 +212,24 @@ def caches_aside(config: HostConfig, engine: Engine, snapshot: Snapshot) -> list
     ]
 
 
-def planned_record(config: HostConfig, live: HostVersions, record: HostRecord | None, snapshot: Snapshot) -> HostRecord:
-    """The record as this run will leave it, with the boot's starts that systemd measured; starts
-    this run makes are measured on the host when it writes the record. A restart systemd made on
-    its own later in the same boot is not a change to converge (a dry-run after a crash shows
-    none): the record keeps the boot's start."""
+def planned_record(
+    config: HostConfig, live: HostVersions, live_keys: Mapping[str, str], record: HostRecord | None, snapshot: Snapshot
+) -> HostRecord:
+    """The record as this run will leave it (`live_keys`: each engine's cache key), with the boot's starts that
+    systemd measured; starts this run makes are measured on the host when it writes the record. A restart systemd
+    made on its own later in the same boot is not a change to converge (a dry-run after a crash shows none): the
+    record keeps the boot's start."""
     engines = {}
     for engine in config.enabled_engines:
         old = record.engines.get(engine.name) if record else None
-        key = hostrecord.cache_key(live)
+        key = live_keys[engine.name]
         entry = EngineRecord(key) if old is None else replace(old, cache_key=key)
         state = snapshot.engines.get(engine.unit)
         recorded_this_boot = (
             entry.started_at is not None and snapshot.booted_at is not None and entry.started_at >= snapshot.booted_at
         )
-        if (
-            state
-            and state.started_at
-            and state.start_s
-            and state.started_at != entry.started_at
-            and not recorded_this_boot
-        ):
+        measured = state and state.started_at and state.start_s
+        if measured and state.started_at != entry.started_at and not recorded_this_boot:
             entry = replace(entry, started_at=state.started_at, start_s=state.start_s, last_start_cold=False)
         engines[engine.name] = entry
     return HostRecord(live, engines)
@@ -291,7 +287,7 @@ class ConvergePlan:
     daemon_reload: bool
     disabled: list[Engine]  # stopped (their units stay, disabled)
     steps: list[EngineStep]  # the enabled engines, each after every engine it waits for
-    cache_key: str  # what the host's versions key JIT caches under now
+    cache_keys: dict[str, str]  # what each engine's JIT caches are keyed under now (its vLLM's and the host's versions)
     front_wanted: str  # the digest nginx must run with (its drop-in, config, keys and certificate)
     certificate: FrontCertificate | None  # what the front serves over TLS (None: plain HTTP)
     guard_wanted: str  # the digest the guard must run with (its files)
@@ -370,12 +366,14 @@ def plan(
     rendered = render_host(config, model_configs) + certificate_files
     changed = {f.path for f in rendered if differs(f.content, snapshot.paths.get(f.path))}
     order = bootchain.start_order(config)
-    live = hostrecord.parse_live_versions(snapshot.live_versions, f"{config.vllm_package}-{config.vllm_version}")
+    live = hostrecord.parse_live_versions(snapshot.live_versions, config.pin().label)
+    live_keys = hostrecord.engine_cache_keys(live, {e.name: config.pin(e).label for e in config.enabled_engines})
     drift = hostrecord.drift(
         snapshot.record,
         live,
         {e.name: snapshot.cache_keys.get(e.name) for e in order},
         {e.name for e in order if caches_aside(config, e, snapshot)},
+        live_keys,
     )
     last_cold = hostrecord.last_cold_starts(snapshot.record, {e.name: e.measured.cold_start_s for e in order})
 
@@ -430,7 +428,7 @@ def plan(
         daemon_reload=bool(leftovers) or any(f.is_unit and f.path in changed for f in rendered),
         disabled=[engine for engine in config.engines if not engine.enabled],
         steps=steps,
-        cache_key=hostrecord.cache_key(live),
+        cache_keys=live_keys,
         # The router is compiled when nginx loads its config: a new one needs a reload too.
         front_wanted=f"{digest(contents[FRONT_DROP_IN])} "
         + digest(
@@ -445,5 +443,5 @@ def plan(
         node_exporter_wanted=digest(*(f.content for f in node_exporter_files(config))),
         scrub_wanted=digest(contents[layout.unit_path(layout.SCRUB_TIMER)]),
         rollback_lines=rollback_lines(config, snapshot, rendered),
-        record=planned_record(config, live, snapshot.record, snapshot),
+        record=planned_record(config, live, live_keys, snapshot.record, snapshot),
     )

@@ -23,6 +23,7 @@ from sparkform.shapes import (
     REQUEST_BYTES_PER_TOKEN,
     REVISION_PATTERN,
     SERVED_NAME_PATTERN,
+    VERSION_PATTERN,
     StrictModel,
     checked_path,
     owned_flag,
@@ -157,6 +158,12 @@ class Engine(StrictModel):
     kind: EngineKind = Field("generate")
     """What it serves: generate (completions, chat, responses, messages), or a pooling model on vLLM's pooling runner:
     embed (/v1/embeddings), score or rerank (a cross-encoder: /score, /rerank)."""
+    vllm_version: str | None = Field(None, pattern=VERSION_PATTERN)
+    """vLLM version this engine runs (its own venv: one per package, version and lock); None runs the host's
+    `vllm_version`. Lets one engine stay on an older vLLM, or try a new one, while the others keep theirs."""
+    lock_file: str | None = Field(None)
+    """Hashed lock of this engine's venv (relative to the inventory); None: the host's `lock_file` when the engine runs
+    the host's version, else the repo's `locks/<vllm_package>-<vllm_version>-<device>-<arch>.txt`."""
     enabled: bool = Field(True)
     """False stops and disables the unit; no `after` edge may point at it."""
     after: list[str] = Field(default_factory=list)

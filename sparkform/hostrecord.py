@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from sparkform.parsers import cuda_version_from_nvidia_smi
@@ -232,18 +233,26 @@ class Drift:
     stale_engines: list[str]
 
 
+def engine_cache_keys(live: HostVersions, vllm_of: Mapping[str, str]) -> dict[str, str]:
+    """Each engine's live cache key: the host's versions with the vLLM it runs (`vllm_of`: its
+    `<package>-<version>` by engine name; an engine may run a vLLM of its own)."""
+    return {name: cache_key(replace(live, vllm=vllm)) for name, vllm in vllm_of.items()}
+
+
 def drift(
     record: HostRecord | None,
     live: HostVersions,
     engine_keys: dict[str, str | None],
     moved_aside: set[str] = frozenset(),
+    live_keys: Mapping[str, str] | None = None,
 ) -> Drift:
     """Compare the record with the live versions, and each engine's cache key with the live key.
 
     `engine_keys` maps each engine (in start order) to the key in its cache folder: None when
     it never served here, so it has no cache to go stale. `moved_aside` engines had their
-    caches moved aside by a run whose warm start did not finish: still stale. Without a record
-    (first converge) no version has changed.
+    caches moved aside by a run whose warm start did not finish: still stale. `live_keys`: the
+    key each engine's cache must have (`engine_cache_keys`); an engine not in it, the host's.
+    Without a record (first converge) no version has changed.
     """
     changes = (
         []
@@ -254,8 +263,12 @@ def drift(
             if getattr(record.versions, name) != getattr(live, name)
         ]
     )
-    live_key = cache_key(live)
-    stale = [name for name, key in engine_keys.items() if (key is not None and key != live_key) or name in moved_aside]
+    live_keys = live_keys or {}
+    stale = [
+        name
+        for name, key in engine_keys.items()
+        if (key is not None and key != live_keys.get(name, cache_key(live))) or name in moved_aside
+    ]
     return Drift(changes=changes, stale_engines=stale)
 
 

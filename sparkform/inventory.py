@@ -125,8 +125,9 @@ def planning():
 def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Host:
     """Validate one host's data; raise InventoryError with every problem found.
 
-    Relative local paths (secret files, api_keys' files, front_tls' files, the wheelhouse source, the lock, model
-    configs) resolve against `base_dir`, the inventory's folder, whatever the current directory is.
+    Relative local paths (secret files, api_keys' files, front_tls' files, the wheelhouse source, the locks (the
+    host's and engines'), model configs) resolve against `base_dir`, the inventory's folder, whatever the current
+    directory is.
     """
     data = {
         **data,
@@ -145,6 +146,13 @@ def load_host(name: str, data: dict[str, Any], base_dir: Path = Path(".")) -> Ho
                 if isinstance(path := data["front_tls"].get(key), str)
             },
         }
+    if isinstance(data.get("engines"), list):
+        data["engines"] = [
+            {**engine, "lock_file": str((base_dir / Path(engine["lock_file"]).expanduser()).resolve())}
+            if isinstance(engine, dict) and isinstance(engine.get("lock_file"), str)
+            else engine
+            for engine in data["engines"]
+        ]
     if isinstance(data.get("api_keys"), dict):
         data["api_keys"] = {
             name: str((base_dir / Path(path).expanduser()).resolve()) if isinstance(path, str) else path

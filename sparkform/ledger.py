@@ -239,7 +239,7 @@ def format_ledger(host: str, rows: list[LedgerRow], untrusted: list[str]) -> str
 
 def matches(row: LedgerRow, config: HostConfig, engine: Engine) -> bool:
     """Whether the row's start ran the settings the engine's pool depends on, as the inventory has
-    them now: its checkpoint repo (any commit), window, KV dtype, pinned KV bytes and vLLM version.
+    them now: its checkpoint repo (any commit), window, KV dtype, pinned KV bytes and the vLLM it runs.
     The utilization may differ: the planner re-derives the pool from the same non-KV size."""
     return (
         row.engine == engine.name
@@ -247,7 +247,7 @@ def matches(row: LedgerRow, config: HostConfig, engine: Engine) -> bool:
         and row.max_model_len == engine.max_model_len
         and row.kv_cache_dtype == engine.kv_cache_dtype
         and row.kv_cache_memory_bytes == engine.kv_cache_memory_bytes
-        and row.vllm == config.vllm_version
+        and row.vllm == config.pin(engine).version
     )
 
 

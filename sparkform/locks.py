@@ -84,6 +84,32 @@ def lock_id(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
 
 
+@dataclass(frozen=True)
+class VllmPin:
+    """One vLLM install: the package and version pip pins, the hashed lock (on the control machine) and the venv on
+    the host it is built into."""
+
+    package: str
+    version: str
+    lock: str
+    venv_root: str
+
+    @property
+    def venv(self) -> str:
+        # One venv per lock: a new lock is built beside the venv that serves, which stays as it
+        # is when the build fails; an engine moves only once its new venv is complete.
+        return f"{self.venv_root}/{self.package}-{self.version}-{lock_id(self.lock)}"
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+    @property
+    def label(self) -> str:
+        """`<package>-<version>`, as the host record and cache keys name a vLLM."""
+        return f"{self.package}-{self.version}"
+
+
 def _logical_lines(text: str) -> list[tuple[int, str]]:
     """Requirement lines as pip reads them (continuations joined, comments dropped), each with
     the number of the line it starts on."""

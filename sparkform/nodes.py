@@ -25,7 +25,7 @@ from sparkform.engine import Engine, Span
 from sparkform.model import Host, Problem
 from sparkform.schema import HostConfig
 
-PIN_FIELDS = ("vllm_package", "vllm_version", "device", "python")  # what picks the vLLM a rank runs
+HOST_PIN_FIELDS = ("device", "python")  # with the engine's own package and version: what picks the vLLM a rank runs
 SAME_DATA = "define it once, in the data of the group the engine's nodes share"
 
 
@@ -102,8 +102,18 @@ def _differences(reference: Host, engine: Engine, node: Host) -> list[Problem]:
                 engine.name,
             )
         ]
-    vllm = [(name, getattr(reference.config, name), getattr(node.config, name)) for name in PIN_FIELDS]
-    table = [(name, _plain(getattr(engine, name)), _plain(getattr(theirs, name))) for name in Engine.model_fields]
+    reference_pin, node_pin = reference.config.pin(engine), node.config.pin(theirs)
+    vllm = [
+        ("vllm_package", reference_pin.package, node_pin.package),
+        ("vllm_version", reference_pin.version, node_pin.version),
+        *((name, getattr(reference.config, name), getattr(node.config, name)) for name in HOST_PIN_FIELDS),
+    ]
+    # The engine's own vLLM is compared as the pin it makes (above) and the lock's bytes (below).
+    table = [
+        (name, _plain(getattr(engine, name)), _plain(getattr(theirs, name)))
+        for name in Engine.model_fields
+        if name not in ("vllm_version", "lock_file")
+    ]
     compared = [(*row, "every rank of the engine must run the same vLLM") for row in vllm] + [
         (*row, "every rank must serve the same engine") for row in table
     ]
@@ -119,7 +129,7 @@ def _differences(reference: Host, engine: Engine, node: Host) -> list[Problem]:
         for name, ours, other, why in compared
         if ours != other
     ]
-    return problems + _lock_difference(reference, engine, node)
+    return problems + _lock_difference(reference, engine, node, theirs)
 
 
 def _plain(value: object) -> object:
@@ -127,9 +137,9 @@ def _plain(value: object) -> object:
     return value.model_dump() if isinstance(value, BaseModel) else value
 
 
-def _lock_difference(reference: Host, engine: Engine, node: Host) -> list[Problem]:
+def _lock_difference(reference: Host, engine: Engine, node: Host, theirs: Engine) -> list[Problem]:
     """Two locks of the same pin still install two sets of packages (a torch or NCCL apart)."""
-    ours, other = Path(reference.config.lock), Path(node.config.lock)
+    ours, other = Path(reference.config.pin(engine).lock), Path(node.config.pin(theirs).lock)
     if not (ours.is_file() and other.is_file()) or locks.lock_id(ours) == locks.lock_id(other):
         return []  # a missing lock is its host's own problem
     return [

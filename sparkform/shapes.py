@@ -60,6 +60,7 @@ SHARED_USERS = frozenset({
 })  # fmt: skip
 # `--served-model-name` values: they reach ExecStartPost argv and JSON; no systemd or shell syntax.
 SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
+VERSION_PATTERN = r"^[0-9][0-9A-Za-z.+!-]{0,63}$"  # a version as pip pins it (vllm_version)
 PARSER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # tool-call and reasoning parser names
 REVISION_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")  # a branch, tag or commit
 INCLUDE_PATTERN = r"^[A-Za-z0-9._/*?\[\]{}!,-]{1,200}$"  # an `hf download --include` glob

@@ -28,10 +28,12 @@ from sparkform.hostrecord import (
     UntrustedValue,
     drift,
     drift_report,
+    engine_cache_keys,
     last_cold_starts,
     parse_live_versions,
 )
 from sparkform.layout import FRONT_UNIT, GUARD_UNIT, SCRUB_TIMER
+from sparkform.locks import VllmPin
 from sparkform.parsers import (
     SYSTEMCTL_SHOW_PROPERTIES,
     Sample,
@@ -93,9 +95,21 @@ def _front_request(engine: Engine, config: HostConfig) -> str:
     )
 
 
-def _venv_python(config: HostConfig, code: str) -> str:
-    python = shlex.quote(f"{config.venv}/bin/python")
+def _status_pins(config: HostConfig) -> list[VllmPin]:
+    """The venvs status reads a vLLM version from, each once: the host's, then each engine's."""
+    return list(dict.fromkeys([config.pin(), *(config.pin(engine) for engine in config.engines)]))
+
+
+def _installed_vllm(pin: VllmPin) -> str:
+    """The version of vLLM installed in `pin`'s venv, as its own python reads it (nothing when there is no venv)."""
+    python = shlex.quote(f"{pin.venv}/bin/python")
+    code = f"import importlib.metadata as m; print(m.version({pin.package!r}))"
     return f"[ -x {python} ] && {python} -I -c {shlex.quote(code)}"
+
+
+def _read_version(lines: list[str]) -> str | None:
+    text = "".join(lines)
+    return text if VERSION_TEXT_PATTERN.fullmatch(text) else None
 
 
 def status_command(config: HostConfig, sample_s: float) -> str:
@@ -129,9 +143,7 @@ def status_command(config: HostConfig, sample_s: float) -> str:
         section("services", f"systemctl show -p Id,ActiveState,SubState {' '.join(SERVICE_UNITS)}"),
         section("meminfo", "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo"),
         section("gpu", report_command(f"{config.venv}/bin/python")),
-        section(
-            "vllm", _venv_python(config, f"import importlib.metadata as m; print(m.version({config.vllm_package!r}))")
-        ),
+        *(section(f"vllm:{index}", _installed_vllm(pin)) for index, pin in enumerate(_status_pins(config))),
         section("versions", LIVE_VERSIONS_COMMAND),
         section("record", plain_file(config.paths.host_record)),
         section("cache_keys", plain_files(f"{shlex.quote(config.paths.cache_keys)}/*")),
@@ -230,6 +242,7 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
     record = _record(sections.get("record", []), untrusted)
     cold = last_cold_starts(record, {e.name: e.measured.cold_start_s for e in config.engines})
 
+    pins = _status_pins(config)
     engines = []
     for engine in config.engines:
         state, properties = units.get(engine.unit), shown.get(engine.unit, {})
@@ -263,6 +276,7 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
                 front_http=_http_code(sections.get(f"front:{engine.name}", [])),
                 launch=launch if LAUNCH_STATE_PATTERN.fullmatch(launch) and not active else None,
                 kind=engine.kind,
+                vllm_version=_read_version(sections.get(f"vllm:{pins.index(config.pin(engine))}", [])),
                 served_names=engine.names,
                 kv_pool_tokens=_kv_pool_tokens(first),
                 kv_use=kv_use if kv_use is not None and kv_use <= 1 else None,
@@ -286,15 +300,19 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
             report = parse_nvml_report("\n".join(sections["gpu"]))
         except NvmlReportError as err:
             untrusted.append(f"the GPU report: {err}")
-    vllm = "".join(sections.get("vllm", []))
-    live = parse_live_versions(sections.get("versions", []), f"{config.vllm_package}-{config.vllm_version}")
+    live = parse_live_versions(sections.get("versions", []), config.pin().label)
     keys = named_lines(
         sections.get("cache_keys", []),
         (ENGINE_NAME_PATTERN, "a cache key file of an engine"),
         (CACHE_KEY_PATTERN, "a cache key"),
         untrusted,
     )
-    host_drift = drift(record, live, {e.name: keys.get(e.name) for e in config.engines})
+    host_drift = drift(
+        record,
+        live,
+        {e.name: keys.get(e.name) for e in config.engines},
+        live_keys=engine_cache_keys(live, {e.name: config.pin(e).label for e in config.engines}),
+    )
     services = []
     for unit, state in engine_states(sections.get("services", [])).items():
         if unit not in SERVICE_UNITS:
@@ -316,7 +334,7 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
         mem_available_bytes=available,
         unified_in_use_bytes=total - available if total is not None and available is not None else None,
         gpu=report,
-        vllm_version=vllm if VERSION_TEXT_PATTERN.fullmatch(vllm) else None,
+        vllm_version=_read_version(sections.get("vllm:0", [])),
         front_tls=fingerprint(certificate) if certificate else None,
         drift=drift_report(host_drift, cold) if record else [],
         watchdog=_watchdog_events(sections.get("watchdog", []), untrusted),

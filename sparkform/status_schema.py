@@ -67,6 +67,8 @@ class EngineStatus(Model):
     once it serves"""
     kind: str = "generate"
     """what it serves (engines[].kind): generate, or a pooling engine: embed, score, rerank"""
+    vllm_version: str | None = None
+    """the vLLM installed in the venv it runs from (engines[].vllm_version, else the host's; None: no venv yet)"""
     served_names: list[str]
     """the model names the engine answers to (the inventory's; vLLM's /metrics names only the first)"""
     kv_pool_tokens: int | None
@@ -108,7 +110,7 @@ class HostStatus(Model):
     gpu: NvmlReport | None = None
     """NVML's report read on the host with pynvml by the engine venv's Python (None: not read)"""
     vllm_version: str | None = None
-    """the vLLM the host's venv holds"""
+    """the vLLM the host's own venv holds (its engines' unless they name their own: each engine's `vllm_version`)"""
     front_tls: str | None = None
     """the SHA-256 fingerprint of the certificate the front serves over TLS (None: plain HTTP, or none read)"""
     drift: list[str] = Field(default_factory=list)

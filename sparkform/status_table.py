@@ -11,12 +11,13 @@ from sparkform.status_schema import EngineStatus, HostStatus
 
 GIB = 1024**3
 COLUMNS = (
-    "ENGINE", "STATE", "SINCE", "RESTARTS", "PID", "MEMORY GiB now/high/max", "PORT", "SERVED AS",
+    "ENGINE", "VLLM", "STATE", "SINCE", "RESTARTS", "PID", "MEMORY GiB now/high/max", "PORT", "SERVED AS",
     "KV POOL tokens", "KV USE", "RUNNING", "WAITING", "GEN tok/s", "LAST START", "COLD START",
 )  # fmt: skip
 # The narrow table's columns (of COLUMNS), with shorter headings: what a glance needs.
-NARROW = {"ENGINE": "ENGINE", "STATE": "STATE", "SINCE": "SINCE", "RESTARTS": "RESTARTS", "KV USE": "KV USE",
-          "RUNNING": "RUN", "WAITING": "WAIT", "GEN tok/s": "TOK/S", "LAST START": "LAST START"}  # fmt: skip
+NARROW = {"ENGINE": "ENGINE", "VLLM": "VLLM", "STATE": "STATE", "SINCE": "SINCE", "RESTARTS": "RESTARTS",
+          "KV USE": "KV USE", "RUNNING": "RUN", "WAITING": "WAIT", "GEN tok/s": "TOK/S",
+          "LAST START": "LAST START"}  # fmt: skip
 WIDTH = 100
 
 
@@ -51,6 +52,7 @@ def _engine_row(e: EngineStatus, now: float, wide: bool) -> list[str]:
         state += f" (waits for {e.launch.split()[1]})"
     return [
         e.name if e.kind == "generate" else f"{e.name} ({e.kind})",
+        _or_dash(e.vllm_version),
         state,
         _ago(e.since, now),
         str(e.restarts),

@@ -13,6 +13,7 @@ from pathlib import Path
 from sparkform import bootchain, locks, modelconfig, vllm_versions
 from sparkform import validate_access as access
 from sparkform.engine import Engine
+from sparkform.locks import VllmPin
 from sparkform.model import Host, Problem
 from sparkform.planner import node_memory_problems, state_block_problems
 from sparkform.schema import HostConfig
@@ -305,23 +306,32 @@ def _wheelhouse(host: Host) -> list[Problem]:
 
 
 def _lock(host: Host) -> list[Problem]:
-    """The venv installs exactly a complete hashed lock of the pinned vLLM: no lock, no venv."""
+    """Each venv installs exactly a complete hashed lock of its pinned vLLM: no lock, no venv.
+    The host's own lock is checked, and each lock an engine names (`engines[].vllm_version` or
+    `lock_file`), once, under the first engine that names it."""
     cfg = host.config
-    pin = f"{cfg.vllm_package}=={cfg.vllm_version}"
-    fix = (
-        f"make it with `{locks.lock_command(cfg.vllm_package, cfg.vllm_version, cfg.device)}` "
-        "(docs/operator.md, Locks), "
-        f"or point lock_file at a hashed lock of {pin}"
-    )
-    path = Path(cfg.lock)
-    if not path.is_file():
-        missing = f"the repo has no lock for {pin} on {cfg.device}" if cfg.lock_file is None else "no such file"
-        return [Problem(host.name, "lock_file", cfg.lock, missing, fix)]
-    problems = locks.lock_problems(path.read_text(), cfg.vllm_package, cfg.vllm_version)
-    if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        return [Problem(host.name, "lock_file", cfg.lock, "; ".join(problems[:3]) + more, fix)]
-    return []
+    owners: dict[VllmPin, Engine | None] = {cfg.pin(): None}
+    for engine in cfg.enabled_engines:
+        owners.setdefault(cfg.pin(engine), engine)
+    problems = []
+    for pin, engine in owners.items():
+        named = engine.lock_file if engine else cfg.lock_file
+        # An engine that names a version only is told of that field, not of a lock it never named.
+        field, value = ("lock_file", pin.lock) if named or engine is None else ("vllm_version", pin.version)
+        fix = (
+            f"make it with `{locks.lock_command(pin.package, pin.version, cfg.device)}` (docs/operator.md, Locks), "
+            f"or point {'engines[].' if engine else ''}lock_file at a hashed lock of {pin.requirement}"
+        )
+        path = Path(pin.lock)
+        if not path.is_file():
+            missing = f"the repo has no lock for {pin.requirement} on {cfg.device}" if named is None else "no such file"
+            problems.append(Problem(host.name, field, value, missing, fix, engine.name if engine else None))
+        elif found := locks.lock_problems(path.read_text(), pin.package, pin.version):
+            more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+            problems.append(
+                Problem(host.name, field, value, "; ".join(found[:3]) + more, fix, engine.name if engine else None)
+            )
+    return problems
 
 
 def _vllm_takes(host: Host) -> list[Problem]:
@@ -329,9 +339,11 @@ def _vllm_takes(host: Host) -> list[Problem]:
     read (sparkform.vllm_versions): a method a version dropped (0.32 dropped bitsandbytes) would
     fail at engine start, after the deploy changed the host."""
     cfg = host.config
-    known = vllm_versions.takes(cfg.vllm_version)
     problems = []
-    for engine in cfg.enabled_engines if known else []:
+    for engine in cfg.enabled_engines:
+        version = cfg.pin(engine).version
+        if (known := vllm_versions.takes(version)) is None:
+            continue
         for field, value, taken in (
             ("quantization", engine.quantization, known.quantizations),
             ("kv_cache_dtype", engine.kv_cache_dtype, known.kv_cache_dtypes),
@@ -342,7 +354,7 @@ def _vllm_takes(host: Host) -> list[Problem]:
                         host.name,
                         field,
                         value,
-                        f"vLLM {cfg.vllm_version} takes no {field} {value!r} (read from its code): it would not start",
+                        f"vLLM {version} takes no {field} {value!r} (read from its code): it would not start",
                         f"use one it takes ({', '.join(sorted(taken))}), or pin a vLLM that takes {value!r}",
                         engine.name,
                     )

@@ -14,6 +14,7 @@ below is one operation.
 """
 
 import time
+from pathlib import Path
 
 from pyinfra import host, inventory, logger
 from pyinfra.api import deploy
@@ -158,7 +159,10 @@ def converge_host() -> None:
             message="; ".join(plan.drift_lines),
         )
     venv.wheelhouse_synced(name="Wheelhouse on the host", config=config, snapshot=snapshot)
-    venv.vllm_venv(name=f"vLLM venv {venv.pin(config)}", config=config, snapshot=snapshot)
+    for pin in config.pins:
+        venv.vllm_venv(
+            name=f"vLLM venv {pin.requirement} ({Path(pin.venv).name})", config=config, pin=pin, snapshot=snapshot
+        )
     for engine in config.enabled_engines:
         checkpoints.checkpoint(
             name=f"Checkpoint of {engine.name}: {engine.checkpoint.repo} "
@@ -195,7 +199,7 @@ def converge_host() -> None:
             name=f"JIT caches of {step.engine.name} keyed",
             config=config,
             engine=step.engine,
-            key=plan.cache_key,
+            key=plan.cache_keys[step.engine.name],
             snapshot=snapshot,
             rebuilt=step.stale,
         )
@@ -228,7 +232,11 @@ def converge_host() -> None:
             kept_dir=config.paths.kept(step.engine.name),
             files=config.paths.engine_files(step.engine.name),
             wanted=KeptSettings(
-                step.engine.name, int(time.time()), config.venv, config.checkpoint_dir(step.engine), step.settings
+                step.engine.name,
+                int(time.time()),
+                config.pin(step.engine).venv,
+                config.checkpoint_dir(step.engine),
+                step.settings,
             ),
             current=step.kept,
             previous=step.engine.name in snapshot.previous,

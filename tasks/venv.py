@@ -1,4 +1,4 @@
-"""The pinned vLLM venv: one per hashed lock, built once, never taken as complete when half-built."""
+"""The pinned vLLM venvs: one per hashed lock, each built once, never taken as complete when half-built."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pyinfra.api import FileUploadCommand, operation
 from pyinfra.facts.files import FindFiles
 
 from sparkform.layout import venv_install_log, venv_lock, venv_marker
-from sparkform.locks import read_lock
+from sparkform.locks import VllmPin, read_lock
 from sparkform.schema import HostConfig
 from sparkform.snapshot import Snapshot
 from tasks.files import replaced_file
@@ -23,11 +23,7 @@ def own_pattern(text: str) -> str:
     return f"[{text[0]}]{text[1:]}"
 
 
-def pin(config: HostConfig) -> str:
-    return f"{config.vllm_package}=={config.vllm_version}"
-
-
-def pip_install_args(config: HostConfig) -> list[str]:
+def pip_install_args(config: HostConfig, pin: VllmPin) -> list[str]:
     """pip arguments that install exactly the lock: every file is checked against the lock's
     hashes before anything is installed, wheels only, nothing resolved; offline from the
     wheelhouse, or from the configured indexes."""
@@ -37,11 +33,11 @@ def pip_install_args(config: HostConfig) -> list[str]:
         source = ["--index-url", config.pip_index_url] if config.pip_index_url else []
         for url in config.pip_extra_index_urls:
             source += ["--extra-index-url", url]
-    return ["--require-hashes", "--no-deps", "--only-binary=:all:", *source, "-r", venv_lock(config.venv)]
+    return ["--require-hashes", "--no-deps", "--only-binary=:all:", *source, "-r", venv_lock(pin.venv)]
 
 
-def venv_is_current(config: HostConfig, snapshot: Snapshot) -> bool:
-    return snapshot.markers.get(venv_marker(config.venv)) == pin(config)
+def venv_is_current(pin: VllmPin, snapshot: Snapshot) -> bool:
+    return snapshot.markers.get(venv_marker(pin.venv)) == pin.requirement
 
 
 @operation()
@@ -53,7 +49,7 @@ def wheelhouse_synced(config: HostConfig, snapshot: Snapshot):
     + config: the host's validated configuration
     + snapshot: the host's state from the HostSnapshot fact
     """
-    if not config.wheelhouse_source or venv_is_current(config, snapshot):
+    if not config.wheelhouse_source or all(venv_is_current(pin, snapshot) for pin in config.pins):
         host.noop("no venv to build")
         return
     present = {path.rsplit("/", 1)[-1] for path in host.get_fact(FindFiles, path=config.wheelhouse) or []}
@@ -66,14 +62,14 @@ def wheelhouse_synced(config: HostConfig, snapshot: Snapshot):
         yield FileUploadCommand(str(wheel), f"{config.wheelhouse}/{wheel.name}")
 
 
-def install_command(config: HostConfig, packages: int) -> str:
+def install_command(config: HostConfig, pin: VllmPin, packages: int) -> str:
     """pip installing the lock into the venv, its output in the venv's install log; meanwhile a
     line every PROGRESS_EVERY_S seconds counts the wheels pip collected (its `Collecting`/`Processing`
     lines) and the packages in site-packages, out of the lock's `packages`; on a failure the
     log's end goes to stderr."""
-    venv = shlex.quote(config.venv)
-    log = shlex.quote(venv_install_log(config.venv))
-    pip_args = " ".join(shlex.quote(arg) for arg in pip_install_args(config))
+    venv = shlex.quote(pin.venv)
+    log = shlex.quote(venv_install_log(pin.venv))
+    pip_args = " ".join(shlex.quote(arg) for arg in pip_install_args(config, pin))
     count_dist_infos = f"ls -d {venv}/lib/python3*/site-packages/*.dist-info 2>/dev/null | wc -l"
     pip = f"{venv}/bin/pip install --disable-pip-version-check --progress-bar off {pip_args} >>{log} 2>&1"
     tick = printf_line(
@@ -92,25 +88,25 @@ def install_command(config: HostConfig, packages: int) -> str:
     )
 
 
-def build_commands(config: HostConfig):
-    """The commands that build the venv from its lock, in order (an upload is a FileUploadCommand)."""
-    venv = shlex.quote(config.venv)
-    lock = shlex.quote(venv_lock(config.venv))
+def build_commands(config: HostConfig, pin: VllmPin):
+    """The commands that build `pin`'s venv from its lock, in order (an upload is a FileUploadCommand)."""
+    venv = shlex.quote(pin.venv)
+    lock = shlex.quote(venv_lock(pin.venv))
     # A deploy cut off mid-install can leave its pip running on the host: stop it first.
-    yield f"pkill -f -- {shlex.quote(own_pattern(config.venv + '/bin/pip'))} || true"
+    yield f"pkill -f -- {shlex.quote(own_pattern(pin.venv + '/bin/pip'))} || true"
     yield f"rm -rf {venv}"
     yield f"{shlex.quote(config.python)} -m venv {venv}"
-    yield FileUploadCommand(config.lock, venv_lock(config.venv))
+    yield FileUploadCommand(pin.lock, venv_lock(pin.venv))
     yield f"chown root:root {lock}"
     yield f"chmod 644 {lock}"
-    yield ProgressCommand(install_command(config, len(read_lock(Path(config.lock).read_text())[0])))
-    yield replaced_file(venv_marker(config.venv), pin(config))
+    yield ProgressCommand(install_command(config, pin, len(read_lock(Path(pin.lock).read_text())[0])))
+    yield replaced_file(venv_marker(pin.venv), pin.requirement)
 
 
 @operation()
-def vllm_venv(config: HostConfig, snapshot: Snapshot):
+def vllm_venv(config: HostConfig, pin: VllmPin, snapshot: Snapshot):
     """
-    Build the venv of the pinned vLLM from its hashed lock unless its completion marker already
+    Build the venv of a pinned vLLM from its hashed lock unless its completion marker already
     names the pin.
 
     The lock lands in the venv (root's, 0644) and pip installs exactly it: a file whose hash
@@ -119,9 +115,10 @@ def vllm_venv(config: HostConfig, snapshot: Snapshot):
     again rather than used.
 
     + config: the host's validated configuration
+    + pin: the vLLM to install (`HostConfig.pin`): package, version, lock and venv
     + snapshot: the host's state from the HostSnapshot fact
     """
-    if venv_is_current(config, snapshot):
-        host.noop(f"{pin(config)} already installed in {config.venv}")
+    if venv_is_current(pin, snapshot):
+        host.noop(f"{pin.requirement} already installed in {pin.venv}")
         return
-    yield from build_commands(config)
+    yield from build_commands(config, pin)

@@ -8,17 +8,21 @@ from collections.abc import Callable
 
 from pyinfra.api import FileUploadCommand, StringCommand
 
+from sparkform.locks import VllmPin
 from sparkform.schema import HostConfig
 from tasks import venv
 
 
 def run_build_commands(
-    config: HostConfig, shell: Callable[[str], subprocess.CompletedProcess], put: Callable[[str, str], object]
+    config: HostConfig,
+    pin: VllmPin,
+    shell: Callable[[str], subprocess.CompletedProcess],
+    put: Callable[[str, str], object],
 ) -> subprocess.CompletedProcess:
     """Run the venv operation's commands in order, each shell command through `shell`, each upload
     through `put(source, destination)`; the result of the first that fails, else pip's."""
     pip = None
-    for command in venv.build_commands(config):
+    for command in venv.build_commands(config, pin):
         if isinstance(command, FileUploadCommand):
             put(command.src, command.dest)
             continue

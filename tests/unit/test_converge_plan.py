@@ -69,7 +69,7 @@ def converged(cfg, versions: list[str] = DRIVER_580) -> Snapshot:
         engines=engines,
         rendered_units={f.path for f in fresh.rendered if layout.engine_of_unit_path(f.path)},
         unit_files={unit: "enabled" for unit in engines},
-        cache_keys={step.engine.name: fresh.cache_key for step in fresh.steps},
+        cache_keys=fresh.cache_keys,
         checkpoints={
             cfg.checkpoint_dir(engine): CheckpointFolder(marker=cfg.commit(engine), drift=[], mtime=950.0)
             for engine in cfg.engines
@@ -134,7 +134,7 @@ def test_a_new_driver_makes_both_engines_stale_cold_and_says_so():
         ("fast", True, True, True),
         ("slow", True, True, True),
     ]
-    assert result.cache_key.startswith("driver590.10.01")
+    assert all(key.startswith("driver590.10.01") for key in result.cache_keys.values())
     assert any(line.startswith("driver 580.95.05 -> 590.10.01") for line in result.drift_lines)
     assert result.record.versions.driver == "590.10.01"
 

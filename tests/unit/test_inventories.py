@@ -49,14 +49,14 @@ def test_sandbox_inventory_is_the_pair_scaled_down(monkeypatch):
     assert engines["q38"].names == ["q38", "vision"]
     assert all(engine.kv_cache_memory_bytes for engine in config.engines)
     # The venv installs the lock the wheelhouse is downloaded from, and nothing a CPU engine must not have.
-    assert config.lock == str(wheelhouse.LOCK)
+    assert config.pin().lock == str(wheelhouse.LOCK)
     assert not set(wheelhouse.pinned_names()) & set(CPU_EXCLUDED)
 
 
 def test_the_served_pair_installs_the_repo_s_lock_of_its_vllm(monkeypatch):
     monkeypatch.delenv("SPARK_HF_TOKEN_FILE", raising=False)
     (spark,) = load_inventory(SERVED_PAIR)
-    assert spark.config.lock == str(LOCKS / "vllm-0.27.1-cuda-aarch64.txt")
+    assert spark.config.pin().lock == str(LOCKS / "vllm-0.27.1-cuda-aarch64.txt")
 
 
 def test_the_sandbox_pair_spans_one_engine_over_the_cable(monkeypatch):
@@ -74,7 +74,8 @@ def test_the_sandbox_pair_spans_one_engine_over_the_cable(monkeypatch):
     nemotron = sandbox.config.engines[0]
     for field in ("gpu_memory_utilization", "kv_cache_memory_bytes", "max_model_len", "extra_args"):
         assert getattr(engine, field) == getattr(nemotron, field), field
-    for field in ("device", "vllm_package", "vllm_version", "lock", "memory_total_gib", "memory_max_gib"):
+    assert head.config.pin() == sandbox.config.pin()
+    for field in ("device", "vllm_package", "vllm_version", "memory_total_gib", "memory_max_gib"):
         assert getattr(head.config, field) == getattr(sandbox.config, field), field
 
 

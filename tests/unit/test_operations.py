@@ -227,14 +227,14 @@ TABLE = {
         venv.wheelhouse_synced,
         dict(
             config=WHEEL_CONFIG,
-            snapshot=snapshot(markers={layout.venv_marker(WHEEL_CONFIG.venv): venv.pin(WHEEL_CONFIG)}),
+            snapshot=snapshot(markers={layout.venv_marker(WHEEL_CONFIG.venv): WHEEL_CONFIG.pin().requirement}),
         ),
         [],
         None,
     ),
     "venv: build it from its lock": (
         venv.vllm_venv,
-        dict(config=CONFIG, snapshot=snapshot()),
+        dict(config=CONFIG, pin=CONFIG.pin(), snapshot=snapshot()),
         [
             f"rm -rf {CONFIG.venv}",
             f"-m venv {CONFIG.venv}",
@@ -242,7 +242,11 @@ TABLE = {
             "--require-hashes",
             f'mv -fT "$temp" {layout.venv_marker(CONFIG.venv)}',
         ],
-        dict(config=CONFIG, snapshot=snapshot(markers={layout.venv_marker(CONFIG.venv): venv.pin(CONFIG)})),
+        dict(
+            config=CONFIG,
+            pin=CONFIG.pin(),
+            snapshot=snapshot(markers={layout.venv_marker(CONFIG.venv): CONFIG.pin().requirement}),
+        ),
     ),
     "checkpoint: fetch it, then pin the branch": (
         checkpoints.checkpoint,

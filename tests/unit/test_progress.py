@@ -113,7 +113,7 @@ def venv_build(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess,
     config = load_host("box", {**HOST_DATA, "venv_root": str(tmp_path / "venvs")}).config
     Path(config.venv, "lib", "python3.11", "site-packages", "pip-24.0.dist-info").mkdir(parents=True)
     stub(Path(config.venv, "bin"), "pip", PIP.format(venv=config.venv))
-    return sh(venv.install_command(config, 3), tmp_path, **env), config.venv
+    return sh(venv.install_command(config, config.pin(), 3), tmp_path, **env), config.venv
 
 
 def test_the_venv_build_counts_wheels_collected_and_installed_then_says_done(tmp_path):

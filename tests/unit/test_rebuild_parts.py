@@ -11,7 +11,7 @@ from pathlib import Path
 from sparkform.bootchain import holes as boot_chain_holes
 from sparkform.commands.rebuild import start_table
 from sparkform.converge import planned_record
-from sparkform.hostrecord import EngineRecord, HostRecord, HostVersions, cache_key
+from sparkform.hostrecord import EngineRecord, HostRecord, HostVersions, cache_key, engine_cache_keys
 from sparkform.inventory import load_host
 from sparkform.parsers import EngineState
 from sparkform.render import render_host
@@ -37,6 +37,11 @@ def config():
             ]
         },
     ).config
+
+
+def keys(cfg, live):
+    """Each engine's cache key as the converge plan gives planned_record them."""
+    return engine_cache_keys(live, {e.name: cfg.pin(e).label for e in cfg.enabled_engines})
 
 
 def run_record_script(tmp_path: Path, show: str, *args: str) -> subprocess.CompletedProcess:
@@ -83,12 +88,12 @@ def test_planned_record_takes_a_boot_start_systemd_measured_and_keeps_the_cold_s
         }
     )
     live = HostVersions(**{**VERSIONS.__dict__, "driver": "580.126.09"})
-    planned = planned_record(config(), live, old, snapshot)
+    planned = planned_record(config(), live, keys(config(), live), old, snapshot)
     assert planned.versions == live
     assert planned.engines["a"] == EngineRecord(cache_key(live), 200.0, 33.5, 2000.0, False)
     assert planned.engines["b"] == EngineRecord(cache_key(live), None, 12.0, 2001.0, False)
     # Nothing new since the record: the planned record equals it, so the deploy writes nothing.
-    same = planned_record(config(), live, planned, snapshot)
+    same = planned_record(config(), live, keys(config(), live), planned, snapshot)
     assert same == planned
 
 
@@ -141,8 +146,10 @@ def test_planned_record_keeps_the_boots_start_through_restarts_systemd_made_on_i
             ),
         },
     )
-    assert planned_record(config(), VERSIONS, booted, snapshot) == booted
+    assert planned_record(config(), VERSIONS, keys(config(), VERSIONS), booted, snapshot) == booted
     # After the next boot (3000) the first start is the boot's, and it is recorded.
     snapshot.booted_at = 3000.0
     snapshot.engines["vllm-a.service"] = replace(snapshot.engines["vllm-a.service"], started_at=3010.0)
-    assert planned_record(config(), VERSIONS, booted, snapshot).engines["a"].started_at == 3010.0
+    assert (
+        planned_record(config(), VERSIONS, keys(config(), VERSIONS), booted, snapshot).engines["a"].started_at == 3010.0
+    )

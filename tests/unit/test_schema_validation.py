@@ -465,8 +465,8 @@ def test_seed_pair_values_survive_validation(seed_data, make_host):
     assert (config.memory_high_gib, config.memory_max_gib) == (105.0, 112.0)
     assert config.compile_caps.as_env() == CAPS
     # One venv per lock: the repo's lock of vLLM 0.27.1 for a Spark.
-    assert config.lock == str(LOCKS / "vllm-0.27.1-cuda-aarch64.txt")
-    assert config.venv == f"/opt/sparkform/venvs/vllm-0.27.1-{lock_id(config.lock)}"
+    assert config.pin().lock == str(LOCKS / "vllm-0.27.1-cuda-aarch64.txt")
+    assert config.venv == f"/opt/sparkform/venvs/vllm-0.27.1-{lock_id(config.pin().lock)}"
     assert config.checkpoint_dir(q38) == "/var/lib/sparkform/models/RedHatAI--Qwen3.8-27B-NVFP4@main"
 
 

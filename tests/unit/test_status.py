@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -90,7 +91,7 @@ def answer(**sections: list[str]) -> list[str]:
         "units": units(),
         "meminfo": ["MemTotal:       125513944 kB", "MemAvailable:   45513944 kB"],
         "gpu": [GB10_REPORT],
-        "vllm": ["0.27.1"],
+        "vllm:0": ["0.27.1"],
         "versions": ["kernel=6.11.0-1016-nvidia", "driver=580.95.05", "gpu_arch=12.1"],
         "record": [],
         "cache_keys": [],
@@ -125,8 +126,27 @@ def test_a_serving_pair_is_read_whole(spark):
     assert nemotron.generation_tokens_per_s == 42.0 and q38.generation_tokens_per_s == 0.0
     assert (nemotron.since, nemotron.last_start_at, nemotron.last_start_s) == (T0 - 570, T0 - 600, 31.5)
     assert s.mem_available_bytes == 45513944 * 1024 and s.unified_in_use_bytes == 80000000 * 1024
-    assert s.vllm_version == "0.27.1"
+    assert s.vllm_version == "0.27.1" and nemotron.vllm_version == q38.vllm_version == "0.27.1"
     assert s.gpu.driver == "580.95.05" and s.gpu.gpus[0].throttle_reasons == ("sw_power_cap",)
+
+
+def test_each_engine_shows_the_vllm_of_its_own_venv(make_host, seed_data):
+    """An engine on a vLLM of its own is read from its venv; the host's line keeps the host's."""
+    seed_data["engines"][1]["vllm_version"] = "0.33.0"
+    config = make_host(seed_data, name="spark").config
+    command = status.status_command(config, 2)
+    assert f"{shlex.quote(config.pin(config.engines[1]).venv + '/bin/python')} -I -c" in command
+    assert "vllm-0.33.0-" in config.pin(config.engines[1]).venv and config.pin(config.engines[0]).venv == config.venv
+    read = status.read_status("spark", config, answer(vllm__1=["0.33.0"]), checked_at=T0)
+    assert (read.vllm_version, [e.vllm_version for e in read.engines]) == ("0.27.1", ["0.27.1", "0.33.0"])
+    rows = [line.split()[:2] for line in format_status(read).splitlines() if line.startswith(("nemotron ", "q38 "))]
+    assert rows == [
+        ["nemotron", "0.27.1"],
+        ["q38", "0.33.0"],
+    ]
+    # Its venv not built yet (no answer) or an answer of another shape: no version, nothing taken from it.
+    unread = status.read_status("spark", config, answer(vllm__1=["0.33.0; rm -rf /"]), checked_at=T0)
+    assert [e.vllm_version for e in unread.engines] == ["0.27.1", None]
 
 
 def test_an_engine_down_or_not_answering_makes_the_host_not_serving(spark):
@@ -201,7 +221,7 @@ def test_the_kv_pool_comes_from_blocks_when_the_size_label_is_absent_and_the_old
 def test_values_in_a_shape_never_written_are_left_out_and_named(spark):
     hostile = answer(
         metrics__nemotron=["vllm:num_requests_running{} -1", "vllm:kv_cache_usage_perc{} 7"],
-        vllm=["0.27.1; rm -rf /"],
+        vllm__0=["0.27.1; rm -rf /"],
         cache_keys=["/var/lib/sparkform/record/cache-keys/q38:k;touch /tmp/pwned"],
         record=[f"{LINK}/var/lib/sparkform/record/host-record.json"],
         watchdog=[json.dumps({"__REALTIME_TIMESTAMP": "1", "MESSAGE": "\x1b[2Jgone", "SPARKFORM_EVENT": "hung"})],
@@ -400,6 +420,7 @@ def test_by_default_the_status_fits_100_columns_and_wide_shows_every_column(spar
     heading = next(line for line in narrow.splitlines() if line.startswith("ENGINE"))
     assert heading.split() == [
         "ENGINE",
+        "VLLM",
         "STATE",
         "SINCE",
         "RESTARTS",
@@ -412,5 +433,5 @@ def test_by_default_the_status_fits_100_columns_and_wide_shows_every_column(spar
         "START",
     ]
     row = next(line for line in narrow.splitlines() if line.startswith("nemotron "))
-    assert row.split()[:2] == ["nemotron", "active"] and "25%" in row and "42.0" in row
+    assert row.split()[:3] == ["nemotron", "0.27.1", "active"] and "25%" in row and "42.0" in row
     assert "why why" in narrow and "KV POOL tokens" in wide and "MEMORY GiB now/high/max" in wide

@@ -26,6 +26,7 @@ from sparkform.layout import (
     cache_keys_dir,
     record_dir,
     record_path,
+    venv_marker,
 )
 from sparkform.parsers import parse_kv_pool
 from sparkform.render import VLLM_UNGUARDED_ROUTES, engine_environment
@@ -121,6 +122,16 @@ def test_caps_reach_the_running_engine(remote, engine, config):
     assert f"MAX_JOBS={config.compile_caps.max_jobs}" in environ.splitlines()
 
 
+def test_each_engine_runs_from_the_complete_venv_of_its_own_vllm(remote, engine, config):
+    """The engine's vLLM (engines[].vllm_version or lock_file, else the host's): its process runs that venv's python,
+    and the venv's marker names the pin."""
+    pin = config.pin(engine)
+    pid = remote.service(engine.unit).systemd_properties["MainPID"]
+    argv = remote.check_output(f"tr '\\0' '\\n' < /proc/{int(pid)}/cmdline").splitlines()
+    assert argv[0] == f"{pin.venv}/bin/python", argv
+    assert remote.file(venv_marker(pin.venv)).content_string.strip() == pin.requirement
+
+
 def test_after_edges_point_at_enabled_units(remote, engine, config):
     after = tuple(remote.service(engine.unit).systemd_properties.get("After", "").split())
     # Only "enabled" joins the boot transaction; "static" and "disabled" units do not.
@@ -192,7 +203,7 @@ def test_each_engine_keeps_the_settings_it_serves(remote, engine, config):
     running = [remote.file(path).content_string for path in config.paths.engine_files(engine.name)]
     copies = [remote.file(f"{folder}/{name}").content_string for name in KEPT_FILES]
     assert copies == running and kept.digest == settings_digest(*running), folder
-    assert (kept.venv, kept.checkpoint) == (config.venv, config.checkpoint_dir(engine)), folder
+    assert (kept.venv, kept.checkpoint) == (config.pin(engine).venv, config.checkpoint_dir(engine)), folder
 
 
 def test_root_reads_back_only_from_root_only_folders(remote, config):
@@ -205,7 +216,7 @@ def test_root_reads_back_only_from_root_only_folders(remote, config):
         config.models_dir,
         config.config_dir,
         config.lib_dir,
-        config.venv,
+        *(pin.venv for pin in config.pins),
         config.cache_root,
     ]
     for path in trusted:

