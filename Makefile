@@ -58,7 +58,7 @@ venv: $(VENV)/.installed
 sandbox: sandbox-deps $(VENV)/.sandbox
 	@echo "== sandbox host (first run: builds a Debian rootfs, ~1.5 min, and a wheelhouse of vLLM's CPU build)"
 	$(SPARKFORM) sandbox up --keep
-	@echo "== converging it with inventory/sandbox.py (first run: the vLLM venv and two engine starts, ~3 min)"
+	@echo "== converging it with inventory/sandbox.py (first run: the vLLM venv and three engine starts, ~4 min)"
 	$(VENV)/bin/pyinfra -y inventory/sandbox.py deploy.py
 	@echo "== verifying it"
 	$(SPARKFORM) verify inventory/sandbox.py

@@ -40,6 +40,8 @@ STAMP = re.compile(r"[A-Za-z0-9._+=@ -]{0,200}")  # venv pins, digests of what n
 UNIT_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]*\.service")  # a unit sparkform may have written
 MANIFEST_PATH = re.compile(r"[A-Za-z0-9._/+-]{1,400}")  # a checkpoint file, relative to its folder
 WORKER_CONNECTIONS = re.compile(r"\s*worker_connections\s+([0-9]{1,6})\s*;.*")  # nginx.conf's line
+# A venv folder's name as HostConfig.pin names it: <package>-<version>-<lock id>.
+VENV_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+!-]{0,160}-[0-9a-f]{12}")
 # Every checkpoint folder (name@commit) under the models folder, one line each:
 # "folder|mtime|marker|verdict", the verdict "ok", "-" (no manifest) or the files whose size or
 # mtime no longer match the manifest. Trusts size and mtime: hashes nothing.
@@ -85,6 +87,7 @@ class HostSnapshot(FactBase):
     + record_path: the host record
     + kept_root: root's folder of each engine's kept settings (kept.json, rolled-back.json, and
       previous/kept.json)
+    + venv_root: the folder of the vLLM venvs (those of the shape sparkform names them are listed)
     + front_certificate: the front's certificate, read back (None: TLS is off); nginx.conf's
       worker_connections is read too
 
@@ -108,6 +111,7 @@ class HostSnapshot(FactBase):
         cache_keys_dir: str,
         record_path: str,
         kept_root: str,
+        venv_root: str,
         front_certificate: str | None = None,
     ) -> str:
         quoted_paths = " ".join(shlex.quote(p) for p in paths)
@@ -142,6 +146,11 @@ class HostSnapshot(FactBase):
                 plain_files(f"{shlex.quote(kept_root)}/*/{KEPT_RECORD} {shlex.quote(kept_root)}/*/{ROLLBACK_RECORD}"),
             ),
             section("kept_previous", plain_files(f"{shlex.quote(kept_root)}/*/{KEPT_PREVIOUS}/{KEPT_RECORD}")),
+            section(
+                "venvs",
+                f"find {shlex.quote(venv_root)} -mindepth 1 -maxdepth 1 -type d -regextype posix-extended "
+                f"-regex {shlex.quote('.*/' + VENV_NAME.pattern)} -printf '%f\\n'",
+            ),
             section("worker_connections", f"grep -E '^[[:space:]]*worker_connections' {NGINX_MAIN_CONFIG}"),
         ]
         if front_certificate:
@@ -227,6 +236,9 @@ class HostSnapshot(FactBase):
         snapshot.front_certificate = read_back(
             sections.get("front_certificate", []), "the front's certificate", untrusted
         )
+        snapshot.venvs = [
+            name for name in sections.get("venvs", []) if checked(VENV_NAME, name, name, "a venv folder's name")
+        ]
         _read_kept(sections.get("kept", []), snapshot, previous=False)
         _read_kept(sections.get("kept_previous", []), snapshot, previous=True)
         return snapshot

@@ -1,9 +1,12 @@
-"""The sandbox: the Spark's pair scaled down, on a local real-systemd host (`sparkform sandbox up`).
+"""The sandbox: the Spark's whole box scaled down, on a local real-systemd host (`sparkform sandbox up`):
+the pair, and the embedding engine the field notes order after both (bge-m3 on :8004 on a Spark).
 
 Same deploy.py, same unit, launch script and readiness helper as on a Spark; what differs is
 what cannot exist here: vLLM's CPU build (from an offline wheelhouse, hashed lock), tiny
 checkpoints from a fake hub, and explicit KV pools (sparkform.sandbox.hostdata has the host's
-data). SPARKFORM_SANDBOX picks the sandbox (default "sandbox").
+data). SPARKFORM_SANDBOX picks the sandbox (default "sandbox"). The test suite converges the pair
+alone (tests/integration/sandbox_pair.py: a third engine would cost a start in every module's
+sandbox); one of its tests converges this whole box.
 """
 
 import os
@@ -44,6 +47,16 @@ sandbox = hosts(
                     "model_config_path": str(MODEL_CONFIGS / "tiny-llama.json"),
                     "generation_config": "vllm",
                     "after": ["nemotron"],
+                },
+                {
+                    # The tiny Qwen3 checkpoint on vLLM's pooling runner, as Qwen3 embedding models are
+                    # served: vectors of its hidden size, after both generators (ordering only).
+                    **{field: value for field, value in CPU_ENGINE.items() if field != "tool_call_parser"},
+                    "name": "embed",
+                    "kind": "embed",
+                    "port": 8004,
+                    "checkpoint": {"repo": "sparkform-test/tiny-qwen3", "revision": "main"},
+                    "after": ["nemotron", "q38"],
                 },
             ],
         }

@@ -194,6 +194,7 @@ def snapshot_request(config: HostConfig) -> dict:
         cache_keys_dir=config.paths.cache_keys,
         record_path=config.paths.host_record,
         kept_root=layout.kept_root(config.state_dir),
+        venv_root=config.venv_root,
         front_certificate=config.paths.front_certificate if config.front_tls_on else None,
     )
 

@@ -48,6 +48,7 @@ class Snapshot:
     kept: dict[str, KeptSettings] = field(default_factory=dict)  # engine -> the settings it last served with
     previous: dict[str, KeptSettings] = field(default_factory=dict)  # engine -> those it served before them
     rollbacks: dict[str, Rollback] = field(default_factory=dict)  # engine -> its kept settings were put back
+    venvs: list[str] = field(default_factory=list)  # the names of the venv folders under venv_root
     front_certificate: str | None = None  # the front's certificate (PEM) when TLS is on and the host has one
     worker_connections: int | None = None  # nginx.conf's worker_connections (None: no such line)
     # What the host holds that sparkform never writes (file and value): root acts on none of it.

@@ -300,6 +300,7 @@ def converge_host() -> None:
             engines_started=bool(plan.started),
         )
     checkpoints.old_revisions_removed(name="Remove old checkpoint revisions", config=config, snapshot=snapshot)
+    venv.unused_venvs_removed(name="Remove unused vLLM venvs", config=config, snapshot=snapshot)
     host_record.host_recorded(
         name="Host record",
         config=config,

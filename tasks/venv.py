@@ -122,3 +122,29 @@ def vllm_venv(config: HostConfig, pin: VllmPin, snapshot: Snapshot):
         host.noop(f"{pin.requirement} already installed in {pin.venv}")
         return
     yield from build_commands(config, pin)
+
+
+def unused_venvs(config: HostConfig, snapshot: Snapshot) -> list[str]:
+    """The venvs under venv_root that neither the host's tools nor an enabled engine runs, and that
+    no kept settings set names (an engine's last served ones, or those before: a rollback's)."""
+    named = {pin.venv for pin in config.pins} | {
+        kept.venv for kept in [*snapshot.kept.values(), *snapshot.previous.values()]
+    }
+    return [path for name in snapshot.venvs if (path := f"{config.venv_root}/{name}") not in named]
+
+
+@operation()
+def unused_venvs_removed(config: HostConfig, snapshot: Snapshot):
+    """
+    Remove the venvs nothing runs or may go back to (`unused_venvs`): a vLLM an engine moved away
+    from stays while its kept settings name it. Runs after every engine serves.
+
+    + config: the host's validated configuration
+    + snapshot: the host's state from the HostSnapshot fact
+    """
+    unused = unused_venvs(config, snapshot)
+    if not unused:
+        host.noop("no unused venv")
+        return
+    for path in unused:
+        yield f"rm -rf -- {shlex.quote(path)}"

@@ -1,11 +1,12 @@
 """A sandbox per test module, brought up fresh and taken down after the module's last test, and the
-state most tests need: that sandbox as inventory/sandbox.py converges it.
+state most tests need: that sandbox as the suite's pair inventory converges it (tests/integration/sandbox_pair.py:
+inventory/sandbox.py without its embedding engine).
 
 Every module marks `pytestmark = pytest.mark.usefixtures("converged")`; the tests that need the
 fresh, never-converged box instead (a first converge, a deploy killed halfway) are marked
 `from_scratch`. So any test runs alone too (`pytest FILE::TEST`): the fixture converges first.
 
-A module that leaves the sandbox as inventory/sandbox.py converges it, and needs no fresh one,
+A module that leaves the sandbox as the pair inventory converges it, and needs no fresh one,
 sets `SHARES_SANDBOX = True`: such modules share one sandbox for the session (and one converge),
 which saves a boot and a converge each. A module with a `from_scratch` test never shares.
 
@@ -66,7 +67,7 @@ def shared_box():
 
 @pytest.fixture(scope="module")
 def box(request):
-    """The module's sandbox; SPARKFORM_SANDBOX points inventory/sandbox.py at it meanwhile.
+    """The module's sandbox; SPARKFORM_SANDBOX points the sandbox inventories at it meanwhile.
 
     SPARKFORM_TEST_REUSE=NAME runs the module against sandbox NAME, already up and converged,
     and leaves it up: for working on one test without waiting for a fresh converge.
@@ -89,7 +90,7 @@ def box(request):
 
 @pytest.fixture
 def converged(request, box):
-    """The module's sandbox as inventory/sandbox.py converges it; a `from_scratch` test gets the box
+    """The module's sandbox as the pair inventory converges it; a `from_scratch` test gets the box
     as it is. A test that leaves other state behind restores it itself (converge_back, finally:)."""
     if request.node.get_closest_marker("from_scratch"):
         assert not getattr(request.module, "SHARES_SANDBOX", False), "a from_scratch test needs a sandbox of its own"

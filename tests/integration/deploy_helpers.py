@@ -17,7 +17,9 @@ from sparkform.sandbox import machine
 from sparkform.schema import HostConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-SANDBOX_INVENTORY = ROOT / "inventory" / "sandbox.py"
+# The pair every module converges; the shipped inventory is the whole box (the pair and an embedding engine).
+SANDBOX_INVENTORY = ROOT / "tests" / "integration" / "sandbox_pair.py"
+WHOLE_BOX_INVENTORY = ROOT / "inventory" / "sandbox.py"
 BIN = Path(sys.executable).parent
 UNITS = (layout.engine_unit("nemotron"), layout.engine_unit("q38"))
 # The sandbox inventory keeps the default folders; where sparkform puts its files in them.
@@ -28,7 +30,7 @@ DEFAULT_FOLDERS = {
 PATHS = layout.HostPaths(DEFAULT_FOLDERS["lib_dir"], DEFAULT_FOLDERS["config_dir"], DEFAULT_FOLDERS["state_dir"])
 
 
-CONVERGED: set[str] = set()  # sandboxes a deploy of inventory/sandbox.py converged in this session
+CONVERGED: set[str] = set()  # sandboxes a deploy of SANDBOX_INVENTORY converged in this session
 
 
 def mark_converged(box: machine.Sandbox) -> None:

@@ -28,6 +28,7 @@ from deploy_helpers import (
     PATHS,
     SANDBOX_INVENTORY,
     UNITS,
+    WHOLE_BOX_INVENTORY,
     both_serving_after_boot,
     changed_operations,
     checkpoint_dir,
@@ -53,7 +54,6 @@ from sparkform.locks import lock_id
 from sparkform.render import VLLM_UNGUARDED_ROUTES
 from sparkform.sandbox import machine, stage
 from sparkform.sandbox.fakehub import FakeHub
-from sparkform.sandbox.hostdata import CPU_ENGINE
 from sparkform.sandbox.wheelhouse import LOCK
 from sparkform.shapes import owned_flag
 
@@ -164,18 +164,8 @@ def api_key(box: machine.Sandbox) -> str:
     return stage.secret_file(box.runtime_dir, "api_key").read_text().strip()
 
 
-# The field notes' third unit (bge-m3 on :8004, ordered after both drivers), scaled down: the
-# sandbox's tiny Qwen3 checkpoint served by vLLM's pooling runner, as Qwen3 embedding models are.
-EMBED = {
-    **{field: value for field, value in CPU_ENGINE.items() if field != "tool_call_parser"},
-    "name": "embed",
-    "port": 8004,
-    "kind": "embed",
-    "checkpoint": {"repo": "sparkform-test/tiny-qwen3", "revision": "main"},
-    "after": ["nemotron", "q38"],
-}
-# Where call() reaches each engine: the pair's ports and the embedding engine's (added by one test).
-ENGINE_PORTS = {**PORTS, EMBED["name"]: EMBED["port"]}
+# Where call() reaches each engine: the pair's ports and the whole box's embedding engine's (one test).
+ENGINE_PORTS = {**PORTS, "embed": 8004}
 
 
 def call(
@@ -369,22 +359,25 @@ def embedding(box: machine.Sandbox, port: str, key: str) -> list[float] | bytes:
     return json.loads(body)["data"][0]["embedding"] if status == 200 else body
 
 
-def test_an_embedding_engine_beside_the_pair_serves_vectors_and_comes_back_alone_from_a_crash(box, tmp_path):
-    """kind embed: added beside the pair, it starts alone (the pair's processes stay), is warmed
-    and watched with an embedding (a completion it answers 404 would fail every start), passes
-    /v1/embeddings on its port and by model on the combined one, and nothing of a generator's;
-    status and the contract name what it is. A kill -9 of its EngineCore: back without a hand,
-    its neighbours untouched. Removed again, its unit goes. Costs one engine start, a restart and
-    two converges and a verify (~2 min on a quiet machine); the third engine lives here only, not in every
-    module's sandbox."""
+def test_the_whole_box_serves_vectors_beside_the_pair_and_its_embedder_comes_back_alone_from_a_crash(box):
+    """The shipped sandbox inventory, the whole box (what `make sandbox` converges): its embedding
+    engine (kind embed) starts alone beside the converged pair (the pair's processes stay), is
+    warmed and watched with an embedding (a completion it answers 404 would fail every start),
+    passes /v1/embeddings on its port and by model on the combined one, and nothing of a
+    generator's; status and the contract name what it is. A kill -9 of its EngineCore: back
+    without a hand, its neighbours untouched. Back on the pair, its unit goes. Costs one engine
+    start, a restart and two converges and a verify (~2 min on a quiet machine); the third
+    engine lives here only, not in every module's sandbox."""
     pair = main_pids(box)
-    inventory = edited_inventory(tmp_path, add=(EMBED,))
+    inventory = WHOLE_BOX_INVENTORY
     try:
         result = pyinfra(inventory, "-y")
         assert result.returncode == 0, result.stderr[-3000:]
         assert main_pids(box) == pair
         key = api_key(box)
-        hidden = json.loads((SANDBOX_INVENTORY.parent / "model_configs" / "tiny-qwen3.json").read_text())["hidden_size"]
+        hidden = json.loads((WHOLE_BOX_INVENTORY.parent / "model_configs" / "tiny-qwen3.json").read_text())[
+            "hidden_size"
+        ]
         for port in ("embed", "front"):
             vector = embedding(box, port, key)
             assert isinstance(vector, list) and len(vector) == hidden, (port, vector)
@@ -394,6 +387,8 @@ def test_an_embedding_engine_beside_the_pair_serves_vectors_and_comes_back_alone
         assert {e["name"]: e["kind"] for e in document["engines"]} == {
             "nemotron": "generate", "q38": "generate", "embed": "embed"
         } and document["serving"], document  # fmt: skip
+        # Each engine's vLLM, as its own venv's python reads it.
+        assert [e["vllm_version"] for e in document["engines"]] == ["0.32.0"] * 3, document
         contract = sparkform("contract", "--engine", "embed", "--json", inventory=inventory)
         assert contract.returncode == 0, contract.stdout + contract.stderr
         checks = {row["check"]: row for row in json.loads(contract.stdout)}

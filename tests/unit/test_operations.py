@@ -260,6 +260,12 @@ TABLE = {
         [f"rm -f {FAST_FOLDER}/.sparkform-complete", "sparkform-checkpoint org/fast"],
         dict(config=CONFIG, engine=FAST, snapshot=fast_fetched()),
     ),
+    "venv: one that nothing runs nor may go back to goes, the host's stays": (
+        venv.unused_venvs_removed,
+        dict(config=CONFIG, snapshot=snapshot(venvs=[CONFIG.venv.rsplit("/", 1)[1], f"vllm-0.21.0-{'a' * 12}"])),
+        [f"rm -rf -- {CONFIG.venv_root}/vllm-0.21.0-{'a' * 12}"],
+        dict(config=CONFIG, snapshot=snapshot(venvs=[CONFIG.venv.rsplit("/", 1)[1]])),
+    ),
     "checkpoints: old revisions beyond keep_revisions go, with the pins that name them": (
         checkpoints.old_revisions_removed,
         dict(config=KEEP_ONE, snapshot=snapshot(checkpoints=REVISIONS, pins=PINS)),

