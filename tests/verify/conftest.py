@@ -89,8 +89,8 @@ def config(request, target, remote) -> HostConfig:
             if target.config.commit(engine) is None and pin.exists:
                 recorded[engine.name] = pin.content_string.strip()
         config = target.config.pinned(recorded)
-        if config.node_interface and any(engine.nodes for engine in config.enabled_engines):
-            command = nodes.node_link_command(config.node_interface, config.venv, None)
+        if config.node_interface and (spanning := [e for e in config.enabled_engines if e.nodes]):
+            command = nodes.node_link_command(config.node_interface, config.pin(spanning[0]).venv, None)
             link = nodes.parse_node_link(config.node_interface, remote.check_output(command).splitlines())
             peers = {other.name: other.config for other in _targets(request.config)}
             spans, problems = nodes.spans(target.name, config, peers, link)
