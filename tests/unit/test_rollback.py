@@ -159,6 +159,7 @@ class RolledHost:
             cache_keys_dir=str(self.root / "none"),
             record_path=str(self.root / "none"),
             kept_root=kept_root(self.config.state_dir),
+            venv_root=str(self.root / "none"),
         )
         output = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout
         return HostSnapshot().process(output.splitlines())
