@@ -95,11 +95,6 @@ def _front_request(engine: Engine, config: HostConfig) -> str:
     )
 
 
-def _status_pins(config: HostConfig) -> list[VllmPin]:
-    """The venvs status reads a vLLM version from, each once: the host's, then each engine's."""
-    return list(dict.fromkeys([config.pin(), *(config.pin(engine) for engine in config.engines)]))
-
-
 def _installed_vllm(pin: VllmPin) -> str:
     """The version of vLLM installed in `pin`'s venv, as its own python reads it (nothing when there is no venv)."""
     python = shlex.quote(f"{pin.venv}/bin/python")
@@ -143,7 +138,7 @@ def status_command(config: HostConfig, sample_s: float) -> str:
         section("services", f"systemctl show -p Id,ActiveState,SubState {' '.join(SERVICE_UNITS)}"),
         section("meminfo", "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo"),
         section("gpu", report_command(f"{config.venv}/bin/python")),
-        *(section(f"vllm:{index}", _installed_vllm(pin)) for index, pin in enumerate(_status_pins(config))),
+        *(section(f"vllm:{index}", _installed_vllm(pin)) for index, pin in enumerate(config.pins)),
         section("versions", LIVE_VERSIONS_COMMAND),
         section("record", plain_file(config.paths.host_record)),
         section("cache_keys", plain_files(f"{shlex.quote(config.paths.cache_keys)}/*")),
@@ -242,7 +237,7 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
     record = _record(sections.get("record", []), untrusted)
     cold = last_cold_starts(record, {e.name: e.measured.cold_start_s for e in config.engines})
 
-    pins = _status_pins(config)
+    pins = config.pins  # the venvs read (a disabled engine's is not built: no version)
     engines = []
     for engine in config.engines:
         state, properties = units.get(engine.unit), shown.get(engine.unit, {})
@@ -276,7 +271,11 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
                 front_http=_http_code(sections.get(f"front:{engine.name}", [])),
                 launch=launch if LAUNCH_STATE_PATTERN.fullmatch(launch) and not active else None,
                 kind=engine.kind,
-                vllm_version=_read_version(sections.get(f"vllm:{pins.index(config.pin(engine))}", [])),
+                vllm_version=(
+                    _read_version(sections.get(f"vllm:{pins.index(pin)}", []))
+                    if (pin := config.pin(engine)) in pins
+                    else None
+                ),
                 served_names=engine.names,
                 kv_pool_tokens=_kv_pool_tokens(first),
                 kv_use=kv_use if kv_use is not None and kv_use <= 1 else None,

@@ -308,10 +308,11 @@ def _wheelhouse(host: Host) -> list[Problem]:
 def _lock(host: Host) -> list[Problem]:
     """Each venv installs exactly a complete hashed lock of its pinned vLLM: no lock, no venv.
     The host's own lock is checked, and each lock an engine names (`engines[].vllm_version` or
-    `lock_file`), once, under the first engine that names it."""
+    `lock_file`), once, under the first engine that names it; a disabled engine's too, since its
+    settings still name the venv of its lock."""
     cfg = host.config
     owners: dict[VllmPin, Engine | None] = {cfg.pin(): None}
-    for engine in cfg.enabled_engines:
+    for engine in cfg.engines:
         owners.setdefault(cfg.pin(engine), engine)
     problems = []
     for pin, engine in owners.items():

@@ -374,6 +374,13 @@ def test_an_engine_on_a_version_without_a_lock_is_refused_under_its_own_name(see
     assert "sparkform lock --vllm 0.99.0 --device cuda" in problem.fix and "engines[].lock_file" in problem.fix
 
 
+def test_a_disabled_engine_on_a_version_without_a_lock_is_refused_too(seed_data, problems_of):
+    """Its unit stays (disabled) and its settings name the venv of its lock: no lock, no name."""
+    seed_data["engines"][1] |= {"vllm_version": "0.99.0", "enabled": False}
+    (problem,) = problems_of(seed_data)
+    assert (problem.engine, problem.field, problem.value) == ("q38", "vllm_version", "0.99.0")
+
+
 def test_an_engine_s_own_lock_is_checked_against_its_own_version(tmp_path, seed_data, problems_of):
     (tmp_path / "canary.txt").write_text((LOCKS / "vllm-0.33.0-cuda-aarch64.txt").read_text())
     seed_data["engines"][1] |= {"vllm_version": "0.21.0", "lock_file": "canary.txt"}  # relative to the inventory

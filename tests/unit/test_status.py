@@ -144,6 +144,12 @@ def test_each_engine_shows_the_vllm_of_its_own_venv(make_host, seed_data):
     # Its venv not built yet (no answer) or an answer of another shape: no version, nothing taken from it.
     unread = status.read_status("spark", config, answer(vllm__1=["0.33.0; rm -rf /"]), checked_at=T0)
     assert [e.vllm_version for e in unread.engines] == ["0.27.1", None]
+    # A disabled engine's venv is never built: not read, no version.
+    seed_data["engines"][1]["enabled"] = False
+    disabled = make_host(seed_data, name="spark").config
+    assert "vllm-0.33.0-" not in status.status_command(disabled, 2)
+    read = status.read_status("spark", disabled, answer(vllm__1=["0.33.0"]), checked_at=T0)
+    assert [e.vllm_version for e in read.engines] == ["0.27.1", None]
 
 
 def test_an_engine_down_or_not_answering_makes_the_host_not_serving(spark):
