@@ -196,6 +196,31 @@ class Front:
         except (ConnectionError, urllib.error.URLError):
             return 0, b"", {}
 
+    def workers(self) -> set[int]:
+        assert self.process
+        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+        return {int(pid) for pid in children.read_text().split()}
+
+    def reload(self) -> None:
+        """`nginx -s reload`, back once the old workers have gone: until then they answer too, with the old keys."""
+        old = self.workers()
+        assert self.nginx("-s", "reload").returncode == 0
+        deadline = time.monotonic() + 10
+        while self.workers() & old or not self.workers():
+            assert time.monotonic() < deadline, f"nginx kept its old workers: {(self.root / 'error.log').read_text()}"
+            time.sleep(0.05)
+
+    def requests_logged(self, count: int) -> list[tuple[str, str, str]]:
+        """(client, path, status) of the access log's requests other than /health, once `count` are
+        there or after 10 s: nginx logs a request after its answer is sent, so a client can be faster."""
+        deadline = time.monotonic() + 10
+        while True:
+            logged = [line.split() for line in (self.root / "access.log").read_text().splitlines()]
+            named = [(words[2], words[4].rstrip('"'), words[5]) for words in logged if words[4] != '/health"']
+            if len(named) >= count or time.monotonic() > deadline:
+                return named
+            time.sleep(0.05)
+
     def stop(self) -> None:
         if self.process:
             self.process.terminate()
@@ -415,17 +440,12 @@ def test_each_client_has_its_own_key_its_name_in_the_access_log_and_one_removed_
             server.status(config.front_port, "/v1/messages", key=key, body=chat("eyes"), header="x-api-key")[0] == 200
         )
     assert server.status(hands, "/v1/models", key="sf-carol-key-0123456789")[0] == 401
-    logged = [line.split() for line in (server.root / "access.log").read_text().splitlines()]
-    named = [(words[2], words[4].rstrip('"'), words[5]) for words in logged if words[4] != '/health"']
-    assert named == [
+    assert server.requests_logged(7) == [
         (name, path, "200") for name in keys for path in ("/v1/models", "/v1/messages")
     ] + [("-", "/v1/models", "401")]  # fmt: skip
     # bob's key removed from the inventory, the front reloaded: bob alone is refused.
     server.configure(front_config(tmp_path, stubs, api_keys={"alice": clients["alice"]}))
-    assert server.nginx("-s", "reload").returncode == 0
-    deadline = time.monotonic() + 10
-    while server.status(hands, "/v1/models", key=keys["bob"])[0] != 401 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    server.reload()
     assert server.status(hands, "/v1/models", key=keys["bob"])[0] == 401
     assert server.status(hands, "/v1/models", key=keys["alice"])[0] == 200
     assert server.status(hands, "/v1/models", key=KEY)[0] == 200

@@ -468,7 +468,7 @@ def test_a_rank_whose_head_went_is_restarted_once_it_lost_the_head_and_its_join_
         assert not [c for c in box.calls_made() if "hands" in c and ("restart" in c or "kill" in c)]
         accepted.close()  # the head goes: the rank's store connection half-closes
         box.wait(lambda: "systemctl restart vllm-eyes.service" in box.calls_made(), 10, "the rank's restart")
-        (alert,) = box.webhook_alerts()
+        (alert,) = box.wait(box.webhook_alerts, 10, "the head-lost alert")  # sent after the restart
         assert alert["event"] == "head-lost" and alert["engine"] == "eyes"
         assert f"127.0.0.1:{head.getsockname()[1]}" in alert["message"]
         assert box.calls_made().count("systemctl reset-failed vllm-eyes.service") == 1
