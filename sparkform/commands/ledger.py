@@ -13,7 +13,6 @@ import json
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,8 +61,8 @@ def read_ledger(host: Host, data: dict[str, Any], folder: Path) -> HostLedger:
 
 def read_hosts(inventory: Path, hosts: list[Host]) -> list[HostLedger]:
     raw = raw_inventory(inventory)
-    with tempfile.TemporaryDirectory(prefix="sparkform-ledger-") as folder, ThreadPoolExecutor(len(hosts)) as pool:
-        return list(pool.map(lambda h: read_ledger(h, raw[h.name], Path(folder)), hosts))
+    with tempfile.TemporaryDirectory(prefix="sparkform-ledger-") as folder:
+        return ssh.each_host(lambda h: read_ledger(h, raw[h.name], Path(folder)), hosts)
 
 
 def load_file(path: Path) -> dict[str, HostLedger]:

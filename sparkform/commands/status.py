@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +55,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"sparkform status: {args.inventory} has no host {args.host!r}", file=sys.stderr)
         return 2
     raw = raw_inventory(args.inventory)
-    with tempfile.TemporaryDirectory(prefix="sparkform-status-") as folder, ThreadPoolExecutor(len(hosts)) as pool:
+    with tempfile.TemporaryDirectory(prefix="sparkform-status-") as folder:
         while True:
-            statuses = list(pool.map(lambda h: read_host(h, raw[h.name], Path(folder), args.sample), hosts))
+            statuses = ssh.each_host(lambda h: read_host(h, raw[h.name], Path(folder), args.sample), hosts)
             if args.json:
                 print("\n".join(s.model_dump_json() for s in statuses), flush=True)
             else:

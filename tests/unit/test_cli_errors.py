@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from samples import SERVED_PAIR
 from test_cli import CONSOLE_SCRIPT, clean_env, sparkform
 
 from sparkform import exits
+from sparkform.commands import ssh
 from sparkform.exits import exit_code_table
 
 REPO = SERVED_PAIR.parents[3]
@@ -78,6 +80,17 @@ def silent_inventory(tmp_path, port: int) -> Path:
     return inventory
 
 
+def children(pid: int) -> list[int]:
+    """The processes `pid` started, from any of its threads."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found += [int(child) for child in (task / "children").read_text().split()]
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return found
+
+
 def test_ctrl_c_ends_a_command_quietly_with_130(tmp_path, silent_port):
     """`status --watch` waiting on a host that never answers, cut by SIGINT."""
     inventory = silent_inventory(tmp_path, silent_port)
@@ -88,7 +101,10 @@ def test_ctrl_c_ends_a_command_quietly_with_130(tmp_path, silent_port):
         text=True,
         env=clean_env(),
     )
-    time.sleep(3)  # well into its first read
+    deadline = time.monotonic() + 30
+    while not children(process.pid):  # its ssh: it waits on the host now
+        assert process.poll() is None and time.monotonic() < deadline, "no ssh started within 30 s"
+        time.sleep(0.05)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=30)
     assert process.returncode == exits.INTERRUPTED, (out, err)
@@ -152,3 +168,15 @@ def test_one_exit_code_table_in_help_and_in_the_operators_guide(tmp_path):
     for code, meaning in exits.EXIT_CODES:
         assert f"{code} {' '.join(meaning.split())}" in help_text, code
     assert exit_code_table() in (REPO / "docs" / "operator.md").read_text()
+
+
+def test_each_host_reads_a_lone_host_in_this_thread_and_several_at_once_in_order():
+    """One host: no second thread for a Ctrl-C to race; several: all at once, answers in the hosts' order."""
+    assert ssh.each_host(lambda _: threading.current_thread(), ["one"]) == [threading.main_thread()]
+    started = threading.Barrier(3, timeout=10)  # each read waits for the other two: only parallel reads pass
+
+    def read(host: str) -> str:
+        started.wait()
+        return host.upper()
+
+    assert ssh.each_host(read, ["a", "b", "c"]) == ["A", "B", "C"]
