@@ -61,8 +61,8 @@ def run(
 
 def each_host(read: Callable[[HostT], ReadT], hosts: Sequence[HostT]) -> list[ReadT]:
     """`read` of every host, all at once, in the hosts' order. A lone host (most inventories) is read in
-    this thread: on Python 3.11 a Ctrl-C that comes while a second thread holds the interpreter can stay
-    unhandled (`status --watch` read on after one, CI 2026-12-05), and one host needs no second thread."""
+    this thread, so a Ctrl-C cuts its ssh wait at once (from a pool thread, the command waited for ssh's
+    10 s connect timeout first)."""
     if len(hosts) == 1:
         return [read(hosts[0])]
     with ThreadPoolExecutor(len(hosts)) as pool:
