@@ -14,8 +14,7 @@ import os
 from pathlib import Path
 from typing import NoReturn
 
-from sparkform.inventory import exit_invalid, hosts
-from sparkform.model import InventoryError, Problem
+from sparkform.inventory import InventoryError, Problem, exit_invalid, hosts
 from sparkform.sandbox import network, registry
 from sparkform.sandbox.hostdata import CPU_ENGINE, host_data, host_name, up_box
 from sparkform.sandbox.system import SandboxError

@@ -4,7 +4,7 @@
 (`render` asks each host which commit its branches and tags are pinned to); `verify`, `rebuild`,
 `status`, `ledger`, `logs`, `rollback`, `contract` and `bench` validate the inventory before they
 connect; `lock` asks the package indexes.
-Exit codes: the table of sparkform/exits.py, for every command (`sparkform --help` prints it).
+Exit codes: the table of sparkform/spec/exits.py, for every command (`sparkform --help` prints it).
 """
 
 from __future__ import annotations
@@ -19,19 +19,19 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from sparkform import exits, init, ledger, locks, monitoring, planner
-from sparkform.bundle import DEPLOY, VERIFY_SUITE
+from sparkform.build import monitoring
+from sparkform.build.render import render_host
 from sparkform.commands import bench as bench_command
 from sparkform.commands import cert as cert_command
 from sparkform.commands import contract as contract_command
-from sparkform.commands import hostpins, lock, logs, rollback, ssh
+from sparkform.commands import hostpins, init, lock, logs, rollback, ssh
 from sparkform.commands import ledger as ledger_command
 from sparkform.commands import rebuild as rebuild_command
 from sparkform.commands import status as status_command
 from sparkform.commands.hub import resolve_pins
-from sparkform.engine import Checkpoint, Engine, Measured
-from sparkform.exits import EXIT_CODES
-from sparkform.inventory import (
+from sparkform.reports import ledger
+from sparkform.rules import planner
+from sparkform.rules.inventory import (
     INVENTORY_HELP,
     UnloadableInventory,
     default_inventory,
@@ -40,10 +40,13 @@ from sparkform.inventory import (
     planning,
     raw_inventory,
 )
-from sparkform.model import Host, InventoryError, Problem
-from sparkform.render import render_host
 from sparkform.sandbox import command as sandbox_command
-from sparkform.schema import CompileCaps, FrontTLS, HostConfig, Monitoring, Scrub
+from sparkform.spec import exits, locks
+from sparkform.spec.engine import Checkpoint, Engine, Measured
+from sparkform.spec.exits import EXIT_CODES
+from sparkform.spec.model import Host, InventoryError, Problem
+from sparkform.spec.package_data import DEPLOY, VERIFY_SUITE
+from sparkform.spec.schema import CompileCaps, FrontTLS, HostConfig, Monitoring, Scrub
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -351,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         help="ask no host which commit a branch or tag is pinned to (write it as named)",
     )
     render.set_defaults(run=_cmd_render)
-    verify = sub.add_parser("verify", help="check converged hosts over SSH (testinfra suite tests/verify)")
+    verify = sub.add_parser("verify", help="check converged hosts over SSH (testinfra suite sparkform/verify)")
     verify.add_argument("inventory", type=Path, nargs="?", help=INVENTORY_HELP)
     verify.add_argument("--deep", action="store_true", help="also re-hash every checkpoint file against its manifest")
     verify.add_argument("pytest_args", nargs="*", help="further pytest arguments (after --)")

@@ -1,4 +1,4 @@
-"""The deploy's venv build (tasks/venv.build_commands), run outside pyinfra: in a folder of this
+"""The deploy's venv build (sparkform.deploy.operations.venv.build_commands), run outside pyinfra: in a folder of this
 machine (tests/unit/test_locks.py) or in a container of the sandbox's rootfs (tests/venv_image.py)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 from pyinfra.api import FileUploadCommand, StringCommand
 
-from sparkform.locks import VllmPin
-from sparkform.schema import HostConfig
-from tasks import venv
+from sparkform.deploy.operations import venv
+from sparkform.spec.locks import VllmPin
+from sparkform.spec.schema import HostConfig
 
 
 def run_build_commands(

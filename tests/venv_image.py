@@ -2,7 +2,7 @@
 sandboxes boot from, so a module that does not test the first install does not pay for it (one
 install is minutes of CPU on two cores, and the suite has six sandboxes).
 
-The layer is what the deploy itself would leave: tasks/venv.build_commands, run in a container of
+The layer is what the deploy itself would leave: sparkform.deploy.operations.venv.build_commands, run in a container of
 the cached rootfs (systemd-nspawn, no boot, the wheelhouse bound where the guest has it), and of
 what they wrote only the venv kept. Its name holds a hash of the rootfs, the lock and those
 commands, so a change to any of them builds a new one; a build holds a lock (parallel workers
@@ -24,12 +24,12 @@ from pathlib import Path
 from pyinfra.api import FileUploadCommand, StringCommand
 from venv_build import run_build_commands
 
-from sparkform.inventory import load_inventory
+from sparkform.deploy.operations import venv
+from sparkform.rules.inventory import load_inventory
 from sparkform.sandbox import stage
 from sparkform.sandbox.rootfs import cache_dir
 from sparkform.sandbox.system import SandboxError, locked, remove_tree, run_step, say, unmount_all
-from sparkform.schema import HostConfig
-from tasks import venv
+from sparkform.spec.schema import HostConfig
 
 SANDBOX_INVENTORY = Path(__file__).resolve().parents[1] / "inventory" / "sandbox.py"
 BUILD_TIMEOUT_S = 1200.0

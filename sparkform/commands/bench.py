@@ -1,5 +1,5 @@
 """`sparkform bench INVENTORY`: the pair measured on its host, each engine alone while the others
-idle, then all at once with the same settings (sparkform/bench.py: the generator, the figures).
+idle, then all at once with the same settings (sparkform/reports/bench.py: the generator, the figures).
 
 Runs over SSH on the host, as the engine user, against each engine's internal port: nothing of
 the API key is needed, and the LAN is not in the figures. Appends the result to the host's bench
@@ -25,7 +25,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sparkform.bench import (
+from sparkform.commands import hostpins, ssh
+from sparkform.readers.parsers import parse_prometheus
+from sparkform.readers.remote import plain_file, section, split_sections
+from sparkform.reports.bench import (
     PHASE_SLACK_S,
     TOGETHER,
     BenchError,
@@ -40,13 +43,10 @@ from sparkform.bench import (
     settings_problems,
     utc_date,
 )
-from sparkform.bench_table import format_history, format_row
-from sparkform.commands import hostpins, ssh
-from sparkform.inventory import INVENTORY_HELP, load_inventory, raw_inventory
-from sparkform.layout import record_dir
-from sparkform.model import Host
-from sparkform.parsers import parse_prometheus
-from sparkform.remote import plain_file, section, split_sections
+from sparkform.reports.bench_table import format_history, format_row
+from sparkform.rules.inventory import INVENTORY_HELP, load_inventory, raw_inventory
+from sparkform.spec.layout import record_dir
+from sparkform.spec.model import Host
 
 EXIT_USAGE = 2
 # Requests an engine has in flight or queued: any, and its "alone" figure is not one.
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
                 row = bench_host(remote, settings)
                 rows, untrusted = ledger(remote, row)
                 if args.plot:
-                    from sparkform.bench_plot import plot
+                    from sparkform.reports.bench_plot import plot
 
                     plot(args.plot, h.name, rows)
             except BenchError as err:

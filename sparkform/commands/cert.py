@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 
 from sparkform.commands import ssh
-from sparkform.front_tls import fingerprint, read_back, read_command
-from sparkform.inventory import INVENTORY_HELP, load_inventory, raw_inventory
+from sparkform.rules.front_tls import fingerprint, read_back, read_command
+from sparkform.rules.inventory import INVENTORY_HELP, load_inventory, raw_inventory
 
 SSH_TIMEOUT_S = 60.0
 

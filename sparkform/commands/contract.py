@@ -1,5 +1,5 @@
 """`sparkform contract INVENTORY [--host H] [--engine E] [--json]`: hold each live engine to the
-request contract of the vLLM version it serves (sparkform/contract.py).
+request contract of the vLLM version it serves (sparkform/reports/contract.py).
 
 Every request runs as curl on the host over SSH, as the verify suite's do: the OpenAI routes
 through the front with the API key (read on the host from the front's root-only snippet and
@@ -24,11 +24,11 @@ from typing import Any
 
 from sparkform.commands import ssh
 from sparkform.commands.status import positive_seconds
-from sparkform.contract import Finding, NoAnswer, Reply, Request, contract_table, major_minor
-from sparkform.contract_requests import check_engine
-from sparkform.engine import Engine
-from sparkform.inventory import INVENTORY_HELP, load_inventory, raw_inventory
-from sparkform.schema import HostConfig
+from sparkform.reports.contract import Finding, NoAnswer, Reply, Request, contract_table, major_minor
+from sparkform.reports.contract_requests import check_engine
+from sparkform.rules.inventory import INVENTORY_HELP, load_inventory, raw_inventory
+from sparkform.spec.engine import Engine
+from sparkform.spec.schema import HostConfig
 
 EXIT_FAILED, EXIT_NO_ANSWER = 1, 3
 REQUEST_TIMEOUT_S = 300.0

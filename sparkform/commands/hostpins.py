@@ -2,7 +2,7 @@
 
 The deploy pins a branch or tag to the commit it names once and records it on the host
 (sparkform/commands/hub.py); render writes those commits, as the deploy does, by reading the host's pins
-over SSH in one round trip, checked as the deploy checks them (sparkform/readback.py). When it
+over SSH in one round trip, checked as the deploy checks them (sparkform/readers/readback.py). When it
 cannot ask, render writes the revision as written and `why_not` says why.
 """
 
@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparkform import readback, remote
 from sparkform.commands import ssh
-from sparkform.engine import Engine
-from sparkform.schema import HostConfig
+from sparkform.readers import readback, remote
+from sparkform.spec.engine import Engine
+from sparkform.spec.schema import HostConfig
 
 ASK_TIMEOUT_S = 30
 

@@ -1,4 +1,4 @@
-"""`sparkform lock`: a hashed lock of a vLLM release, made with uv (sparkform.locks reads and
+"""`sparkform lock`: a hashed lock of a vLLM release, made with uv (sparkform.spec.locks reads and
 checks locks; this one runs the tool)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from sparkform.locks import CPU_EXCLUDED, PIN, TARGETS, LockError, default_lock, lock_problems, normalized
+from sparkform.spec.locks import CPU_EXCLUDED, PIN, TARGETS, LockError, default_lock, lock_problems, normalized
 
 
 def _sha256_file(path: Path) -> str:

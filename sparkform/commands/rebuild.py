@@ -12,11 +12,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparkform.bundle import DEPLOY
 from sparkform.commands import ssh
-from sparkform.hostrecord import HostRecord, UntrustedValue
-from sparkform.inventory import load_inventory, raw_inventory
-from sparkform.layout import record_path
+from sparkform.readers.hostrecord import HostRecord, UntrustedValue
+from sparkform.rules.inventory import load_inventory, raw_inventory
+from sparkform.spec.layout import record_path
+from sparkform.spec.package_data import DEPLOY
 
 WAIT_POLL_S = 5.0
 
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         deploy = subprocess.run(
             [str(Path(sys.executable).with_name("pyinfra")), "-y", str(args.inventory.resolve()), str(DEPLOY)],
             cwd=DEPLOY.parent,
-            # How the host lock's holder line names this run (tasks/hostlock.py).
+            # How the host lock's holder line names this run (sparkform/deploy/operations/hostlock.py).
             env={**os.environ, "SPARKFORM_COMMAND": f"sparkform rebuild {args.inventory}"},
         )
         for h in hosts:

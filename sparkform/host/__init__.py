@@ -1,7 +1,7 @@
 """The programs sparkform installs on a host, and the modules they share.
 
 Each program (guard, scrub, rollback, record, checkpoint, vllm_serve) lands byte for byte as
-LIB_DIR/sparkform-NAME (sparkform.layout.HOST_PROGRAMS) and reads what varies per host from the
+LIB_DIR/sparkform-NAME (sparkform.spec.layout.HOST_PROGRAMS) and reads what varies per host from the
 rendered settings file beside it (settings_path). They run in the host's system Python (root's:
 `python3 -I`) or in the engines' vLLM venv, neither of which has sparkform: standard library
 only (the checkpoint fetcher's huggingface_hub comes with the venv), and what they share lies

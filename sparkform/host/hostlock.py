@@ -10,7 +10,7 @@ then is refused. The kernel frees a lock whose process died, so no lock outlives
   the deploy's own SSH connection (the host may not have sparkform yet), with the deploy on its
   stdin. It holds the lock until its stdin ends (the deploy ended, or its connection did) or
   stays silent for HOLDER_SILENCE_S (a laptop gone without a word: its beats stop,
-  tasks/hostlock.py);
+  sparkform/deploy/operations/hostlock.py);
 - `run WAIT_S LOCK WHAT -- COMMAND...` holds it for one command (the rollback), whose stdin it
   passes on;
 - the scrub takes it in-process (held).
@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-HOLDER_SILENCE_S = 120  # a deploy beats every 20 s (tasks/hostlock.py)
+HOLDER_SILENCE_S = 120  # a deploy beats every 20 s (sparkform/deploy/operations/hostlock.py)
 EXIT_REFUSED = 4
 EXIT_USAGE = 2
 # A holder's line as it is written and read back: printable ASCII, bounded.

@@ -14,7 +14,7 @@ ROLLBACK_RECORD = "rolled-back.json"
 
 
 def settings_digest(contents):
-    """The digest of an engine's unit, env and args texts (sparkform.kept.settings_digest)."""
+    """The digest of an engine's unit, env and args texts (sparkform.readers.kept.settings_digest)."""
     return hashlib.sha256("\0".join(contents).encode()).hexdigest()[:32]
 
 

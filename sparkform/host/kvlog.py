@@ -24,12 +24,12 @@ KV_BOOT_MARKER = "vLLM API server version"
 KV_VERSION = re.compile(
     r"(?:" + KV_BOOT_MARKER + r" |Initializing a V1 LLM engine \(v)(?P<version>[0-9]+\.[0-9]+[0-9A-Za-z.+-]{0,40})"
 )
-# What a ledger row may name (sparkform/ledger.py: `sparkform ledger` checks the rows against
+# What a ledger row may name (sparkform/reports/ledger.py: `sparkform ledger` checks the rows against
 # them): a checkpoint folder's name (owner--name@commit) and a KV dtype.
 CHECKPOINT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}@[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 KV_DTYPE = re.compile(r"[a-z0-9_]{1,32}")
 # The engine's flags the pool depends on, as the deploy writes them into its args file
-# (sparkform.render.engine_args writes them by these names).
+# (sparkform.build.render.engine_args writes them by these names).
 SETTING_FLAGS = {
     "checkpoint": "--model",
     "max_model_len": "--max-model-len",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sparkform.parsers import parse_meminfo
+from sparkform.readers.parsers import parse_meminfo
 from sparkform.sandbox import machine, stage
 from sparkform.sandbox.system import SandboxError
 from sparkform.sandbox.wheelhouse import LOCK

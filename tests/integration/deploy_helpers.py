@@ -12,10 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from sparkform import layout
 from sparkform.sandbox import machine, stage
 from sparkform.sandbox.alerts import read_alerts
-from sparkform.schema import HostConfig
+from sparkform.spec import layout
+from sparkform.spec.schema import HostConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 # The pair every module converges; the shipped inventory is the whole box (the pair and an embedding engine).
@@ -144,7 +144,7 @@ def serving(box: machine.Sandbox, unit: str) -> bool:
     return ssh(box, f"systemctl is-active {unit}", check=False).stdout.strip() == "active"
 
 
-DEPLOY_PREFIX = "sparkform | "  # tasks.converge.converge_host
+DEPLOY_PREFIX = "sparkform | "  # sparkform.deploy.converge.converge_host
 
 
 def changed_operations(inventory: Path) -> list[str]:
@@ -170,7 +170,7 @@ def edited_inventory(
     path = folder / f"edited-{time.monotonic_ns()}.py"
     path.write_text(
         "import runpy\n"
-        "from sparkform.inventory import hosts\n"
+        "from sparkform.rules.inventory import hosts\n"
         f"data = runpy.run_path({str(SANDBOX_INVENTORY)!r})['sandbox'][0][1]\n"
         f"data.update({host_changes or {}!r})\n"
         f"data['engines'] = [e for e in data['engines'] if e['name'] not in {list(drop)!r}] + {list(add)!r}\n"

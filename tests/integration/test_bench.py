@@ -17,7 +17,7 @@ import time
 import pytest
 from deploy_helpers import BIN, PATHS, SANDBOX_INVENTORY, ssh
 
-from sparkform.parsers import parse_prometheus
+from sparkform.readers.parsers import parse_prometheus
 
 pytestmark = pytest.mark.usefixtures("converged")
 SHARES_SANDBOX = True  # it sends requests and appends to the bench ledger; the pair stays as converged

@@ -50,15 +50,16 @@ from deploy_helpers import (
     why_it_restarted,
 )
 
-from sparkform import gpu, layout
-from sparkform.engine import GENERATE_ROUTES
-from sparkform.inventory import load_inventory
-from sparkform.locks import lock_id
-from sparkform.render import VLLM_UNGUARDED_ROUTES
+from sparkform.build.render import VLLM_UNGUARDED_ROUTES
+from sparkform.readers import gpu
+from sparkform.rules.inventory import load_inventory
 from sparkform.sandbox import machine, stage
 from sparkform.sandbox.fakehub import FakeHub
 from sparkform.sandbox.wheelhouse import LOCK
-from sparkform.shapes import owned_flag
+from sparkform.spec import layout
+from sparkform.spec.engine import GENERATE_ROUTES
+from sparkform.spec.locks import lock_id
+from sparkform.spec.shapes import owned_flag
 
 pytestmark = pytest.mark.usefixtures("converged")
 VENV_IMAGE = True  # the venv is in place: its install is test_faults' (with its progress lines)
@@ -535,7 +536,7 @@ def test_with_tls_on_clients_that_trust_the_certificate_are_served_and_plain_htt
     import anthropic
     import openai
 
-    from sparkform.front_tls import fingerprint
+    from sparkform.rules.front_tls import fingerprint
 
     key = api_key(box)
     engines_before = main_pids(box)

@@ -50,10 +50,11 @@ def run(bin_dir: Path, *command: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_installed_wheel_has_no_top_level_tasks_or_facts(installed):
+def test_the_installed_wheel_holds_the_deploy_inside_the_package(installed):
     site = next((installed.parent / "lib").glob("python3*/site-packages"))
     assert not (site / "tasks").exists() and not (site / "facts").exists()
-    assert (site / "sparkform" / "bundled" / "deploy.py").is_file()
+    assert (site / "sparkform" / "deploy" / "deploy.py").is_file()
+    assert (site / "sparkform" / "templates" / "engine.service.j2").is_file()
 
 
 def test_render_writes_what_the_deploy_put_on_the_host(installed, box, tmp_path):
@@ -99,7 +100,7 @@ def test_a_dry_run_from_another_folder_changes_nothing(installed, deploy, tmp_pa
         path = str(ROOT / "deploy.py")
     else:
         path = run(installed, "sparkform", "deploy-path", cwd=tmp_path).stdout.strip()
-        assert "site-packages/sparkform/bundled/deploy.py" in path
+        assert "site-packages/sparkform/deploy/deploy.py" in path
     result = run(installed, "pyinfra", str(SANDBOX_INVENTORY), path, "--dry", "--json", cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     plan = json.loads(result.stdout)["plan"]

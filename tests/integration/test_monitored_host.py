@@ -24,8 +24,8 @@ from deploy_helpers import (
     wait_for,
 )
 
-from sparkform import layout
-from sparkform.schema import Monitoring
+from sparkform.spec import layout
+from sparkform.spec.schema import Monitoring
 
 pytestmark = pytest.mark.usefixtures("converged")
 SHARES_SANDBOX = True  # it turns monitoring off again (node_exporter, the owner's package then, stays)
@@ -108,7 +108,7 @@ def checks_with_monitoring_on(box, watched, before) -> None:
         for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"):
             assert re.search(rf"^{name}\{{", text, re.M), name
         assert re.search(r"^vllm:generation_tokens_total\{", text, re.M)
-    checked = verify("--", "-rA", inventory=watched)  # `sparkform verify`, with tests/verify/test_monitoring.py
+    checked = verify("--", "-rA", inventory=watched)  # `sparkform verify`, with sparkform/verify/test_monitoring.py
     assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
     assert re.search(
         r"^PASSED .*test_node_exporter_serves_the_engine_units_and_sparkforms_metrics", checked.stdout, re.M

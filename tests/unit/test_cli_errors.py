@@ -17,9 +17,9 @@ import pytest
 from samples import SERVED_PAIR
 from test_cli import CONSOLE_SCRIPT, clean_env, sparkform
 
-from sparkform import exits
 from sparkform.commands import ssh
-from sparkform.exits import exit_code_table
+from sparkform.spec import exits
+from sparkform.spec.exits import exit_code_table
 
 REPO = SERVED_PAIR.parents[3]
 
@@ -72,7 +72,7 @@ def silent_inventory(tmp_path, port: int) -> Path:
     """The served pair on a host that never answers (this machine's silent port)."""
     inventory = tmp_path / "silent.py"
     inventory.write_text(
-        "import runpy\nfrom sparkform.inventory import hosts\n"
+        "import runpy\nfrom sparkform.rules.inventory import hosts\n"
         f"name, data = runpy.run_path({str(SERVED_PAIR)!r})['spark'][0]\n"
         f"data.update(ssh_hostname='127.0.0.1', ssh_port={port})\n"
         "spark = hosts({name: data}, __file__)\n"
@@ -180,7 +180,7 @@ def test_sparkform_inventory_names_the_inventory_of_every_command(tmp_path):
     # Without it, the default file, which is not there: one line saying how to name one.
     missing, _ = sparkform("plan", cwd=tmp_path, env={"HOME": str(tmp_path)})
     assert missing.returncode == exits.USAGE
-    assert missing.stderr.startswith(f"sparkform: {tmp_path}/.config/sparkform/inventory.py: no such file")
+    assert missing.stderr.startswith(f"sparkform: {tmp_path}/.config/sparkform/rules/inventory.py: no such file")
     assert "SPARKFORM_INVENTORY" in missing.stderr and "sparkform init" in missing.stderr
 
 

@@ -1,4 +1,4 @@
-"""The request contract per vLLM version (sparkform/contract.py): the table, the operator guide's copy of
+"""The request contract per vLLM version (sparkform/reports/contract.py): the table, the operator guide's copy of
 it, the judges on captured answers of each version, the prompt that fills the window, and the
 curl that carries every request (run for real against a local server)."""
 
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from sparkform.commands.contract import HostAsker, curl_script, parse_curl
-from sparkform.contract import (
+from sparkform.host.front_keys import clients_snippet
+from sparkform.reports.contract import (
     CONTRACTS,
     NoAnswer,
     Reply,
@@ -28,9 +29,8 @@ from sparkform.contract import (
     judge_vision,
     judge_window,
 )
-from sparkform.contract_requests import GAP, check_engine, near_window_prompt
-from sparkform.host.front_keys import clients_snippet
-from sparkform.inventory import load_host
+from sparkform.reports.contract_requests import GAP, check_engine, near_window_prompt
+from sparkform.rules.inventory import load_host
 
 REPO = Path(__file__).resolve().parents[2]
 CAPTURED = REPO / "tests" / "fixtures" / "captured" / "contract"
@@ -45,7 +45,7 @@ OVER_WINDOW = sorted(path.name for path in CAPTURED.glob("vllm-*-over-window-*.j
 
 def test_the_operators_guide_shows_the_contract_table():
     assert contract_table() in (REPO / "docs" / "operator.md").read_text(), (
-        "the contract table of docs/operator.md differs from sparkform/contract.py: "
+        "the contract table of docs/operator.md differs from sparkform/reports/contract.py: "
         "`sparkform contract --table` prints it"
     )
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 from local_deploy import FAST_COMMIT, local_inventory, publish
 
-from sparkform import converge
+from sparkform.build import converge
+from sparkform.build.programs import host_source
+from sparkform.build.render import render_host
 from sparkform.host import ROOT_PYTHON
-from sparkform.inventory import load_inventory
-from sparkform.programs import host_source
-from sparkform.render import render_host
-from sparkform.shapes import SHARED_USERS
+from sparkform.rules.inventory import load_inventory
+from sparkform.spec.shapes import SHARED_USERS
 
 ROOT = Path(__file__).resolve().parents[2]
 PYINFRA = Path(sys.executable).with_name("pyinfra")
@@ -31,7 +31,7 @@ def _pyinfra(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 
 
 def test_the_deploy_runs_from_any_folder(tmp_path, hub):
-    """`cd elsewhere && pyinfra INVENTORY CHECKOUT/deploy.py`: facts/ and tasks/ still import."""
+    """`cd elsewhere && pyinfra INVENTORY CHECKOUT/deploy.py`: the packaged deploy still imports."""
     publish(hub, tmp_path, "v1")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -47,13 +47,13 @@ def planned_operations(inventory: Path, deploy: str) -> list[str]:
 
 
 def test_the_packaged_deploy_run_by_import_path_plans_what_deploy_py_plans(tmp_path, hub):
-    """pyinfra's packaged form: tasks.converge.converge_host by import path is the deploy file's
+    """pyinfra's packaged form: sparkform.deploy.converge.converge_host by import path is the deploy file's
     whole plan, each operation under the deploy's name."""
     publish(hub, tmp_path, "v1")
     inventory = local_inventory(tmp_path, endpoint=hub.url)
     by_file = planned_operations(inventory, "deploy.py")
     assert "sparkform | Engine slow serving" in by_file and all(n.startswith("sparkform | ") for n in by_file)
-    assert planned_operations(inventory, "tasks.converge.converge_host") == by_file
+    assert planned_operations(inventory, "sparkform.deploy.converge.converge_host") == by_file
     assert not (tmp_path / "lib").exists(), "--dry changed the host"
 
 

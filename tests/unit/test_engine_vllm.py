@@ -12,18 +12,20 @@ import pytest
 from pyinfra.api import FileUploadCommand
 from samples import CPU_PAIR, converged
 
-from sparkform import cli, converge, layout
-from sparkform.converge import plan, snapshot_request
-from sparkform.engine import Engine
-from sparkform.inventory import load_host
-from sparkform.kept import KeptSettings
-from sparkform.programs import checkpoint_fetch
-from sparkform.render import engine_args, render_host
+from sparkform import cli
+from sparkform.build import converge
+from sparkform.build.converge import plan, snapshot_request
+from sparkform.build.programs import checkpoint_fetch
+from sparkform.build.render import engine_args, render_host
+from sparkform.deploy.operations import venv
+from sparkform.deploy.operations.files import replaced_file
+from sparkform.readers.kept import KeptSettings
+from sparkform.readers.snapshot import Snapshot
+from sparkform.rules.inventory import load_host
 from sparkform.sandbox import wheelhouse
-from sparkform.schema import HostConfig
-from sparkform.snapshot import Snapshot
-from tasks import venv
-from tasks.files import replaced_file
+from sparkform.spec import layout
+from sparkform.spec.engine import Engine
+from sparkform.spec.schema import HostConfig
 
 
 def host_data(lock: Path, **fast: object) -> dict:
@@ -159,7 +161,7 @@ def test_the_plan_names_each_engine_s_vllm_and_lock_and_whether_it_is_the_host_s
     monkeypatch.chdir(tmp_path)  # a lock under the folder the plan runs in is shown relative to it
     inventory = tmp_path / "box.py"
     data = host_data(host_lock, lock_file=str(canary))
-    inventory.write_text(f"from sparkform.inventory import hosts\nspark = hosts({{'box': {data!r}}}, __file__)\n")
+    inventory.write_text(f"from sparkform.rules.inventory import hosts\nspark = hosts({{'box': {data!r}}}, __file__)\n")
     assert cli.main(["plan", str(inventory)]) == 0
     lines = [line.strip() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("vLLM of ")]
     assert lines == [

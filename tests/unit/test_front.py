@@ -23,16 +23,23 @@ from pathlib import Path
 
 import pytest
 
-from sparkform.converge import front_certificate, secrets, tls_files
-from sparkform.engine import GENERATE_ROUTES
-from sparkform.front_tls import FrontCertificate, make_self_signed
+from sparkform.build.converge import front_certificate, secrets, tls_files
+from sparkform.build.render import render_host
 from sparkform.host.front import passes
-from sparkform.inventory import load_host
-from sparkform.layout import FRONT_ACCESS_LOG, FRONT_CONFIG, FRONT_DROP_IN, FRONT_ERROR_LOG, FRONT_PID_FILE, FRONT_USER
-from sparkform.model import InventoryError
-from sparkform.render import render_host
-from sparkform.schema import HostConfig
-from sparkform.snapshot import Snapshot
+from sparkform.readers.snapshot import Snapshot
+from sparkform.rules.front_tls import FrontCertificate, make_self_signed
+from sparkform.rules.inventory import load_host
+from sparkform.spec.engine import GENERATE_ROUTES
+from sparkform.spec.layout import (
+    FRONT_ACCESS_LOG,
+    FRONT_CONFIG,
+    FRONT_DROP_IN,
+    FRONT_ERROR_LOG,
+    FRONT_PID_FILE,
+    FRONT_USER,
+)
+from sparkform.spec.model import InventoryError
+from sparkform.spec.schema import HostConfig
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 NJS_MODULE = "/usr/lib/nginx/modules/ngx_http_js_module.so"  # Debian's libnginx-mod-http-js

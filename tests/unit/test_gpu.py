@@ -13,9 +13,9 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from sparkform import gpu
-from sparkform.gpu import NvmlGpu, NvmlReport, NvmlReportError, parse_nvml_report
 from sparkform.host import nvml_report
+from sparkform.readers import gpu
+from sparkform.readers.gpu import NvmlGpu, NvmlReport, NvmlReportError, parse_nvml_report
 from sparkform.sandbox import stage
 
 GB10 = stage.DEFAULT_NVIDIA_ENV

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from script_box import Journal, cpu_host_under, put
 
+from sparkform.build.render import render_host
 from sparkform.host import outages, watchdog
-from sparkform.inventory import load_host
-from sparkform.render import render_host
+from sparkform.rules.inventory import load_host
 from sparkform.sandbox.alerts import make_server, read_alerts
 
 WEBHOOK_SECRET = "sf-webhook-token-0123456789"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from samples import SPARK_VERSIONS as SPARK
 
-from sparkform.hostrecord import (
+from sparkform.readers.hostrecord import (
     LIVE_VERSIONS_COMMAND,
     Drift,
     EngineRecord,
@@ -25,7 +25,7 @@ from sparkform.hostrecord import (
     last_cold_starts,
     parse_live_versions,
 )
-from sparkform.layout import record_path
+from sparkform.spec.layout import record_path
 
 CAPTURED = Path(__file__).resolve().parent.parent / "fixtures" / "captured"
 BANNER = (CAPTURED / "nvidia-smi-gb10.txt").read_text()

@@ -10,9 +10,9 @@ import pytest
 
 from sparkform.cli import main
 from sparkform.commands.hub import HubError, resolve_pins, resolve_revision
-from sparkform.inventory import load_host
-from sparkform.model import InventoryError
+from sparkform.rules.inventory import load_host
 from sparkform.sandbox.fakehub import FakeHub
+from sparkform.spec.model import InventoryError
 
 REPO = "org/model"
 
@@ -111,7 +111,7 @@ def test_plan_shows_what_a_branch_names_now_only_when_asked(hub, tmp_path, capsy
     commit = publish(hub, tmp_path / "a", "one")
     inventory = tmp_path / "inv.py"
     inventory.write_text(
-        "from sparkform.inventory import hosts\n"
+        "from sparkform.rules.inventory import hosts\n"
         f"box = hosts({{'box': {{'hf_endpoint': {hub.url!r}, 'engines': [{{'name': 'm', 'port': 8010, "
         f"'checkpoint': {{'repo': {REPO!r}, 'revision': 'main'}}}}]}}}}, __file__)\n"
     )

@@ -1,5 +1,6 @@
-"""The project's modules import each other without a cycle, at module level or inside a function:
-the core builds upward from the schema and the model types, and the tasks and facts on the core."""
+"""The project's modules import each other without a cycle, at module level or inside a function,
+and each room of the package imports only the rooms below it: the core builds upward from the
+spec, and the commands, the deploy and the sandbox on the core."""
 
 from __future__ import annotations
 
@@ -7,16 +8,14 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("sparkform", "tasks", "facts")
 
 
 def project_modules() -> dict[str, Path]:
     """Every module of the project by dotted name, deploy.py included."""
     modules = {"deploy": REPO / "deploy.py"}
-    for package in PACKAGES:
-        for path in (REPO / package).rglob("*.py"):
-            parts = path.relative_to(REPO).with_suffix("").parts
-            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in (REPO / "sparkform").rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return modules
 
 
@@ -65,13 +64,18 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import():
 def test_no_import_cycle_inside_the_project():
     modules = project_modules()
     graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
-    assert {"sparkform.model", "sparkform.bootchain", "sparkform.validate", "sparkform.planner"} <= set(graph)
+    assert {
+        "sparkform.spec.model",
+        "sparkform.rules.bootchain",
+        "sparkform.rules.validate",
+        "sparkform.rules.planner",
+    } <= set(graph)
     assert cycles(graph) == []
 
 
 def test_no_two_test_modules_share_a_name():
     """The test folders have no __init__.py: pytest imports each module by its bare name, so a
-    second test_x.py in one run (unit and integration; tests/verify runs on its own, as
+    second test_x.py in one run (unit and integration; sparkform/verify runs on its own, as
     `sparkform verify`) stops the whole run at collection ("import file mismatch")."""
     modules = sorted((REPO / "tests").glob("unit/test_*.py")) + sorted((REPO / "tests").glob("integration/test_*.py"))
     names = [path.name for path in modules]
@@ -79,17 +83,81 @@ def test_no_two_test_modules_share_a_name():
     assert sorted({name for name in names if names.count(name) > 1}) == []
 
 
-# --- the layout by role ----------------------------------------------------------------------------
+# --- the rooms of the package, in order ---------------------------------------------------------
 
+# Each floor imports only the floors below it and its own room. The pure core is the middle five:
+# what a host is (spec), what it prints read back (readers), the rules over a whole host (rules),
+# what the commands show (reports), what lands on it (build). Below them the programs that run on
+# a host, standard library only; above them what connects: the commands, then the deploy (pyinfra),
+# the sandbox and the verify suite (testinfra), then the entry points: the command line's and the
+# one an inventory file imports.
+FLOORS = (
+    ("host",),
+    ("spec",),
+    ("readers",),
+    ("rules",),
+    ("reports",),
+    ("build",),
+    ("commands",),
+    ("deploy", "sandbox", "verify"),
+    ("cli", "inventory"),
+)
+CORE_ROOMS = ("spec", "readers", "rules", "reports", "build")
 # What a module of the pure core must never import, at module level or in a function: whatever
 # spawns a process or opens a connection.
 CONNECTS_OR_SPAWNS = (
     "subprocess", "socket", "ssl", "http.client", "urllib.request", "asyncio", "multiprocessing", "pty",
     "pyinfra", "paramiko", "huggingface_hub", "requests", "httpx", "urllib3",
 )  # fmt: skip
-# sparkform/*.py is the pure core, but for the entry point that dispatches to the commands.
-ENTRY_POINT = "sparkform.cli"
 MAX_LINES = 450
+
+
+def room_of(module: str) -> str | None:
+    """The room of a module of the package (its first name under sparkform), None for the rest."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "sparkform" and len(parts) > 1 else None
+
+
+def floor_of(room: str) -> int:
+    (floor,) = [n for n, rooms in enumerate(FLOORS) if room in rooms]
+    return floor
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a room on the same floor or above the importer's, as `module -> module`."""
+    found = []
+    for name, imported in sorted(graph.items()):
+        room = room_of(name)
+        if room is None:
+            continue
+        for other in sorted(imported):
+            other_room = room_of(other)
+            if other_room not in (None, room) and floor_of(other_room) >= floor_of(room):
+                found.append(f"{name} -> {other}")
+    return found
+
+
+def test_every_room_of_the_package_has_its_floor():
+    rooms = {room_of(name) for name in project_modules()} - {None}
+    assert rooms == {room for floor in FLOORS for room in floor}
+
+
+def test_each_room_imports_only_the_rooms_below_it():
+    modules = project_modules()
+    graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
+    assert upward_imports(graph) == []
+
+
+def test_the_floor_check_fails_on_a_planted_upward_import(tmp_path):
+    """The control: the real graph with one import planted from the spec up to the reports."""
+    modules = project_modules()
+    graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
+    planted = tmp_path / "planted.py"
+    planted.write_text(modules["sparkform.spec.schema"].read_text() + "\nfrom sparkform.reports import status\n")
+    graph["sparkform.spec.schema"] = imports_of(planted, modules) - {"sparkform.spec.schema"}
+    assert upward_imports(graph) == ["sparkform.spec.schema -> sparkform.reports.status"]
+    graph["sparkform.spec.schema"] |= {"sparkform.sandbox.nspawn"}
+    assert "sparkform.spec.schema -> sparkform.sandbox.nspawn" in upward_imports(graph)
 
 
 def outside_imports(path: Path) -> set[str]:
@@ -108,7 +176,7 @@ def connecting(names: set[str]) -> set[str]:
 
 
 def pure_core(modules: dict[str, Path]) -> list[str]:
-    return sorted(n for n in modules if n.count(".") == 1 and n.startswith("sparkform.") and n != ENTRY_POINT)
+    return sorted(n for n in modules if room_of(n) in CORE_ROOMS)
 
 
 def reached(graph: dict[str, set[str]], start: str) -> set[str]:
@@ -122,18 +190,19 @@ def reached(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 def test_the_pure_core_imports_nothing_that_connects_or_spawns():
-    """The schema, validation, planner, rendering and parsers, and every module they reach, import
-    no process or network module: the commands that do live in sparkform/commands/, the programs
-    that run on a host in sparkform/host/, the sandbox in sparkform/sandbox/."""
+    """The five rooms of the core, and every module they reach, import no process or network
+    module: the commands that do live in sparkform/commands/, the programs that run on a host in
+    sparkform/host/, the deploy in sparkform/deploy/, the sandbox in sparkform/sandbox/."""
     modules = project_modules()
     graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
     core = pure_core(modules)
     assert {
-        "sparkform.schema",
-        "sparkform.validate",
-        "sparkform.planner",
-        "sparkform.render",
-        "sparkform.parsers",
+        "sparkform.spec.schema",
+        "sparkform.rules.validate",
+        "sparkform.rules.planner",
+        "sparkform.build.render",
+        "sparkform.readers.parsers",
+        "sparkform.reports.status",
     } <= set(core)
     found = {
         f"{name} (through {other}): {sorted(bad)}"

@@ -15,12 +15,13 @@ import pytest
 from samples import SERVED_PAIR
 from script_box import cpu_host_under, put
 
-from sparkform import cli, ledger
-from sparkform.inventory import load_host
-from sparkform.layout import KV_LEDGER_ROWS
-from sparkform.parsers import parse_kv_pool, parse_vllm_version
-from sparkform.render import render_host
+from sparkform import cli
+from sparkform.build.render import render_host
+from sparkform.readers.parsers import parse_kv_pool, parse_vllm_version
+from sparkform.reports import ledger
+from sparkform.rules.inventory import load_host
 from sparkform.sandbox import models
+from sparkform.spec.layout import KV_LEDGER_ROWS
 
 REPO = Path(__file__).resolve().parents[2]
 CAPTURED = REPO / "tests" / "fixtures" / "captured"

@@ -23,13 +23,14 @@ from pyinfra.api import FileUploadCommand, StringCommand
 from samples import SERVED_PAIR
 from venv_build import run_build_commands
 
-from sparkform import cli, layout
-from sparkform.inventory import load_host, load_inventory
-from sparkform.locks import CPU_EXCLUDED, LOCKS, TARGETS, lock_name, lock_problems, read_lock
+from sparkform import cli
+from sparkform.deploy.operations import venv
+from sparkform.readers.snapshot import Snapshot
+from sparkform.rules.inventory import load_host, load_inventory
 from sparkform.sandbox import wheelhouse
-from sparkform.schema import HostConfig
-from sparkform.snapshot import Snapshot
-from tasks import venv
+from sparkform.spec import layout
+from sparkform.spec.locks import CPU_EXCLUDED, LOCKS, TARGETS, lock_name, lock_problems, read_lock
+from sparkform.spec.schema import HostConfig
 
 INVENTORY = Path(__file__).resolve().parents[2] / "inventory"
 SHIPPED = sorted(LOCKS.glob("*.txt"))
@@ -268,7 +269,7 @@ def test_every_shipped_lock_is_complete_and_hashed(lock):
 
 @pytest.mark.parametrize("lock", SHIPPED, ids=[path.name for path in SHIPPED])
 def test_every_shipped_lock_pins_nvidia_ml_py_for_the_gpu_report(lock):
-    # The GPU report (sparkform.gpu) runs with the engine venv's python, so every venv needs pynvml.
+    # The GPU report (sparkform.readers.gpu) runs with the engine venv's python, so every venv needs pynvml.
     pins = {pin.name: pin.version for pin in read_lock(lock.read_text())[0]}
     assert "nvidia-ml-py" in pins, f"{lock.name}: add nvidia-ml-py==VERSION to its pins and lock it again (--pins)"
 

@@ -67,7 +67,7 @@ def test_a_host_that_does_not_answer_is_said_in_one_line_of_sparkforms(tmp_path,
     """ssh's 255 (no connection) is not passed on as the command's code."""
     inventory = tmp_path / "unreachable.py"
     inventory.write_text(
-        "import runpy\nfrom sparkform.inventory import hosts\n"
+        "import runpy\nfrom sparkform.rules.inventory import hosts\n"
         f"name, data = runpy.run_path({str(SERVED_PAIR)!r})['spark'][0]\n"
         "data.update(ssh_hostname='127.0.0.1', ssh_port=9)  # nothing listens there\n"
         "spark = hosts({name: data}, __file__)\n"

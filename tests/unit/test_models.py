@@ -13,7 +13,6 @@ import pytest
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from sparkform.modelconfig import geometry
 from sparkform.sandbox.models import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,
@@ -23,6 +22,7 @@ from sparkform.sandbox.models import (
     cached_checkpoint,
     tensor_shapes,
 )
+from sparkform.spec.modelconfig import geometry
 
 KINDS = sorted(SPECS)
 REPO = Path(__file__).resolve().parents[2]

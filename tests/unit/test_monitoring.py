@@ -19,15 +19,16 @@ import pytest
 from test_guard import Guard, StubEngine
 from test_rebuild_parts import KEY, SHOW_ACTIVE, VERSIONS
 
-from sparkform import converge, layout, monitoring
+from sparkform.build import converge, monitoring
+from sparkform.build.render import render_host
 from sparkform.cli import main
 from sparkform.host.alerts import ENGINE_EVENTS, HOST_EVENTS
-from sparkform.hostrecord import EngineRecord, HostRecord
-from sparkform.inventory import load_host, load_inventory
-from sparkform.render import render_host
+from sparkform.readers.hostrecord import EngineRecord, HostRecord
+from sparkform.readers.snapshot import Snapshot
+from sparkform.rules.inventory import load_host, load_inventory
 from sparkform.sandbox import stage
-from sparkform.schema import Monitoring
-from sparkform.snapshot import Snapshot
+from sparkform.spec import layout
+from sparkform.spec.schema import Monitoring
 
 ROOT = Path(__file__).resolve().parents[2]
 MONITORED = ROOT / "tests" / "fixtures" / "inventories" / "monitored.py"
@@ -415,7 +416,7 @@ def test_the_guard_keeps_alerting_when_its_textfile_cannot_be_written(tmp_path):
 
 
 def test_monitoring_settings_are_validated():
-    from sparkform.model import InventoryError
+    from sparkform.spec.model import InventoryError
 
     base = {"engines": [{"name": "a", "port": 8012, "checkpoint": {"repo": "o/a", "revision": "main"}}]}
     for monitoring_data, field in (

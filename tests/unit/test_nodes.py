@@ -1,4 +1,4 @@
-"""An engine across two Sparks (engines[].nodes): the rules across hosts (sparkform/nodes.py), what
+"""An engine across two Sparks (engines[].nodes): the rules across hosts (sparkform/rules/nodes.py), what
 each node needs by itself (validate.py), and the planner's split of a tensor-parallel engine into
 per-node shares (planner.py).
 
@@ -20,12 +20,15 @@ from typing import Any
 
 import pytest
 
-from sparkform import cli, layout, modelconfig, nodes, planner, render
-from sparkform import inventory as inventory_module
-from sparkform.engine import Span
-from sparkform.locks import LOCKS
-from sparkform.model import Host
-from sparkform.schema import HostConfig
+from sparkform import cli
+from sparkform.build import render
+from sparkform.rules import inventory as inventory_module
+from sparkform.rules import nodes, planner
+from sparkform.spec import layout, modelconfig
+from sparkform.spec.engine import Span
+from sparkform.spec.locks import LOCKS
+from sparkform.spec.model import Host
+from sparkform.spec.schema import HostConfig
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_CONFIGS = REPO / "tests" / "fixtures" / "model_configs"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkform import gpu, parsers
-from sparkform.hostrecord import LIVE_VERSIONS_COMMAND, parse_live_versions
+from sparkform.readers import gpu, parsers
+from sparkform.readers.hostrecord import LIVE_VERSIONS_COMMAND, parse_live_versions
 from sparkform.sandbox import stage
 from sparkform.sandbox.system import SandboxError
 

@@ -1,4 +1,4 @@
-"""Every operation in tasks/ tested the way pyinfra tests its own: a table of (arguments, the
+"""Every operation of the deploy (sparkform/deploy/operations/) tested the way pyinfra tests its own: a
 host's state) -> the commands it yields, and for each row the state after those commands ->
 no command at all (the operation is idempotent). No SSH: each operation's generator runs with a
 recording stand-in for pyinfra's host, which also answers the one fact an operation reads itself
@@ -23,15 +23,28 @@ from pyinfra.facts.files import FindFiles
 from samples import engine_state
 from suite_hygiene import temp_folder
 
-import tasks
-from sparkform import converge, layout
-from sparkform.hostrecord import EngineRecord, HostRecord, HostVersions
-from sparkform.inventory import load_host
-from sparkform.kept import KeptSettings
-from sparkform.layout import cache_keys_dir, record_path
-from sparkform.parsers import EngineState
-from sparkform.snapshot import CheckpointFolder, RemoteFile, Snapshot
-from tasks import checkpoints, engines, files, front, guard, host_record, jit, monitoring, scrub, system, venv
+from sparkform.build import converge
+from sparkform.deploy import operations
+from sparkform.deploy.operations import (
+    checkpoints,
+    engines,
+    files,
+    front,
+    guard,
+    host_record,
+    jit,
+    monitoring,
+    scrub,
+    system,
+    venv,
+)
+from sparkform.readers.hostrecord import EngineRecord, HostRecord, HostVersions
+from sparkform.readers.kept import KeptSettings
+from sparkform.readers.parsers import EngineState
+from sparkform.readers.snapshot import CheckpointFolder, RemoteFile, Snapshot
+from sparkform.rules.inventory import load_host
+from sparkform.spec import layout
+from sparkform.spec.layout import cache_keys_dir, record_path
 
 HOST_DATA = {
     "device": "cpu",
@@ -556,13 +569,13 @@ def test_the_folder_operation_never_chmods_or_chowns_through_a_link():
         run(system.folder, spec=FOLDER, snapshot=planted)
 
 
-def operations_in_tasks() -> set[str]:
-    """Every pyinfra operation defined in a module of tasks/, the modules found rather than listed
-    (a new module counts too); the packaged deploy (tasks.converge, `@deploy`) calls them and is
+def operations_in_the_deploy() -> set[str]:
+    """Every pyinfra operation defined in a module of sparkform/deploy/operations/, the modules found rather than listed
+    (a new module counts too); the packaged deploy (sparkform.deploy.converge, `@deploy`) calls them and is
     none itself."""
     found = set()
-    for info in pkgutil.iter_modules(tasks.__path__):
-        module = importlib.import_module(f"tasks.{info.name}")
+    for info in pkgutil.iter_modules(operations.__path__):
+        module = importlib.import_module(f"{operations.__name__}.{info.name}")
         found |= {
             f"{module.__name__}.{name}"
             for name, value in vars(module).items()
@@ -571,8 +584,8 @@ def operations_in_tasks() -> set[str]:
     return found
 
 
-def test_every_operation_in_tasks_has_a_row():
-    operations = operations_in_tasks()
+def test_every_operation_of_the_deploy_has_a_row():
+    operations = operations_in_the_deploy()
     covered = {f"{operation.__module__}.{operation.__name__}" for operation, *_ in TABLE.values()}
     assert covered <= operations, covered - operations  # the search finds what the table holds
     assert not operations - covered, f"operations without a row in TABLE: {sorted(operations - covered)}"

@@ -1,7 +1,7 @@
 """`pip install .` gives a working sparkform: the wheel pip builds from this checkout carries the
-deploy (deploy.py, tasks/, facts/), its templates, the locks, the inventories and the verify
-suite under sparkform/bundled/, installs no top-level `tasks` or `facts`, and the CLI and the
-deploy work from it, run from another folder.
+deploy (sparkform.deploy and the file pyinfra runs), its templates, the locks, the shipped
+inventories and the verify suite as package data, installs nothing beside the package, and the CLI
+and the deploy work from it, run from another folder.
 
 The wheel is built for real by pip (setuptools in an isolated build environment, from the
 package index) from a copy of the checkout, so the checkout gets no build/ folder. The install
@@ -23,8 +23,10 @@ from samples import SERVED_PAIR
 
 REPO = Path(__file__).resolve().parents[2]
 SEED_INVENTORY = SERVED_PAIR
-# What the wheel carries besides the package, as the checkout lays it out.
-BUNDLED = ("deploy.py", "tasks", "facts", "templates", "locks", "inventory", "tests/verify")
+# The package data the wheel carries, as the checkout lays it out (templates/ and the shipped
+# inventories at the top, reached from the package through its links).
+PACKAGE_DATA = {"templates": "templates", "locks": "sparkform/locks", "verify": "sparkform/verify"}
+SHIPPED_INVENTORIES = ("spark.py", "sandbox.py", "sandbox-pair.py", "model_configs")
 NOT_BUILT = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".*cache")
 
 
@@ -63,17 +65,29 @@ def unpacked(wheel, tmp_path_factory) -> Path:
     return site
 
 
-def test_the_wheel_carries_the_deploy_and_installs_no_top_level_tasks_or_facts(wheel):
+def test_the_wheel_carries_the_deploy_and_its_data_and_nothing_beside_the_package(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names}
     assert top_level == {"sparkform", wheel.name.split("-py3")[0] + ".dist-info"}
-    bundled = {name.removeprefix("sparkform/bundled/") for name in names if name.startswith("sparkform/bundled/")}
-    expected = set().union(*(checkout_files(name) for name in BUNDLED))
-    assert bundled == expected
-    for needed in ("deploy.py", "tasks/__init__.py", "facts/snapshot.py", "templates/engine.service.j2"):
-        assert needed in bundled
-    assert {"locks/vllm-0.27.1-cuda-aarch64.txt", "tests/verify/conftest.py", "tests/verify/pytest.ini"} <= bundled
-    assert "sparkform/sandbox/nvidia-smi" in names
+    for folder, source in PACKAGE_DATA.items():
+        prefix = f"sparkform/{folder}/"
+        carried = {name.removeprefix(prefix) for name in names if name.startswith(prefix)}
+        assert carried == {name.removeprefix(f"{source}/") for name in checkout_files(source)}, folder
+    prefix = "sparkform/inventories/"
+    inventories = {name.removeprefix(prefix) for name in names if name.startswith(prefix)}
+    expected = set().union(*(checkout_files(f"inventory/{name}") for name in SHIPPED_INVENTORIES))
+    assert inventories == {name.removeprefix("inventory/") for name in expected}
+    for needed in (
+        "sparkform/deploy/deploy.py",
+        "sparkform/deploy/operations/venv.py",
+        "sparkform/deploy/facts/snapshot.py",
+        "sparkform/templates/engine.service.j2",
+        "sparkform/locks/vllm-0.27.1-cuda-aarch64.txt",
+        "sparkform/verify/conftest.py",
+        "sparkform/verify/pytest.ini",
+        "sparkform/sandbox/nvidia-smi",
+    ):
+        assert needed in names
     assert not [name for name in names if "__pycache__" in name or name.endswith(".pyc")]
 
 
@@ -88,7 +102,7 @@ def test_render_and_deploy_path_work_from_the_wheel_in_another_folder(unpacked, 
     sparkform = (sys.executable, "-c", "import sys; from sparkform.cli import main; sys.exit(main())")
     located = run_from_wheel(unpacked, *sparkform, "deploy-path", cwd=tmp_path)
     assert located.returncode == 0, located.stderr
-    assert Path(located.stdout.strip()) == unpacked / "sparkform" / "bundled" / "deploy.py"
+    assert Path(located.stdout.strip()) == unpacked / "sparkform" / "deploy" / "deploy.py"
     out = tmp_path / "rendered"
     rendered = run_from_wheel(
         unpacked, *sparkform, "render", str(SEED_INVENTORY), "--out", str(out), "--offline", cwd=tmp_path
@@ -98,13 +112,15 @@ def test_render_and_deploy_path_work_from_the_wheel_in_another_folder(unpacked, 
     # The lock the Spark's venv installs from is the wheel's copy.
     plan = run_from_wheel(unpacked, *sparkform, "plan", "--json", str(SEED_INVENTORY), cwd=tmp_path)
     assert plan.returncode == 0, plan.stderr
-    where = run_from_wheel(unpacked, sys.executable, "-c", "import sparkform.locks as l; print(l.LOCKS)", cwd=tmp_path)
-    assert Path(where.stdout.strip()) == unpacked / "sparkform" / "bundled" / "locks"
+    where = run_from_wheel(
+        unpacked, sys.executable, "-c", "import sparkform.spec.locks as l; print(l.LOCKS)", cwd=tmp_path
+    )
+    assert Path(where.stdout.strip()) == unpacked / "sparkform" / "locks"
 
 
 def test_the_wheels_deploy_plans_a_dry_run_from_another_folder(unpacked, tmp_path, hub):
     publish(hub, tmp_path, "v1")
-    deploy = unpacked / "sparkform" / "bundled" / "deploy.py"
+    deploy = unpacked / "sparkform" / "deploy" / "deploy.py"
     pyinfra = Path(sys.executable).with_name("pyinfra")
     result = run_from_wheel(
         unpacked, str(pyinfra), str(local_inventory(tmp_path, endpoint=hub.url)), str(deploy), "--dry", cwd=tmp_path

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from samples import engine_state
 
-from sparkform.parsers import (
+from sparkform.readers.parsers import (
     Gpu,
     GpuReport,
     KvPool,

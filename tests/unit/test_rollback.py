@@ -17,16 +17,18 @@ import pytest
 from samples import SERVED_PAIR
 from script_box import Journal
 
-from facts.snapshot import HostSnapshot
-from sparkform import bootchain, cli, converge
+from sparkform import cli
+from sparkform.build import converge
+from sparkform.build.render import render_host
 from sparkform.commands.rollback import chosen, rollback_command
+from sparkform.deploy.facts.snapshot import HostSnapshot
+from sparkform.deploy.operations import engines
 from sparkform.host.systemd import WHY_LINE_CHARS
-from sparkform.inventory import load_host
-from sparkform.kept import KeptSettings, settings_digest
-from sparkform.layout import COMPLETE_MARKER, UNIT_DIR, kept_root
-from sparkform.render import render_host
-from sparkform.snapshot import Snapshot
-from tasks import engines
+from sparkform.readers.kept import KeptSettings, settings_digest
+from sparkform.readers.snapshot import Snapshot
+from sparkform.rules import bootchain
+from sparkform.rules.inventory import load_host
+from sparkform.spec.layout import COMPLETE_MARKER, UNIT_DIR, kept_root
 
 # A failed start's journal: a line that says why (among lines that do not), too long for one line.
 STUB_JOURNALCTL = (

@@ -15,13 +15,13 @@ import pytest
 from samples import SERVED_PAIR
 from script_box import CAPS
 
-from sparkform import inventory as inventory_module
-from sparkform.bootchain import edges, start_order
-from sparkform.inventory import load_host
-from sparkform.locks import LOCKS, lock_id
-from sparkform.model import InventoryError, Problem
-from sparkform.schema import HostConfig
-from sparkform.shapes import KNOWN_QUANTIZATIONS
+from sparkform.rules import inventory as inventory_module
+from sparkform.rules.bootchain import edges, start_order
+from sparkform.rules.inventory import load_host
+from sparkform.spec.locks import LOCKS, lock_id
+from sparkform.spec.model import InventoryError, Problem
+from sparkform.spec.schema import HostConfig
+from sparkform.spec.shapes import KNOWN_QUANTIZATIONS
 
 Mutator = Callable[[dict[str, Any]], None]
 MODEL_CONFIGS = SERVED_PAIR.parents[1] / "model_configs"  # where make_host resolves relative paths

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from script_box import Journal, put
 
+from sparkform.build.programs import program_files
+from sparkform.build.render import render_host
 from sparkform.host import scrub
-from sparkform.inventory import load_host
-from sparkform.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
-from sparkform.programs import program_files
-from sparkform.render import render_host
+from sparkform.rules.inventory import load_host
 from sparkform.sandbox.fakehub import FakeHub
 from sparkform.sandbox.models import TINY_MODELS, cached_checkpoint
+from sparkform.spec.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
 
 QWEN, LLAMA = "sparkform-test/tiny-qwen3", "sparkform-test/tiny-llama"
 SHARD = "model-00001-of-00002.safetensors"  # of QWEN's checkpoint

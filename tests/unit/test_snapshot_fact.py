@@ -10,11 +10,11 @@ import sys
 import pytest
 from samples import SPARK_VERSIONS
 
-from facts.snapshot import CHECKPOINT_SCAN, HostSnapshot
-from sparkform.kept import KeptSettings, Rollback
-from sparkform.parsers import SYSTEMCTL_SHOW_PROPERTIES
-from sparkform.remote import SECTION
-from sparkform.snapshot import CheckpointFolder, RemoteFile
+from sparkform.deploy.facts.snapshot import CHECKPOINT_SCAN, HostSnapshot
+from sparkform.readers.kept import KeptSettings, Rollback
+from sparkform.readers.parsers import SYSTEMCTL_SHOW_PROPERTIES
+from sparkform.readers.remote import SECTION
+from sparkform.readers.snapshot import CheckpointFolder, RemoteFile
 
 # Every section the command gathers, in its order.
 SECTIONS = (
@@ -174,7 +174,7 @@ def test_command_is_one_shell_line_that_never_fails_the_host():
     for section in SECTIONS:
         assert f"echo {SECTION}{section};" in command
     assert "'/etc/a b'" in command  # quoted paths
-    # The units, asked for the one list of properties engine_states reads (sparkform.parsers).
+    # The units, asked for the one list of properties engine_states reads (sparkform.readers.parsers).
     assert f"systemctl show --timestamp=unix -p {SYSTEMCTL_SHOW_PROPERTIES} vllm-x.service" in command
     # Each section ends in `|| true`: a missing file or unit must not fail the fact.
     assert command.count("|| true") == len(SECTIONS)

@@ -15,11 +15,12 @@ import jsonschema
 import pytest
 from samples import SERVED_PAIR
 
-from sparkform import cli, status, status_schema
-from sparkform.front_tls import make_self_signed
-from sparkform.remote import LINK, SECTION
-from sparkform.schema_sections import FrontTLS
-from sparkform.status_table import format_status
+from sparkform import cli
+from sparkform.readers.remote import LINK, SECTION
+from sparkform.reports import status, status_schema
+from sparkform.reports.status_table import format_status
+from sparkform.rules.front_tls import make_self_signed
+from sparkform.spec.schema_sections import FrontTLS
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA_DOC = REPO / "docs" / "status.md"
@@ -361,7 +362,7 @@ def unreachable_inventory(tmp_path: Path, port: int) -> Path:
     inventory = tmp_path / "unreachable.py"
     inventory.write_text(
         "import runpy\n"
-        "from sparkform.inventory import hosts\n"
+        "from sparkform.rules.inventory import hosts\n"
         f"pair = runpy.run_path({str(INVENTORIES / 'broken_base.py')!r})['pair']()\n"
         f"pair.update(ssh_hostname='127.0.0.1', ssh_port={port})\n"
         "spark = hosts({'gone-box': pair}, __file__)\n"

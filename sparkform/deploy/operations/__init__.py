@@ -1,0 +1,1 @@
+"""pyinfra operations, one module per concern: thin over a validated host (sparkform.spec.model.Host)."""

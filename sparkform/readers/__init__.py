@@ -1,0 +1,1 @@
+"""What a host prints, read back and checked against a pattern before use."""

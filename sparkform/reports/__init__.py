@@ -1,0 +1,1 @@
+"""What the commands show: status, the KV ledger, the contract, the bench."""

@@ -1,1 +1,0 @@
-"""pyinfra tasks: thin adapters from a validated host (sparkform.model.Host) to operations."""
