@@ -76,7 +76,7 @@ def report_command(python: str) -> str:
     """The shell command that prints the report with `python` (a venv's, which has pynvml): -I
     keeps the environment and the working folder out of what it imports. Without that python (a
     host never converged) it prints the report of that error, so the answer is always one line."""
-    missing = {"driver": None, "gpus": [], "error": f"no python at {python} (is the venv built?)"}
+    missing: dict[str, object] = {"driver": None, "gpus": [], "error": f"no python at {python} (is the venv built?)"}
     quoted = shlex.quote(python)
     return (
         f"if [ -x {quoted} ]; then {quoted} -I -c {shlex.quote(NVML_REPORT)}; "

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from sparkform.readers.parsers import cuda_version_from_nvidia_smi
 from sparkform.spec.shapes import NAME_PATTERN
+
+ShapedText = TypeVar("ShapedText", str, None, str | None)
 
 STALE_MARK = ".stale-"  # <cache folder>.stale-<old key>: caches moved aside, kept until a warm start
 
@@ -193,7 +195,7 @@ class UntrustedValue(Exception):
     it, and root must not act on it."""
 
 
-def _shaped(value: str | None, pattern: re.Pattern, what: str) -> str | None:
+def _shaped(value: ShapedText, pattern: re.Pattern[str], what: str) -> ShapedText:
     if value is not None and not pattern.fullmatch(value):
         raise UntrustedValue(f"{what} {value!r} is not what sparkform writes there")
     return value
@@ -243,7 +245,7 @@ def drift(
     record: HostRecord | None,
     live: HostVersions,
     engine_keys: dict[str, str | None],
-    moved_aside: set[str] = frozenset(),
+    moved_aside: Set[str] = frozenset(),
     live_keys: Mapping[str, str] | None = None,
 ) -> Drift:
     """Compare the record with the live versions, and each engine's cache key with the live key.

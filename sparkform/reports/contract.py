@@ -158,6 +158,17 @@ def as_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _object(value: Any) -> dict[str, Any]:
+    """A JSON object of an answer, or {} for anything else."""
+    return value if isinstance(value, dict) else {}
+
+
+def _first_choice(body: dict[str, Any]) -> dict[str, Any]:
+    """choices[0] of an answer, or {} when there is none."""
+    choices = body.get("choices")
+    return _object(choices[0]) if isinstance(choices, list) and choices else {}
+
+
 def reply_error(reply: Reply) -> str:
     """HTTP status and vLLM's error message (or the start of the body) of an answer that is not 200."""
     body = reply.json()
@@ -172,9 +183,8 @@ def _usage(reply: Reply) -> tuple[int | None, int | None, str | None]:
     body = reply.json()
     if not isinstance(body, dict):
         return None, None, None
-    usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
-    choices = body.get("choices") if isinstance(body.get("choices"), list) and body.get("choices") else [{}]
-    reason = choices[0].get("finish_reason") if isinstance(choices[0], dict) else None
+    usage = _object(body.get("usage"))
+    reason = _first_choice(body).get("finish_reason")
     return (
         as_int(usage.get("prompt_tokens")),
         as_int(usage.get("completion_tokens")),
@@ -204,7 +214,8 @@ def judge_window(engine: Engine, reply: Reply) -> Finding:
     if reply.status != 200:
         return Finding("window", "fail", f"/v1/models: {reply_error(reply)}")
     body = reply.json()
-    entries = body.get("data") if isinstance(body, dict) and isinstance(body.get("data"), list) else []
+    data = body.get("data") if isinstance(body, dict) else None
+    entries = data if isinstance(data, list) else []
     windows = {e.get("id"): as_int(e.get("max_model_len")) for e in entries if isinstance(e, dict)}
     missing = [name for name in engine.names if name not in windows]
     if missing:
@@ -380,12 +391,9 @@ def judge_reasoning(max_tokens: int, reply: Reply) -> Finding:
     if reply.status != 200 or not isinstance(body, dict):
         return Finding(check, "fail", f"a chat of max_tokens {max_tokens}: {reply_error(reply)}")
     _, completion, reason = _usage(reply)
-    usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
-    details = usage.get("completion_tokens_details")
+    details = _object(body.get("usage")).get("completion_tokens_details")
     reasoning = as_int(details.get("reasoning_tokens")) if isinstance(details, dict) else None
-    choices = body.get("choices") if isinstance(body.get("choices"), list) and body.get("choices") else [{}]
-    message = choices[0].get("message") if isinstance(choices[0], dict) else None
-    message = message if isinstance(message, dict) else {}
+    message = _object(_first_choice(body).get("message"))
     reasoning_text = _text(message.get("reasoning")) or _text(message.get("reasoning_content"))
     answer_text = _text(message.get("content"))
     observed = {

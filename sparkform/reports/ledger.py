@@ -203,6 +203,9 @@ def format_ledger(host: str, rows: list[LedgerRow], untrusted: list[str]) -> str
     for row in rows:
         printed, predicted = row.measured, row.predicted
         kv_gib = printed.kv_gib
+        predicted_kv_gib, predicted_tokens, predicted_concurrency = (
+            (predicted.kv_gib, predicted.tokens, predicted.concurrency) if predicted else (None, None, None)
+        )
         table.append(
             (
                 row.date,
@@ -211,16 +214,16 @@ def format_ledger(host: str, rows: list[LedgerRow], untrusted: list[str]) -> str
                 _number(row.gpu_memory_utilization, ".2f"),
                 row.kv_cache_dtype,
                 _number(kv_gib, ".2f"),
-                _number(predicted and predicted.kv_gib, ".2f"),
-                error_pct(predicted and predicted.kv_gib, kv_gib),
+                _number(predicted_kv_gib, ".2f"),
+                error_pct(predicted_kv_gib, kv_gib),
                 f"{printed.tokens:,}",
-                _number(predicted and predicted.tokens, ","),
-                error_pct(predicted and predicted.tokens, printed.tokens),
+                _number(predicted_tokens, ","),
+                error_pct(predicted_tokens, printed.tokens),
                 "-"
                 if printed.concurrency is None
                 else f"{printed.concurrency:.2f}x at {printed.window or row.max_model_len:,}",
-                _number(predicted and predicted.concurrency, ".2fx"),
-                error_pct(predicted and predicted.concurrency, printed.concurrency),
+                _number(predicted_concurrency, ".2fx"),
+                error_pct(predicted_concurrency, printed.concurrency),
             )
         )
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
@@ -257,7 +260,10 @@ def measured_from(row: LedgerRow) -> Measured | None:
     if kv_gib is None:
         return None
     return Measured(
-        gpu_memory_utilization=row.gpu_memory_utilization, kv_cache_gib=kv_gib, kv_pool_tokens=row.measured.tokens
+        gpu_memory_utilization=row.gpu_memory_utilization,
+        kv_cache_gib=kv_gib,
+        kv_pool_tokens=row.measured.tokens,
+        cold_start_s=None,
     )
 
 

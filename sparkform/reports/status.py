@@ -256,7 +256,8 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
                 name=engine.name,
                 unit=engine.unit,
                 enabled=engine.enabled,
-                serving=active and (health_http == 200 or (config.is_worker(engine) and bool(state.main_pid))),
+                serving=active
+                and (health_http == 200 or (config.is_worker(engine) and bool(state and state.main_pid))),
                 rank=config.rank(engine),
                 active_state=state.active_state if state else "unknown",
                 sub_state=state.sub_state if state else "unknown",

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sparkform.readers.gpu import NvmlReport
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 
 
 class Model(BaseModel):

@@ -208,8 +208,9 @@ def front_certificate(config: HostConfig, snapshot: Snapshot, now: datetime.date
         )
     names = self_signed_names(config.node, config.listen_address, tls.names)
     key = snapshot.paths.get(config.paths.front_tls_key)
-    if key is not None and not key.link and keeps(snapshot.front_certificate, names, now):
-        return FrontCertificate(snapshot.front_certificate, None, "its self-signed certificate, kept")
+    kept = snapshot.front_certificate
+    if kept is not None and key is not None and not key.link and keeps(kept, names, now):
+        return FrontCertificate(kept, None, "its self-signed certificate, kept")
     return make_self_signed(names, now)
 
 

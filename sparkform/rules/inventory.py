@@ -36,7 +36,8 @@ EXIT_UNTRUSTED = 3  # the host holds a value sparkform never writes (sparkform.d
 
 def _pydantic_problems(host: str, data: dict[str, Any], err: ValidationError) -> list[Problem]:
     problems = []
-    engines = data.get("engines") if isinstance(data.get("engines"), list) else []
+    listed = data.get("engines")
+    engines = listed if isinstance(listed, list) else []
     for error in err.errors():
         loc = list(error["loc"])
         engine = None

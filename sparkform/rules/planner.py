@@ -18,6 +18,7 @@ GiB of one rank's pool, so the pool and the concurrency are the engine's (docs/t
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from sparkform.spec import modelconfig
@@ -259,19 +260,21 @@ def recommend_split(plans: list[EnginePlan], total_gib: float) -> tuple[Split | 
     plans = [p for p in plans if p.kind == "generate"]
     if len(plans) < 2:
         return None, "one generating engine: nothing to split"
-    if any(p.non_kv_gib is None or p.tokens_per_gib is None for p in plans):
+    non_kv = {p.name: p.non_kv_gib for p in plans if p.non_kv_gib is not None}
+    tokens_per_gib = {p.name: p.tokens_per_gib for p in plans if p.tokens_per_gib is not None}
+    if len(non_kv) < len(plans) or len(tokens_per_gib) < len(plans):
         return None, "needs each engine's non-KV size and tokens per GiB (weights_gib or measured)"
     budget = sum(p.share_gib for p in plans)
-    gib_per_request = {p.name: p.max_model_len / p.tokens_per_gib for p in plans}
-    fixed = sum(p.non_kv_gib for p in plans)
+    gib_per_request = {p.name: p.max_model_len / tokens_per_gib[p.name] for p in plans}
+    fixed = sum(non_kv.values())
     if budget <= fixed:
         return None, "the shares do not even hold the engines' weights"
     target = (budget - fixed) / sum(gib_per_request.values())
 
     def concurrency_at(p: EnginePlan, util: float) -> float:
-        return (util * total_gib - p.non_kv_gib) / gib_per_request[p.name]
+        return (util * total_gib - non_kv[p.name]) / gib_per_request[p.name]
 
-    utilization = {p.name: round((p.non_kv_gib + target * gib_per_request[p.name]) / total_gib, 2) for p in plans}
+    utilization = {p.name: round((non_kv[p.name] + target * gib_per_request[p.name]) / total_gib, 2) for p in plans}
     # Rounding must not grow the total: take the excess from whoever keeps the most concurrency.
     while sum(utilization.values()) > budget / total_gib + 1e-9:
         richest = max(plans, key=lambda p: concurrency_at(p, utilization[p.name] - 0.01))
@@ -291,7 +294,7 @@ def _fmt(value: float | int | None, spec: str) -> str:
     return "?" if value is None else format(value, spec)
 
 
-def _aligned(row: list[str], widths: list[int]) -> list[str]:
+def _aligned(row: Sequence[str], widths: list[int]) -> list[str]:
     """The first cell left-aligned, the figures right-aligned."""
     return [cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))]
 

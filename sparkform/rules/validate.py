@@ -316,22 +316,22 @@ def _lock(host: Host) -> list[Problem]:
     for engine in cfg.engines:
         owners.setdefault(cfg.pin(engine), engine)
     problems = []
-    for pin, engine in owners.items():
-        named = engine.lock_file if engine else cfg.lock_file
+    for pin, owner in owners.items():
+        named = owner.lock_file if owner else cfg.lock_file
         # An engine that names a version only is told of that field, not of a lock it never named.
-        field, value = ("lock_file", pin.lock) if named or engine is None else ("vllm_version", pin.version)
+        field, value = ("lock_file", pin.lock) if named or owner is None else ("vllm_version", pin.version)
         fix = (
             f"make it with `{locks.lock_command(pin.package, pin.version, cfg.device)}` (docs/operator.md, Locks), "
-            f"or point {'engines[].' if engine else ''}lock_file at a hashed lock of {pin.requirement}"
+            f"or point {'engines[].' if owner else ''}lock_file at a hashed lock of {pin.requirement}"
         )
         path = Path(pin.lock)
         if not path.is_file():
             missing = f"the repo has no lock for {pin.requirement} on {cfg.device}" if named is None else "no such file"
-            problems.append(Problem(host.name, field, value, missing, fix, engine.name if engine else None))
+            problems.append(Problem(host.name, field, value, missing, fix, owner.name if owner else None))
         elif found := locks.lock_problems(path.read_text(), pin.package, pin.version):
             more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
             problems.append(
-                Problem(host.name, field, value, "; ".join(found[:3]) + more, fix, engine.name if engine else None)
+                Problem(host.name, field, value, "; ".join(found[:3]) + more, fix, owner.name if owner else None)
             )
     return problems
 

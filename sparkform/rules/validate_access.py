@@ -83,14 +83,14 @@ def root_apart_from_the_engine(host: Host) -> list[Problem]:
     root_folders = {"state_dir": cfg.state_dir, **{k: v for k, v in root_owned.items() if k.endswith("_dir")}}
     for engine in cfg.engines:
         cache = cfg.engine_cache_dir(engine)
-        for field_name, folder in root_folders.items():
-            if inside(cache, folder) and not inside(cache, paths.engine_home):
+        for field_name, root_folder in root_folders.items():
+            if root_folder and inside(cache, root_folder) and not inside(cache, paths.engine_home):
                 problems.append(
                     Problem(
                         host.name,
                         "cache_root",
                         cfg.cache_root,
-                        f"engine {engine.name}'s cache folder {cache} lies in {field_name} ({folder}), root's: "
+                        f"engine {engine.name}'s cache folder {cache} lies in {field_name} ({root_folder}), root's: "
                         "the engine would write where root reads",
                         "give cache_root a folder of its own outside every folder of root's, e.g. the default",
                     )
@@ -229,7 +229,7 @@ def front(host: Host) -> list[Problem]:
         )
     public = {engine.port: engine.name for engine in cfg.engines}
     internals = {cfg.internal_port(engine): engine.name for engine in cfg.engines}
-    taken = public.get(cfg.front_port) or internals.get(cfg.front_port)
+    taken = None if cfg.front_port is None else public.get(cfg.front_port) or internals.get(cfg.front_port)
     if cfg.front_port is not None and taken:
         problems.append(
             Problem(

@@ -71,7 +71,7 @@ class FakeHub(HubStore):
         if self._server is None:
             raise RuntimeError("the hub is not serving")
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> None:
         """Serve in this thread until stop() (or a signal) ends it."""

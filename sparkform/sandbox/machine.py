@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from sparkform.sandbox import cgroups, network, nspawn, registry
 from sparkform.sandbox.rootfs import build_rootfs, cache_dir, hosts_file
@@ -320,12 +321,12 @@ def memory_controller_writable(name: str) -> None:
     (sandbox.runtime_dir / "memory-writable").touch()
 
 
-def status(name: str) -> dict[str, object]:
+def status(name: str) -> dict[str, Any]:
     """{name, up, address, pid (systemd-nspawn), state (systemctl is-system-running; None if unreachable),
     cable (network.Cable as a dict, or None)}."""
     registry.check_name(name)
     runtime_dir = registry.runtime_dir(name)
-    result: dict[str, object] = {"name": name, "up": False, "address": None, "pid": None, "state": None, "cable": None}
+    result: dict[str, Any] = {"name": name, "up": False, "address": None, "pid": None, "state": None, "cable": None}
     if not (runtime_dir / "index").is_file():
         return result
     sandbox = _sandbox(name, runtime_dir)

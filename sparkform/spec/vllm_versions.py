@@ -29,7 +29,7 @@ _COMMON_KV_DTYPES = (
 ).split()
 
 # Per major.minor: what it adds to the common sets (and, from 0.32 on, that bitsandbytes is gone).
-TAKES = {
+TAKES: dict[tuple[int, ...], VllmTakes] = {
     (0, 21): VllmTakes(
         frozenset(_COMMON_QUANTIZATIONS + ["bitsandbytes", "cpu_awq", "gguf"]), frozenset(_COMMON_KV_DTYPES)
     ),
