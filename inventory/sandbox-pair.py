@@ -49,9 +49,10 @@ _boxes = {name: up_box(name) for name in _names}
 _nodes = [host_name(name, box) for name, box in _boxes.items()]
 
 _head_address = NOT_LINKED
-if all(_boxes.values()):
+_head_box = _boxes[_head]
+if _head_box is not None and _boxes[_worker] is not None:
     try:
-        _cable = network.read_cable(_boxes[_head].runtime_dir)
+        _cable = network.read_cable(_head_box.runtime_dir)
     except SandboxError as err:
         _problem(_head, "cable", None, str(err), f"`sparkform sandbox --name {_head} down`, then up and link again")
     if _cable is None or _cable.peer != _worker:

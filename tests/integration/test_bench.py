@@ -1,4 +1,4 @@
-"""`sparkform bench` on the sandbox pair (issue 16's acceptance): each engine alone, then both at
+"""`sparkform bench` on the sandbox pair: each engine alone, then both at
 once, within the bounds it prints; a dated row in the host's ledger per bench; the PNG.
 
 Short settings (32-token prompts, 16 generated, 2 requests per engine and phase): the engines

@@ -229,8 +229,8 @@ def test_with_the_key_a_chat_and_a_streamed_chat_pass(box):
         assert status == 200, body
         assert json.loads(body)["choices"][0]["message"]["role"] == "assistant"
     # Streamed: events come through the front as the engine makes them. How fast the engine makes
-    # them varies (CI, 2026-12-03: on faster cores 400 tokens came within 0.02-0.2 s, after a first
-    # token at 0.5-1.1 s), so each try measures the engine's own stream on its loopback port, from
+    # them varies with the machine (on fast cores 400 tokens can come within 0.02-0.2 s, after a
+    # first token at 0.5-1.1 s), so each try measures the engine's own stream on its loopback port, from
     # inside the host, beside the front's: where the engine spread a stream over time, so must the
     # front. A front that holds the response back sends it in one burst.
     body = chat("nemotron", max_tokens=1500, stream=True, ignore_eos=True)

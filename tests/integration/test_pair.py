@@ -28,7 +28,7 @@ CI_MINUTES = 23  # wall time in CI, its sandbox setups included (the table at th
 PAIR_INVENTORY = ROOT / "inventory" / "sandbox-pair.py"
 ENGINE, PORT = "pair", 8013
 UNIT = layout.engine_unit(ENGINE)
-# Each host rebooted once in CI; bench/repeat pair-reboots repeats the round.
+# Each host reboots once in the suite; bench/repeat pair-reboots repeats the round.
 REBOOT_ROUNDS = int(os.environ.get("SPARKFORM_PAIR_REBOOTS", "1"))
 BACK_WITHIN_S = 600  # a restart of both ranks on two loaded cores: ~2 min here
 
@@ -98,10 +98,10 @@ def test_a_second_converge_changes_nothing(pair):
 
 
 def test_a_head_waiting_longer_than_start_stall_s_for_its_worker_is_not_failed_as_stalled(pair):
-    """CI (2026-12-02): on two loaded cores the worker joined later than start_stall_s after its
-    head started, and the guard failed the silent, idle head as a stalled start, again and again,
-    until the pair's tests timed out. A head waits for its ranks (its readiness budget bounds that;
-    the worker's guard watches the rank). Costs start_stall_s + 40 s and one start of the pair."""
+    """On two loaded cores a worker may join later than start_stall_s after its head started; a
+    guard that took the silent, idle head for a stalled start would fail it again and again. A
+    head waits for its ranks (its readiness budget bounds that; the worker's guard watches the
+    rank). Costs start_stall_s + 40 s and one start of the pair."""
     head, worker = pair
     stall_s = json.loads(ssh(head, f"cat {PATHS.guard_config}").stdout)["start_stall_s"]
     since = ssh(head, "date +%s").stdout.strip()
@@ -141,7 +141,7 @@ def test_a_reboot_of_either_host_brings_the_pair_back(pair):
         serves_again(head, "the head's reboot")
         # A rank whose head went mostly waits forever (the guard on the worker restarts it: a
         # head-lost alert, its own test in tests/unit/test_guard.py); on loaded cores it sometimes
-        # ends by itself first and systemd restarts it (CI, 2026-12-03). One of the two, told.
+        # ends by itself first and systemd restarts it. One of the two, told.
         # The guard's whole journal: an alert the journal socket refused is on its stderr.
         alerts = ssh(worker, f"journalctl -o cat --since @{int(since)} -u {layout.GUARD_UNIT}").stdout
         rank_log = ssh(worker, f"journalctl -o cat --since @{int(since)} -u {UNIT}").stdout

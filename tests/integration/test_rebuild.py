@@ -171,7 +171,7 @@ def test_rebuild_stops_at_once_when_the_host_refuses_its_key(box, tmp_path):
 
 
 def test_two_deploys_a_second_apart_run_one_after_the_other_and_the_host_ends_with_the_last(box, tmp_path):
-    """Issue 31: two `pyinfra -y` runs a second apart, each with its own max_num_seqs for q38.
+    """Two `pyinfra -y` runs a second apart, each with its own max_num_seqs for q38.
     Whichever takes the host first runs; the other is told who holds the host, waits, reads what
     the first left and runs; the host ends with the settings of the run that finished last, and
     q38 never fails between. Costs two starts of q38, and one to go back."""

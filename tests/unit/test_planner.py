@@ -299,7 +299,7 @@ def test_config_json_predicts_every_served_pair_pool(seed_data, make_host, row):
     plan = by_name(planner.plan(make_host(seed_data)))[name]
     assert (plan.kv_source, plan.tokens_source) == ("measured", "config.json")
     assert plan.kv_gib == pytest.approx(kv_gib)
-    assert plan.pool_tokens == tokens  # to the token (issue 16 asks for 2 %)
+    assert plan.pool_tokens == tokens  # to the token (the planner's target is 2 %)
     assert round(plan.concurrency, 2) == pytest.approx(printed, abs=0.051)
 
 

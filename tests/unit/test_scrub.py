@@ -183,7 +183,7 @@ def test_check_only_names_the_file_and_changes_nothing(host):
 
 
 def test_a_repair_the_hub_cannot_serve_is_tried_again_with_a_growing_back_off_and_serves_once_it_verifies(host):
-    """Issue 31: the hub served bad bytes at the scrub's repair and at the first retry: the
+    """The hub served bad bytes at the scrub's repair and at the first retry: the
     checkpoint stays unmarked (no engine starts on it), each failure schedules the next try twice
     as late, one alert says it failed; once the hub serves the file again, the retry fetches it,
     starts the engine its refused starts had failed, and one alert says so, with the tries."""
