@@ -28,7 +28,7 @@ CI_MINUTES = 23  # wall time in CI, its sandbox setups included (the table at th
 PAIR_INVENTORY = ROOT / "inventory" / "sandbox-pair.py"
 ENGINE, PORT = "pair", 8013
 UNIT = layout.engine_unit(ENGINE)
-# Each host reboots once in the suite; bench/repeat pair-reboots repeats the round.
+# Each host reboots once in the suite; bench/repeat.py pair-reboots repeats the round.
 REBOOT_ROUNDS = int(os.environ.get("SPARKFORM_PAIR_REBOOTS", "1"))
 BACK_WITHIN_S = 600  # a restart of both ranks on two loaded cores: ~2 min here
 

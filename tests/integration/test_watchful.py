@@ -64,7 +64,7 @@ PORTS = {"vllm-nemotron.service": 8012, "vllm-q38.service": 8011}
 NAMES = {"vllm-nemotron.service": "nemotron", "vllm-q38.service": "q38"}
 RESTART_S = 5  # the sandbox inventory's restart_s
 # Both engines killed at once, this many times in a row: the suite's two are one of each kind (both
-# together, then q38 first so nemotron finds it loading). bench/double_crash repeats it past the
+# together, then q38 first so nemotron finds it loading). bench/repeat.py double-crash repeats it past the
 # start limit's burst (3), which alone used to leave an engine failed at the fourth: ten rounds.
 DOUBLE_CRASHES = int(os.environ.get("SPARKFORM_DOUBLE_CRASHES", "2"))
 # The sandbox's watchdog: K failed probes, rounds an interval apart, each at most a deadline.

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from samples import SPARK_VERSIONS
 
-from sparkform.deploy.facts.snapshot import CHECKPOINT_SCAN, HostSnapshot
+from sparkform.deploy.facts import checkpoint_scan
+from sparkform.deploy.facts.snapshot import HostSnapshot, checkpoint_scan_command
 from sparkform.readers.kept import KeptSettings, Rollback
 from sparkform.readers.parsers import SYSTEMCTL_SHOW_PROPERTIES
 from sparkform.readers.remote import SECTION
 from sparkform.readers.snapshot import CheckpointFolder, RemoteFile
+from sparkform.spec.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
 
 # Every section the command gathers, in its order.
 SECTIONS = (
@@ -117,28 +121,42 @@ def test_checkpoint_scan_trusts_size_and_mtime_only(tmp_path):
     file is named; an unfinished folder has no marker and no manifest."""
     folder = tmp_path / "o--ckpt@c1"
     folder.mkdir()
-    (folder / ".sparkform-complete").write_text("c1\n")
+    (folder / COMPLETE_MARKER).write_text("c1\n")
     entries = []
     for name in ("a.safetensors", "b.safetensors"):
         (folder / name).write_bytes(b"x" * 100)
         entries.append({"path": name, "size": 100, "sha256": "not-checked", "mtime": (folder / name).stat().st_mtime})
-    (folder / ".sparkform-manifest.json").write_text(json.dumps({"files": entries}))
+    (folder / CHECKPOINT_MANIFEST).write_text(json.dumps({"files": entries}))
     bare = tmp_path / "o--ckpt@c2"
     bare.mkdir()
     (tmp_path / ".pins").mkdir()  # no @ in its name: not a checkpoint
 
     def check() -> dict[str, tuple[str, str]]:
-        out = subprocess.run(
-            [sys.executable, "-c", CHECKPOINT_SCAN, str(tmp_path)], capture_output=True, text=True, check=True
-        ).stdout
-        return {
-            folder: (marker, verdict) for folder, _, marker, verdict in (line.split("|") for line in out.splitlines())
-        }
+        lines = checkpoint_scan.scan(str(tmp_path), COMPLETE_MARKER, CHECKPOINT_MANIFEST)
+        return {folder: (marker, verdict) for folder, _, marker, verdict in (line.split("|") for line in lines)}
 
     # "not-checked" sha256: nothing was hashed
     assert check() == {str(folder): ("c1", "ok"), str(bare): ("", "-")}
     (folder / "b.safetensors").write_bytes(b"x" * 50)
     assert check()[str(folder)] == ("c1", "b.safetensors")
+
+
+def test_the_fact_sends_the_scan_s_text_and_the_host_s_python3_runs_it_alone(tmp_path):
+    """The fact's section runs the module's own text with python3 -c: it prints what scan()
+    yields, and imports nothing of sparkform (a host has none of it before its first deploy).
+    Costs one python3 start."""
+    for commit in ("c1", "c2"):
+        (tmp_path / f"o--ckpt@{commit}").mkdir()
+        (tmp_path / f"o--ckpt@{commit}" / COMPLETE_MARKER).write_text(commit)
+    out = subprocess.run(
+        ["sh", "-c", checkpoint_scan_command(str(tmp_path))], capture_output=True, text=True, check=True
+    ).stdout
+    assert sorted(out.splitlines()) == sorted(checkpoint_scan.scan(str(tmp_path), COMPLETE_MARKER, CHECKPOINT_MANIFEST))
+    assert len(out.splitlines()) == 2
+    tree = ast.parse(Path(checkpoint_scan.__file__).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported and {name.split(".")[0] for name in imported} <= set(sys.stdlib_module_names), imported
 
 
 def test_a_fresh_host_reads_as_empty():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from importlib import resources
 
 from pyinfra.api import FactBase
 
@@ -42,29 +43,13 @@ MANIFEST_PATH = re.compile(r"[A-Za-z0-9._/+-]{1,400}")  # a checkpoint file, rel
 WORKER_CONNECTIONS = re.compile(r"\s*worker_connections\s+([0-9]{1,6})\s*;.*")  # nginx.conf's line
 # A venv folder's name as HostConfig.pin names it: <package>-<version>-<lock id>.
 VENV_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+!-]{0,160}-[0-9a-f]{12}")
-# Every checkpoint folder (name@commit) under the models folder, one line each:
-# "folder|mtime|marker|verdict", the verdict "ok", "-" (no manifest) or the files whose size or
-# mtime no longer match the manifest. Trusts size and mtime: hashes nothing.
-CHECKPOINT_SCAN = f"""
-import glob, json, os, sys
-def same(folder, entry):
-    try:
-        st = os.stat(os.path.join(folder, entry["path"]))
-    except OSError:
-        return False
-    return st.st_size == entry["size"] and abs(st.st_mtime - entry["mtime"]) < 1e-3
-for folder in glob.glob(os.path.join(sys.argv[1], "*@*")):
-    try:
-        marker = open(os.path.join(folder, "{COMPLETE_MARKER}")).read().strip()
-    except OSError:
-        marker = ""
-    try:
-        files = json.load(open(os.path.join(folder, "{CHECKPOINT_MANIFEST}")))["files"]
-        verdict = ",".join(e["path"] for e in files if not same(folder, e)) or "ok"
-    except (OSError, ValueError, KeyError):
-        verdict = "-"
-    print("|".join((folder, str(os.stat(folder).st_mtime), marker, verdict)))
-"""
+
+
+def checkpoint_scan_command(models_dir: str) -> str:
+    """The no-op check of every checkpoint folder under `models_dir`: checkpoint_scan.py beside
+    this module, its text on the command line (the fact runs before any deploy put a file on the host)."""
+    source = resources.files(__package__).joinpath("checkpoint_scan.py").read_text(encoding="utf-8")
+    return shlex.join(["python3", "-c", source, models_dir, COMPLETE_MARKER, CHECKPOINT_MANIFEST])
 
 
 class HostSnapshot(FactBase):
@@ -134,7 +119,7 @@ class HostSnapshot(FactBase):
                 "unit_files",
                 f"systemctl list-unit-files --no-legend --no-pager {shlex.quote(unit_glob.rsplit('/', 1)[-1])}",
             ),
-            section("checkpoints", f"python3 -c {shlex.quote(CHECKPOINT_SCAN)} {shlex.quote(models_dir)}"),
+            section("checkpoints", checkpoint_scan_command(models_dir)),
             section("pins", pins_command(pins_dir)),
             section("versions", LIVE_VERSIONS_COMMAND),
             section("record", plain_file(record_path)),

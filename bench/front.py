@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: the latency the front adds, side by side in one run, on a converged sandbox.
 
-    bench/front [--requests 200] [--engine nemotron]
+    bench/front.py [--requests 200] [--engine nemotron]
 
 Needs a converged sandbox (`make sandbox`; SPARKFORM_SANDBOX picks another). On the host itself
 (so no network stands between client and front), one client sends, in turn, a one-token chat
@@ -25,17 +25,16 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
+from sparkform.rules.inventory import load_inventory
+from sparkform.sandbox import machine, stage
+from sparkform.spec.schema import HostConfig
 
+# The live tests' helpers (their sandbox inventory, their ssh) are no part of the package.
+sys.path.append(str(Path(__file__).resolve().parent.parent / "tests" / "integration"))
 from deploy_helpers import SANDBOX_INVENTORY, ssh  # noqa: E402
 
-from sparkform.rules.inventory import load_inventory  # noqa: E402
-from sparkform.sandbox import machine, stage  # noqa: E402
 
-
-def timed(url: str, body: dict, key: str | None) -> list[float]:
+def timed(url: str, body: dict, key: str | None) -> list[float | None]:
     """[s to the first line of the answer, s to its end] of one request. Runs on the host by its
     source (the system's python3, standard library only)."""
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
@@ -66,15 +65,9 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98] if len(values) > 1 else values[0]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--engine", default="nemotron")
-    args = parser.parse_args()
-    box = machine.get(os.environ.setdefault("SPARKFORM_SANDBOX", "sandbox"))
-    (host,) = load_inventory(SANDBOX_INVENTORY)
-    config = host.config
-    engine = next(e for e in config.engines if e.name == args.engine)
+def requests_to(config: HostConfig, engine_name: str) -> tuple[dict[str, str], dict[str, dict]]:
+    """The three places (URL each) the bench sends to for the engine, and its two kinds of request (body each)."""
+    engine = next(e for e in config.engines if e.name == engine_name)
     front = config.front_local_address
     places = {
         "engine": f"http://127.0.0.1:{config.internal_port(engine)}/v1/chat/completions",
@@ -83,28 +76,44 @@ def main() -> int:
     }
     chat = {"model": engine.names[0], "messages": [{"role": "user", "content": "hi"}]}
     bodies = {"one token": chat | {"max_tokens": 1}, "streamed": chat | {"max_tokens": 8, "stream": True}}
-    key = stage.secret_file(box.runtime_dir, "api_key").read_text().strip()
-    result = ssh(box, "python3 -", stdin=on_the_host(places, bodies, key, args.requests), check=False)
-    if result.returncode != 0:
-        print(f"front bench: a request failed on the host:\n{result.stderr[-2000:]}", file=sys.stderr)
-        return 1
-    times = json.loads(result.stdout)
-    print(f"front bench: {args.requests} requests per place and kind, engine {engine.name}, sandbox {box.name}")
-    print(f"{'place':10} {'kind':10} {'median ms':>10} {'p99 ms':>8} {'first event: median ms':>23} {'p99 ms':>8}")
+    return places, bodies
+
+
+def table(times: dict[str, dict[str, list[list[float]]]]) -> list[str]:
+    """The lines printed of what the host measured: per place and kind, then what the front adds."""
+    lines = [f"{'place':10} {'kind':10} {'median ms':>10} {'p99 ms':>8} {'first event: median ms':>23} {'p99 ms':>8}"]
     medians = {}
     for place, kinds in times.items():
         for kind, pairs in kinds.items():
             whole, first = [end for _, end in pairs], [start for start, _ in pairs]
             medians[(place, kind)] = statistics.median(whole) * 1000
             events = f"{statistics.median(first) * 1000:23.2f} {p99(first) * 1000:8.2f}" if kind == "streamed" else ""
-            print(f"{place:10} {kind:10} {medians[(place, kind)]:10.2f} {p99(whole) * 1000:8.2f} {events}")
-    for kind in bodies:
+            lines.append(f"{place:10} {kind:10} {medians[(place, kind)]:10.2f} {p99(whole) * 1000:8.2f} {events}")
+    for kind in times["engine"]:
         own, combined, engine_ms = (medians[(place, kind)] for place in ("own port", "combined", "engine"))
-        print(
+        lines.append(
             f"added at the median, {kind}: the own port {own - engine_ms:+.2f} ms over the engine, "
             f"the combined port {combined - engine_ms:+.2f} ms over the engine and {combined - own:+.2f} ms "
             "over the own port"
         )
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--engine", default="nemotron")
+    args = parser.parse_args()
+    box = machine.get(os.environ.setdefault("SPARKFORM_SANDBOX", "sandbox"))
+    (host,) = load_inventory(SANDBOX_INVENTORY)
+    places, bodies = requests_to(host.config, args.engine)
+    key = stage.secret_file(box.runtime_dir, "api_key").read_text().strip()
+    result = ssh(box, "python3 -", stdin=on_the_host(places, bodies, key, args.requests), check=False)
+    if result.returncode != 0:
+        print(f"front bench: a request failed on the host:\n{result.stderr[-2000:]}", file=sys.stderr)
+        return 1
+    print(f"front bench: {args.requests} requests per place and kind, engine {args.engine}, sandbox {box.name}")
+    print("\n".join(table(json.loads(result.stdout))))
     return 0
 
 

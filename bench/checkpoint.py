@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: checkpoint verification costs, on this machine against the fake hub (127.0.0.1).
 
-    bench/checkpoint [--shards 4] [--shard-mib 256] [--rounds 3]
+    bench/checkpoint.py [--shards 4] [--shard-mib 256] [--rounds 3]
 
 Prints: first-download throughput of sparkform-checkpoint (download + sha256 of every file,
 fsync'd) next to a plain `curl` of the same bytes (one file after the other, and all at once with
@@ -25,14 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from sparkform.deploy.facts.snapshot import CHECKPOINT_SCAN  # noqa: E402
-from sparkform.spec.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER  # noqa: E402
-from sparkform.build.render import render_host  # noqa: E402
-from sparkform.sandbox.fakehub import FakeHub  # noqa: E402
-from sparkform.spec.schema import HostConfig  # noqa: E402
+from sparkform.build.programs import host_source, scrub_settings
+from sparkform.deploy.facts.snapshot import checkpoint_scan_command
+from sparkform.host import settings_path
+from sparkform.sandbox.fakehub import FakeHub
+from sparkform.spec.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
+from sparkform.spec.schema import HostConfig
 
 REPO = "bench/weights"
 GIB = 2**30
@@ -52,13 +50,14 @@ def fetch_seconds(hub: FakeHub, work: Path, folder: Path, *options: str) -> tupl
     """Seconds sparkform-checkpoint takes in all, and from its first line (python started, the hub
     asked for the commit and the tree, the free space checked) to its end: the fetch itself."""
     script = work / "sparkform-checkpoint"
-    script.write_text(next(f.content for f in render_host(HostConfig()) if f.path.endswith("sparkform-checkpoint")))
+    script.write_text(host_source("checkpoint"))  # as it lands on a host, byte for byte
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(HF_ENDPOINT=hub.url, HF_HOME=str(work / "hf-home"))
     subprocess.run(["sync"], check=True)  # as before curl's runs: what the runs before wrote is not this one's
     started = time.monotonic()
     command = [sys.executable, str(script), REPO, "main", str(folder), *options]
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as process:
+        assert process.stdout is not None  # a pipe: stdout=PIPE
         process.stdout.readline()
         first_line = time.monotonic()
         process.stdout.read()
@@ -98,18 +97,21 @@ def curl_seconds(hub: FakeHub, files: list[Path], work: Path, parallel: bool) ->
 
 def scrub_seconds(work: Path, folder: Path, rate_mib_s: int) -> float:
     """Seconds sparkform-scrub --check-only takes to re-hash `folder` against its manifest at a
-    read bound of `rate_mib_s` (it must find every file as recorded)."""
-    rendered = render_host(HostConfig())
+    read bound of `rate_mib_s` (it must find every file as recorded). Its settings are a default
+    host's, in the file beside it (sparkform.host.settings_path), with this checkpoint alone."""
     script = work / "sparkform-scrub"
-    script.write_text(next(f.content for f in rendered if f.path.endswith("sparkform-scrub")))
+    script.write_text(host_source("scrub"))
     commit = (folder / COMPLETE_MARKER).read_text().strip()
-    settings = work / "scrub.json"
     checkpoint = {"folder": str(folder), "repo": REPO, "commit": commit, "fetch": [], "engines": []}
-    settings.write_text(json.dumps({"checkpoints": [checkpoint], "rate_mib_s": rate_mib_s, "guard": ""}))
+    settings = scrub_settings(HostConfig()) | {
+        "checkpoints": [checkpoint],
+        "rate_mib_s": rate_mib_s,
+        "repairs": str(work / "scrub-repairs.json"),
+    }
+    Path(settings_path(str(script))).write_text(json.dumps(settings))
     subprocess.run(["sync"], check=True)
     started = time.monotonic()
-    result = subprocess.run([sys.executable, str(script), "--check-only"], capture_output=True, text=True,
-                            env={**os.environ, "SPARKFORM_SCRUB_CONFIG": str(settings)})
+    result = subprocess.run([sys.executable, str(script), "--check-only"], capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"sparkform-scrub found what it should not: {result.stdout}{result.stderr}")
     return time.monotonic() - started
@@ -136,14 +138,15 @@ def noop_check_seconds(work: Path, shards: int = 11, total_gib: int = 22) -> flo
         path = folder / f"model-{index:05d}-of-{shards:05d}.safetensors"
         with open(path, "wb") as out:
             out.truncate(total_gib * GIB // shards)  # sparse: the check never reads the bytes
-        entries.append({"path": path.name, "size": path.stat().st_size, "sha256": "-",
-                        "mtime": path.stat().st_mtime})
+        entries.append({"path": path.name, "size": path.stat().st_size, "sha256": "-", "mtime": path.stat().st_mtime})
     (folder / CHECKPOINT_MANIFEST).write_text(json.dumps({"files": entries}))
+    # The Snapshot fact's own command; its python3 is this interpreter, not a wrapper PATH finds first (pyenv's).
+    command = checkpoint_scan_command(str(models))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", CHECKPOINT_SCAN, str(models)], capture_output=True, text=True,
-                         check=True).stdout
+    lines = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True, env=env).stdout
     elapsed = time.monotonic() - started
-    assert out.strip().endswith("|ok"), out
+    assert lines.strip().endswith("|ok"), lines
     return elapsed
 
 
@@ -185,28 +188,40 @@ def main() -> None:
             scrub_unbounded = scrub_seconds(work, work / "fetched", 10**6)
             shutil.rmtree(work / "fetched")
             refetched, verified = resume_refetched(hub, work, shards[0])
-        print(f"first download, {mib} MiB in {args.shards} shards, median of {args.rounds} rounds in rotating order: "
-              f"sparkform-checkpoint {mib / fetch:.0f} MiB/s "
-              f"({fetch:.2f} s: sha256 of every byte, every file fsync'd before the marker; "
-              f"{mib / streaming:.0f} MiB/s, {streaming:.2f} s, after its start-up)")
-        for name, fetched, on_disk in (("curl", curl, curl_disk), ("curl --parallel", curl_parallel,
-                                                                  curl_parallel_disk)):
-            print(f"  {name}: {mib / on_disk:.0f} MiB/s to disk ({on_disk:.2f} s with fsync; ratio "
-                  f"{on_disk / fetch:.2f}, after start-up {on_disk / streaming:.2f}), {mib / fetched:.0f} MiB/s to "
-                  f"the page cache ({fetched:.2f} s; ratio {fetched / fetch:.2f}, after start-up "
-                  f"{fetched / streaming:.2f})")
-        print(f"resume of a {args.shard_mib} MiB shard cut at 90 %: {refetched / 2**20:.1f} MiB fetched after the cut "
-              f"({100 * refetched / (args.shard_mib * 2**20):.1f} % of the shard, target <= 15 %), "
-              f"{'verified' if verified else 'NOT verified'}")
-        print(f"scrub of the {mib} MiB fetched (--check-only): {mib / scrub_bounded:.0f} MiB/s at its bound of "
-              f"{scrub_rate} MiB/s (scrub.rate_mib_s; {scrub_bounded:.2f} s), {mib / scrub_unbounded:.0f} MiB/s "
-              f"unbounded ({scrub_unbounded:.2f} s)")
+        print(
+            f"first download, {mib} MiB in {args.shards} shards, median of {args.rounds} rounds in rotating order: "
+            f"sparkform-checkpoint {mib / fetch:.0f} MiB/s "
+            f"({fetch:.2f} s: sha256 of every byte, every file fsync'd before the marker; "
+            f"{mib / streaming:.0f} MiB/s, {streaming:.2f} s, after its start-up)"
+        )
+        for name, fetched, on_disk in (
+            ("curl", curl, curl_disk),
+            ("curl --parallel", curl_parallel, curl_parallel_disk),
+        ):
+            print(
+                f"  {name}: {mib / on_disk:.0f} MiB/s to disk ({on_disk:.2f} s with fsync; ratio "
+                f"{on_disk / fetch:.2f}, after start-up {on_disk / streaming:.2f}), {mib / fetched:.0f} MiB/s to "
+                f"the page cache ({fetched:.2f} s; ratio {fetched / fetch:.2f}, after start-up "
+                f"{fetched / streaming:.2f})"
+            )
+        print(
+            f"resume of a {args.shard_mib} MiB shard cut at 90 %: {refetched / 2**20:.1f} MiB fetched after the cut "
+            f"({100 * refetched / (args.shard_mib * 2**20):.1f} % of the shard, target <= 15 %), "
+            f"{'verified' if verified else 'NOT verified'}"
+        )
+        print(
+            f"scrub of the {mib} MiB fetched (--check-only): {mib / scrub_bounded:.0f} MiB/s at its bound of "
+            f"{scrub_rate} MiB/s (scrub.rate_mib_s; {scrub_bounded:.2f} s), {mib / scrub_unbounded:.0f} MiB/s "
+            f"unbounded ({scrub_unbounded:.2f} s)"
+        )
         for name, times in runs.items():  # the script's total; curl's to disk
             shown = [total if name == "script" else on_disk for total, on_disk in times]
             print(f"  rounds of {name}: " + ", ".join(f"{mib / seconds:.0f}" for seconds in shown) + " MiB/s")
         noop = noop_check_seconds(work)
-        print(f"no-op check of 22 GiB in 11 shards (size + mtime against the manifest): {noop * 1000:.0f} ms, "
-              f"{noop / 22 * 1000:.1f} ms per GiB (target: under 1 s in all)")
+        print(
+            f"no-op check of 22 GiB in 11 shards (size + mtime against the manifest): {noop * 1000:.0f} ms, "
+            f"{noop / 22 * 1000:.1f} ms per GiB (target: under 1 s in all)"
+        )
     finally:
         shutil.rmtree(work)
 

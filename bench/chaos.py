@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Chaos run: the sandbox pair under a client loop while random faults land, for a bounded time.
 
-    bench/chaos [--minutes 10] [--seed N] [--faults kill-one,kill-both,stop-api,...]
+    bench/chaos.py [--minutes 10] [--seed N] [--faults kill-one,kill-both,stop-api,...]
 
 Needs a converged sandbox (`make sandbox`; SPARKFORM_SANDBOX picks another). A client per engine
 sends a one-token chat completion through the front (with the key) every second; a fault lands
@@ -40,19 +40,17 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
+from sparkform.host.starts import STOPPED_S
+from sparkform.sandbox import machine, stage
+from sparkform.sandbox.alerts import read_alerts
+from sparkform.spec.layout import FRONT_CONFIG, FRONT_UNIT, GUARD_UNIT
 
+# The live tests' helpers (their sandbox inventory, pyinfra, ssh, edited inventories) are no part of the package.
+sys.path.append(str(Path(__file__).resolve().parent.parent / "tests" / "integration"))
 from deploy_helpers import SANDBOX_INVENTORY, edited_inventory, pyinfra, ssh  # noqa: E402
-
-from sparkform.host.starts import STOPPED_S  # noqa: E402
-from sparkform.spec.layout import FRONT_CONFIG, FRONT_UNIT, GUARD_UNIT  # noqa: E402
-from sparkform.sandbox import machine, stage  # noqa: E402
-from sparkform.sandbox.alerts import read_alerts  # noqa: E402
 
 ENGINES = {"nemotron": 8012, "q38": 8011}
 LOWEST_PRIORITY = "q38"  # the engine the memory guard stops (inventory/sandbox.py's priorities)
@@ -253,16 +251,26 @@ def start_seconds(box: machine.Sandbox) -> float:
     return max((float(n) for n in out), default=60.0)
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The run's settings and its faults, in the order given; exit 2 on a fault it does not know."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--faults", default=",".join(FAULTS))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     faults = [fault for fault in args.faults.split(",") if fault]
     unknown = set(faults) - set(FAULTS)
     if unknown or not faults:
         parser.error(f"unknown faults {sorted(unknown)}; choose from {', '.join(FAULTS)}")
+    return args, faults
+
+
+def plan(args: argparse.Namespace, faults: list[str], sandbox: str) -> str:
+    return f"chaos: {args.minutes:g} min against sandbox {sandbox}, seed {args.seed}, faults {', '.join(faults)}"
+
+
+def main() -> int:
+    args, faults = parse_args()
     rng = random.Random(args.seed)
     box = machine.get(os.environ.setdefault("SPARKFORM_SANDBOX", "sandbox"))  # the inventory reads it too
     key = stage.secret_file(box.runtime_dir, "api_key").read_text().strip()
@@ -283,10 +291,7 @@ def main() -> int:
         )
     assert pyinfra(inventory, "-y").returncode == 0, "the sandbox did not converge; run make sandbox first"
 
-    print(
-        f"chaos: {args.minutes:g} min against sandbox {box.name}, seed {args.seed}, faults {', '.join(faults)}",
-        flush=True,
-    )
+    print(plan(args, faults, box.name), flush=True)
     started = time.monotonic()
     until = started + args.minutes * 60
     # The clients go on TAIL_S past the last fault's window: a fault near the end is measured too.
@@ -321,7 +326,9 @@ def main() -> int:
     received = read_alerts(stage.alerts_file(box.runtime_dir))[alerts_before:]
     wall_start = time.time() - (time.monotonic() - started)  # the receiver stamps alerts in unix time
     by_client = {c.engine: c for c in clients}
-    kept, alerted, needed_dark, matched = True, 0, Counter(), set()
+    kept, alerted = True, 0
+    needed_dark: defaultdict[str, float] = defaultdict(float)  # per engine: the dark time the faults must take
+    matched: set[int] = set()  # the alerts a fault took
     print(f"\none engine start this run: {one_start:.0f} s; per fault, each engine it darkened:")
     for n, (at, fault, _, engines) in enumerate(injected):
         backs = []
@@ -329,13 +336,10 @@ def main() -> int:
         bound = restart + 30 + (STALL_BOUND_S if fault in STALLS else 0) + HELD_S.get(fault, 0)
         # Measured until each engine serves again; a later fault on it before then adds its bound.
         back_of = {engine: back_after(by_client[engine], at, until + TAIL_S) for engine in engines}
+        back_or_never = {engine: float("inf") if back is None else back for engine, back in back_of.items()}
         # Two engines started together load one at a time (the start lock): the one back last
         # waited one start for the other.
-        second = (
-            max(engines, key=lambda e: float("inf") if back_of[e] is None else back_of[e])
-            if fault in SERIAL_STARTS and len(engines) > 1
-            else None
-        )
+        second = max(engines, key=back_or_never.__getitem__) if fault in SERIAL_STARTS and len(engines) > 1 else None
         for engine in engines:
             back, waited = back_of[engine], one_start if engine == second else 0.0
             later = [

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: a no-op converge (nothing to change), wall time and remote commands, median of N.
 
-    bench/noop_converge [INVENTORY] [--runs 5]       (default: inventory/sandbox.py, sandbox up)
+    bench/noop_converge.py [INVENTORY] [--runs 5]       (default: inventory/sandbox.py, sandbox up)
 
 Each run is the real `pyinfra -y INVENTORY deploy.py` in a child process whose SSH connector
 counts every command it runs and every file it uploads. Prints one line per run and the medians.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,10 @@ def one_run(inventory: Path) -> tuple[float, dict]:
         start = time.monotonic()
         result = subprocess.run(
             [sys.executable, "-c", COUNTING_PYINFRA, counts_file.name, "-y", str(inventory), "deploy.py"],
-            cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         elapsed = time.monotonic() - start
         if result.returncode != 0:
             sys.exit(f"pyinfra failed:\n{result.stdout}\n{result.stderr}")
@@ -66,8 +68,10 @@ def main() -> None:
         times.append(elapsed)
         commands.append(counts["commands"] + counts["uploads"])
         print(f"run {index + 1}: {elapsed:.2f} s, {counts['commands']} commands, {counts['uploads']} uploads")
-    print(f"median: {statistics.median(times):.2f} s wall, {statistics.median(commands):.0f} remote commands "
-          f"(targets: < 3 s, < 30)")
+    print(
+        f"median: {statistics.median(times):.2f} s wall, {statistics.median(commands):.0f} remote commands "
+        f"(targets: < 3 s, < 30)"
+    )
 
 
 if __name__ == "__main__":
