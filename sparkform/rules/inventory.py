@@ -28,7 +28,7 @@ from sparkform.spec.shapes import owned_flag
 BASE_DIR_KEY = "_sparkform_base_dir"  # relative paths in host data resolve against it
 # The inventory a command reads when none is named (where `sparkform init` writes one), unless
 # SPARKFORM_INVENTORY names another.
-DEFAULT_INVENTORY = "~/.config/sparkform/rules/inventory.py"
+DEFAULT_INVENTORY = "~/.config/sparkform/inventory.py"
 INVENTORY_HELP = f"the pyinfra inventory file (default: $SPARKFORM_INVENTORY, else {DEFAULT_INVENTORY})"
 EXIT_INVALID = 2
 EXIT_UNTRUSTED = 3  # the host holds a value sparkform never writes (sparkform.deploy.facts.snapshot.HostSnapshot)

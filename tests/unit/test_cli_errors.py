@@ -180,7 +180,7 @@ def test_sparkform_inventory_names_the_inventory_of_every_command(tmp_path):
     # Without it, the default file, which is not there: one line saying how to name one.
     missing, _ = sparkform("plan", cwd=tmp_path, env={"HOME": str(tmp_path)})
     assert missing.returncode == exits.USAGE
-    assert missing.stderr.startswith(f"sparkform: {tmp_path}/.config/sparkform/rules/inventory.py: no such file")
+    assert missing.stderr.startswith(f"sparkform: {tmp_path}/.config/sparkform/inventory.py: no such file")
     assert "SPARKFORM_INVENTORY" in missing.stderr and "sparkform init" in missing.stderr
 
 
