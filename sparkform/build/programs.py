@@ -12,10 +12,24 @@ import os
 import shlex
 from collections.abc import Mapping
 from importlib import resources
+from typing import cast
 
+from sparkform.host import (
+    ROOT_PYTHON,
+    AwaitedRanks,
+    CheckpointEngine,
+    EngineLedger,
+    EngineProbe,
+    GuardedFront,
+    GuardEngine,
+    GuardSettings,
+    RollbackEngine,
+    RollbackSettings,
+    ScrubSettings,
+    ServedCheckpoint,
+)
 from sparkform.reports import ledger
 from sparkform.spec.engine import Engine
-from sparkform.host import ROOT_PYTHON
 from sparkform.spec.layout import (
     ENGINES_TARGET,
     FRONT_ACCESS_LOG,
@@ -99,6 +113,7 @@ def module_folders(config: HostConfig) -> list[str]:
 
 def min_available_kib(config: HostConfig, engine: Engine) -> int:
     """MemAvailable the launch script wants before it starts this engine."""
+    share: float
     if engine.kv_cache_memory_bytes:
         share = engine.kv_cache_memory_bytes
     else:
@@ -118,82 +133,76 @@ def guard_files(config: HostConfig) -> list[str]:
     ]
 
 
-def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None = None) -> dict:
+def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None = None) -> GuardSettings:
     """What sparkform-guard knows about the host (no secret: the webhook URL stays in its file).
     `model_configs` (engine -> config.json, the inventory's model_config_path) feed the planner's
     prediction that each start's KV ledger row carries."""
     host = Host("", config, dict(model_configs or {}))
-    return {
-        # need_gib: the MemAvailable the launch script wants before it starts the engine.
-        "engines": [
-            {
-                "name": e.name,
-                "unit": e.unit,
-                "port": config.internal_port(e),
-                "names": e.names,
-                "probe": e.probe,
-                "priority": e.priority,
-                "need_gib": round(min_available_kib(config, e) / 2**20, 2),
-                "ledger": ledger.guard_ledger(host, e),
+    return GuardSettings(
+        engines=[
+            GuardEngine(
+                name=e.name,
+                unit=e.unit,
+                port=config.internal_port(e),
+                names=e.names,
+                probe=cast(EngineProbe, e.probe),
+                priority=e.priority,
+                need_gib=round(min_available_kib(config, e) / 2**20, 2),
+                ledger=cast(EngineLedger, ledger.guard_ledger(host, e)),
                 # A rank this host runs headless: where its head's master port is (no API to probe here).
-                "head": [config.span(e).master_address, e.master_port] if config.is_worker(e) else None,
+                head=[config.span(e).master_address, e.master_port] if config.is_worker(e) else None,
                 # The head of one: the ranks of other hosts its start waits for on its master port.
-                "ranks": (
-                    {"address": config.span(e).master_address, "port": e.master_port, "count": len(e.nodes) - 1}
+                ranks=(
+                    AwaitedRanks(address=config.span(e).master_address, port=e.master_port, count=len(e.nodes) - 1)
                     if e.nodes and not config.is_worker(e)
                     else None
                 ),
-            }
+            )
             for e in config.enabled_engines
         ],
-        "state_dir": record_dir(config.state_dir),
-        "webhook_file": config.paths.alert_webhook if config.alert_webhook_file else None,
-        "alert_command": config.alert_command,
-        "textfile": config.monitoring.guard_textfile if config.monitoring.enabled else None,
-        "gpu_textfile": config.monitoring.gpu_textfile if config.monitoring.enabled else None,
+        state_dir=record_dir(config.state_dir),
+        webhook_file=config.paths.alert_webhook if config.alert_webhook_file else None,
+        alert_command=config.alert_command,
+        textfile=config.monitoring.guard_textfile if config.monitoring.enabled else None,
+        gpu_textfile=config.monitoring.gpu_textfile if config.monitoring.enabled else None,
         # The GPU read as `sparkform status` reads it: NVML's report, by the venv's python (pynvml).
-        "gpu_python": f"{config.venv}/bin/python",
-        "nvml_report": f"{config.paths.host_modules}/sparkform/host/nvml_report.py",
+        gpu_python=f"{config.venv}/bin/python",
+        nvml_report=f"{config.paths.host_modules}/sparkform/host/nvml_report.py",
         # Requests per client: counted from the front's access log into a textfile of its own.
-        "front_textfile": config.monitoring.front_textfile if config.monitoring.enabled else None,
-        "front_access_log": FRONT_ACCESS_LOG,
-        "kv_ledger": config.paths.kv_ledger,
-        "lock_dir": config.paths.lock_dir,
+        front_textfile=config.monitoring.front_textfile if config.monitoring.enabled else None,
+        front_access_log=FRONT_ACCESS_LOG,
+        kv_ledger=config.paths.kv_ledger,
+        lock_dir=config.paths.lock_dir,
         # Where the guard checks that the front passes a keyed request (root's key file).
-        "fronts": [
-            {"engine": e.name, "address": config.front_local_address, "port": e.port} for e in config.served_engines
+        fronts=[
+            GuardedFront(engine=e.name, address=config.front_local_address, port=e.port) for e in config.served_engines
         ],
-        "front_key": config.paths.front_key if config.front_keyed else None,
+        front_key=config.paths.front_key if config.front_keyed else None,
         # Over TLS the guard trusts only the certificate the deploy wrote, whatever name it holds.
-        "front_certificate": config.paths.front_certificate if config.front_tls_on else None,
-        "front_unit": FRONT_UNIT,
+        front_certificate=config.paths.front_certificate if config.front_tls_on else None,
+        front_unit=FRONT_UNIT,
         # Started again by the guard once every engine serves (sparkform/host/target.py).
-        "engines_target": ENGINES_TARGET,
-        "kv_ledger_rows": KV_LEDGER_ROWS,
-        **{
-            key: getattr(config, key)
-            for key in (
-                "recover_cooldown_s",
-                "recover_backoff_max_s",
-                "watchdog_interval_s",
-                "watchdog_deadline_s",
-                "watchdog_failures",
-                "start_stall_s",
-                "restart_s",
-                "memory_warn_gib",
-                "memory_critical_gib",
-                "memory_margin_gib",
-            )
-        },
-        "memory_poll_s": 2,
-        "start_poll_s": 5,
-        "pressure_starved_pct": 40,
-        "rank_join_s": RANK_JOIN_S,
-        "vllm_cli": config.paths.vllm_cli,
-        "memory_settle_s": 10,
-        "gpu_poll_s": 15,
-        "front_count_s": 15,
-    }
+        engines_target=ENGINES_TARGET,
+        kv_ledger_rows=KV_LEDGER_ROWS,
+        recover_cooldown_s=config.recover_cooldown_s,
+        recover_backoff_max_s=config.recover_backoff_max_s,
+        watchdog_interval_s=config.watchdog_interval_s,
+        watchdog_deadline_s=config.watchdog_deadline_s,
+        watchdog_failures=config.watchdog_failures,
+        start_stall_s=config.start_stall_s,
+        restart_s=config.restart_s,
+        memory_warn_gib=config.memory_warn_gib,
+        memory_critical_gib=config.memory_critical_gib,
+        memory_margin_gib=config.memory_margin_gib,
+        memory_poll_s=2,
+        start_poll_s=5,
+        pressure_starved_pct=40,
+        rank_join_s=RANK_JOIN_S,
+        vllm_cli=config.paths.vllm_cli,
+        memory_settle_s=10,
+        gpu_poll_s=15,
+        front_count_s=15,
+    )
 
 
 def checkpoint_fetch(config: HostConfig, engine: Engine) -> list[str]:
@@ -213,52 +222,52 @@ def checkpoint_fetch(config: HostConfig, engine: Engine) -> list[str]:
     ]
 
 
-def scrub_settings(config: HostConfig) -> dict:
+def scrub_settings(config: HostConfig) -> ScrubSettings:
     """What sparkform-scrub knows: each checkpoint an enabled engine serves, with its fetch and the
     engines to restart after a repair; the token's path, never the token."""
-    folders: dict[str, dict] = {}
+    folders: dict[str, ServedCheckpoint] = {}
     for engine in config.enabled_engines:
         checkpoint = folders.setdefault(
             config.checkpoint_dir(engine),
-            {
-                "folder": config.checkpoint_dir(engine),
-                "repo": engine.checkpoint.repo,
-                "commit": config.commit(engine),
-                "fetch": checkpoint_fetch(config, engine),
-                "engines": [],
-            },
+            ServedCheckpoint(
+                folder=config.checkpoint_dir(engine),
+                repo=engine.checkpoint.repo,
+                commit=config.commit(engine),
+                fetch=checkpoint_fetch(config, engine),
+                engines=[],
+            ),
         )
-        checkpoint["engines"].append({"name": engine.name, "unit": engine.unit})
-    return {
-        "checkpoints": list(folders.values()),
-        "rate_mib_s": config.scrub.rate_mib_s,
-        "host_lock_wait_s": config.host_lock_wait_s,
-        "host_lock": config.paths.host_lock,
+        checkpoint["engines"].append(CheckpointEngine(name=engine.name, unit=engine.unit))
+    return ScrubSettings(
+        checkpoints=list(folders.values()),
+        rate_mib_s=config.scrub.rate_mib_s,
+        host_lock_wait_s=config.host_lock_wait_s,
+        host_lock=config.paths.host_lock,
         # A repair that failed: tried again after retry_s, doubled each time, up to retry_max_s.
-        "retry_s": config.scrub.retry_s,
-        "retry_max_s": config.scrub.retry_max_s,
-        "repairs": f"{record_dir(config.state_dir)}/scrub-repairs.json",
-        "hf_endpoint": config.hf_endpoint,
-        "hf_token_file": config.paths.hf_token if config.hf_token_file else None,
-        "guard": config.paths.guard,
-    }
+        retry_s=config.scrub.retry_s,
+        retry_max_s=config.scrub.retry_max_s,
+        repairs=f"{record_dir(config.state_dir)}/scrub-repairs.json",
+        hf_endpoint=config.hf_endpoint,
+        hf_token_file=config.paths.hf_token if config.hf_token_file else None,
+        guard=config.paths.guard,
+    )
 
 
-def rollback_settings(config: HostConfig) -> dict:
+def rollback_settings(config: HostConfig) -> RollbackSettings:
     """What sparkform-rollback knows: the files of each engine it can put back, where they are
     kept, the guard it alerts through and the engines target it starts again."""
-    return {
-        "engines": {
-            engine.name: {"unit": engine.unit, "files": list(config.paths.engine_files(engine.name))}
+    return RollbackSettings(
+        engines={
+            engine.name: RollbackEngine(unit=engine.unit, files=list(config.paths.engine_files(engine.name)))
             for engine in config.engines
         },
-        "kept_root": kept_root(config.state_dir),
-        "guard": config.paths.guard,
-        "target": ENGINES_TARGET,
-    }
+        kept_root=kept_root(config.state_dir),
+        guard=config.paths.guard,
+        target=ENGINES_TARGET,
+    )
 
 
-def settings_file(path: str, settings: dict) -> RenderedFile:
+def settings_file(path: str, settings: GuardSettings | ScrubSettings | RollbackSettings) -> RenderedFile:
     return RenderedFile(path, json.dumps(settings, indent=2, sort_keys=True) + "\n", "644")
 
 

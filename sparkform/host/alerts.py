@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 
 from sparkform.host import ALERT_MESSAGE_ID as MESSAGE_ID
+from sparkform.host import GuardSettings
 from sparkform.host.textfile import metric_family, write_textfile
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
@@ -49,7 +50,7 @@ OUTBOX_FIRST_S, OUTBOX_MAX_S, OUTBOX_KEPT = 10, 600, 1000
 # --- telling a human ---------------------------------------------------------------------------
 
 
-def journal(config, message, priority=6, **fields):
+def journal(config: GuardSettings, message, priority=6, **fields):
     """One structured journal entry (journald's native protocol), on stderr when there is none."""
     lines = [
         f"MESSAGE={message}",
@@ -65,7 +66,7 @@ def journal(config, message, priority=6, **fields):
         print(message, file=sys.stderr, flush=True)
 
 
-def alert(config, event, engine, message):
+def alert(config: GuardSettings, event, engine, message):
     """Journal entry with the fixed MESSAGE_ID, then the webhook and the command (failures of
     either are journaled, never raised: an alert must not take the guard down)."""
     journal(
@@ -91,7 +92,7 @@ def alert(config, event, engine, message):
             journal(config, f"sparkform-guard: the alert command {command} failed: {type(err).__name__}", 4)
 
 
-def webhook_url(config):
+def webhook_url(config: GuardSettings):
     webhook_file = config.get("webhook_file")
     if not webhook_file or not os.path.exists(webhook_file):
         return None
@@ -99,7 +100,7 @@ def webhook_url(config):
         return handle.read().strip()  # root's file: the URL often carries a token
 
 
-def posted(config, payload):
+def posted(config: GuardSettings, payload):
     """Whether the webhook took the alert (a failure is journaled by its kind, never its URL)."""
     request = urllib.request.Request(webhook_url(config), data=payload, headers={"Content-Type": "application/json"})
     try:
@@ -110,19 +111,19 @@ def posted(config, payload):
         return False
 
 
-def outbox(config):
+def outbox(config: GuardSettings):
     path = os.path.join(config["state_dir"], "outbox")
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
 
 
-def pending(config):
+def pending(config: GuardSettings):
     """The kept alerts' files, the oldest first (names start with the nanosecond they were kept)."""
     folder = outbox(config)
     return sorted(os.path.join(folder, name) for name in os.listdir(folder) if name.endswith(".json"))
 
 
-def keep(config, payload):
+def keep(config: GuardSettings, payload):
     folder = outbox(config)
     fd, temp = tempfile.mkstemp(dir=folder, prefix=".alert-")
     with os.fdopen(fd, "wb") as handle:
@@ -133,7 +134,7 @@ def keep(config, payload):
         journal(config, f"sparkform-guard: more than {OUTBOX_KEPT} alerts wait for the webhook: the oldest dropped", 3)
 
 
-def send_pending(config):
+def send_pending(config: GuardSettings):
     """Send the kept alerts in order; True when none is left."""
     for path in pending(config):
         with open(path, "rb") as handle:
@@ -144,7 +145,7 @@ def send_pending(config):
     return True
 
 
-def outbox_watch(config, beats):
+def outbox_watch(config: GuardSettings, beats):
     """The daemon's thread: the kept alerts sent again with a pause doubling while they fail."""
     first = config.get("outbox_first_s", OUTBOX_FIRST_S)
     pause = first
@@ -180,7 +181,7 @@ def write_json(path, value):
 # --- the alerts as metrics (node_exporter's textfile collector) -----------------------------------
 
 
-def alert_counts(config):
+def alert_counts(config: GuardSettings):
     """(event, engine) -> {"count", "time"} from the guard's state, every known pair from zero;
     an entry of another shape counts as none."""
     counts = {(event, e["name"]): {"count": 0} for e in config["engines"] for event in ENGINE_EVENTS}
@@ -216,7 +217,7 @@ def alert_metrics(counts):
     )
 
 
-def counted(config, event=None, engine=None):
+def counted(config: GuardSettings, event=None, engine=None):
     """Count one alert (none: only write the textfile) and rewrite the textfile. Under a lock:
     the daemon's threads, the recovery units and the deploy alert at the same time. A failure is
     journaled, never raised: metrics must not take the guard down."""

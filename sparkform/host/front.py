@@ -7,6 +7,7 @@ import ssl
 import time
 import urllib.request
 
+from sparkform.host import GuardedFront, GuardSettings
 from sparkform.host.alerts import alert
 from sparkform.host.front_keys import front_key
 
@@ -20,7 +21,7 @@ def pinned_context(certificate):
     return context
 
 
-def passes(front, key, deadline_s, certificate=None):
+def passes(front: GuardedFront, key, deadline_s, certificate=None):
     """Whether the front's port answered /v1/models with 200, with the key (over TLS when
     `certificate`, the front's, is given: a port that shows another sends it no key)."""
     host = f"[{front['address']}]" if ":" in front["address"] else front["address"]
@@ -36,7 +37,7 @@ def passes(front, key, deadline_s, certificate=None):
         return False
 
 
-def front_watch(config, beats, serving):
+def front_watch(config: GuardSettings, beats, serving):
     """`serving`: the engines the watchdog saw answer in its last round (a dark engine is the
     watchdog's; the front is judged on those that serve)."""
     interval, deadline = config["watchdog_interval_s"], config["watchdog_deadline_s"]

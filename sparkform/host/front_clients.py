@@ -7,6 +7,7 @@ import re
 import stat
 import time
 
+from sparkform.host import GuardSettings
 from sparkform.host.alerts import journal
 from sparkform.host.textfile import metric_family, write_textfile
 
@@ -68,10 +69,11 @@ def client_metrics(counts):
     )
 
 
-def clients_watch(config):
+def clients_watch(config: GuardSettings):
     """Count the access log's new lines into the front's textfile every front_count_s; a failure
     (no log yet, a link at its path) is journaled once per kind, and the counts kept."""
-    log, counts, told = AccessLog(config["front_access_log"]), {}, None
+    log, told = AccessLog(config["front_access_log"]), None
+    counts: dict[tuple[str, str], int] = {}
     while True:
         try:
             write_textfile(config["front_textfile"], client_metrics(counted(log.new_lines(), counts)))

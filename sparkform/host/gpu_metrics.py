@@ -7,6 +7,7 @@ import json
 import subprocess
 import time
 
+from sparkform.host import GuardSettings
 from sparkform.host.alerts import journal
 from sparkform.host.nvml_report import REASONS
 from sparkform.host.textfile import metric_family, write_textfile
@@ -48,7 +49,7 @@ def gpu_metrics(report):
     )
 
 
-def gpu_watch(config):
+def gpu_watch(config: GuardSettings):
     """Sample the GPU into its textfile every gpu_poll_s; a failure (no venv yet, no driver, NVML's
     error) is journaled once per kind (the file keeps its last values: node_textfile_mtime_seconds ages)."""
     told = None

@@ -67,7 +67,7 @@ import time
 if __name__ == "__main__":  # run by path on the host: its shared modules beside it (sparkform.host)
     sys.dont_write_bytecode, sys.path[:0] = True, [os.path.join(os.path.dirname(os.path.abspath(__file__)), "python")]
 
-from sparkform.host import RETRY_UNIT_PREFIX, ROOT_PYTHON, outages, settings_path  # noqa: E402
+from sparkform.host import RETRY_UNIT_PREFIX, ROOT_PYTHON, GuardEngine, GuardSettings, outages, settings_path  # noqa: E402
 from sparkform.host.alerts import alert, counted, journal, outbox_watch, read_json, write_json  # noqa: E402
 from sparkform.host.front import front_watch  # noqa: E402
 from sparkform.host.front_clients import clients_watch  # noqa: E402
@@ -84,12 +84,12 @@ KEEPALIVE_S = 5  # a keep-alive to systemd's watchdog (WatchdogSec= is several o
 ALIVE_EVERY_S = 30  # the heartbeat on disk that tells a reboot (or a dead guard) at the next start
 
 
-def load_config(path):
+def load_config(path) -> GuardSettings:
     with open(path) as handle:
         return json.load(handle)
 
 
-def engine_of(config, name):
+def engine_of(config: GuardSettings, name) -> GuardEngine:
     for engine in config["engines"]:
         if engine["name"] == name:
             return engine
@@ -103,11 +103,11 @@ def engine_of(config, name):
 # --- recovery after a spent start limit ------------------------------------------------------------
 
 
-def recover_state_path(config, engine):
+def recover_state_path(config: GuardSettings, engine: GuardEngine):
     return os.path.join(config["state_dir"], f"recover-{engine['name']}.json")
 
 
-def cmd_failed(config, engine):
+def cmd_failed(config: GuardSettings, engine: GuardEngine):
     path = recover_state_path(config, engine)
     state = read_json(path, {})
     failures = state.get("failures") if isinstance(state.get("failures"), int) else 0
@@ -132,7 +132,7 @@ def cmd_failed(config, engine):
         journal(config, message, 3, sparkform_event="retry-scheduled", sparkform_engine=engine["name"])
 
 
-def cmd_retry(config, engine):
+def cmd_retry(config: GuardSettings, engine: GuardEngine):
     state = read_json(recover_state_path(config, engine), {})
     journal(
         config,
@@ -147,7 +147,7 @@ def cmd_retry(config, engine):
 # --- the KV pool ledger ----------------------------------------------------------------------------
 
 
-def append_row(config, row):
+def append_row(config: GuardSettings, row):
     """The ledger with `row` appended and only its last kv_ledger_rows kept (replaced whole, under a
     lock: two engines may serve at once)."""
     path = config["kv_ledger"]
@@ -166,7 +166,7 @@ def append_row(config, row):
         os.replace(temp, path)
 
 
-def record_pool(config, engine):
+def record_pool(config: GuardSettings, engine: GuardEngine):
     """Append this start's KV pool to the ledger; a start whose journal names none is journaled."""
     ledger = engine.get("ledger")
     if not config.get("kv_ledger") or not ledger:
@@ -192,7 +192,7 @@ def record_pool(config, engine):
     )
 
 
-def cmd_served(config, engine):
+def cmd_served(config: GuardSettings, engine: GuardEngine):
     # The start limit is for crash loops: a start that served must not count towards it.
     systemctl("reset-failed", engine["unit"])
     try:
@@ -210,11 +210,11 @@ def cmd_served(config, engine):
     reach_target_after(config, engine)
 
 
-def cmd_stopped(config, engine):
+def cmd_stopped(config: GuardSettings, engine: GuardEngine):
     outages.cmd_stopped(config, engine, lambda event, message: alert_outside(engine, event, message))
 
 
-def alert_outside(engine, event, message):
+def alert_outside(engine: GuardEngine, event, message):
     """An alert from a command the engine's unit runs, sent from a unit of its own: the engine's
     IPAddressDeny= would block the webhook from its cgroup."""
     subprocess.run(
@@ -227,7 +227,7 @@ def alert_outside(engine, event, message):
 # --- the daemon: watchdog and memory guard -------------------------------------------------------------
 
 
-def cmd_watch(config):
+def cmd_watch(config: GuardSettings):
     counted(config)  # the textfile, with every count, before any alert
     outages.after_start(config)
     outages.alive(config)
@@ -237,8 +237,10 @@ def cmd_watch(config):
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, stop_cleanly)
-    held, serving, beats = set(), set(), Beats()
-    threads = [
+    held: set[str] = set()  # the engines the memory guard stopped
+    serving: set[str] = set()  # the engines that answered the watchdog's last round
+    beats = Beats()
+    threads: list[threading.Thread] = [
         RankWatch(config, engine) if engine.get("head") else Watchdog(config, engine, held, serving, beats)
         for engine in config["engines"]
     ]

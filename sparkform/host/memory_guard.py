@@ -4,6 +4,7 @@ a victim, and started again once memory is back."""
 
 import time
 
+from sparkform.host import GuardSettings
 from sparkform.host.alerts import alert
 from sparkform.host.systemd import active_state, started_afresh, systemctl
 
@@ -16,7 +17,7 @@ def mem_available_gib(path="/proc/meminfo"):
     raise ValueError(f"no MemAvailable in {path}")
 
 
-def memory_guard(config, held, beats):
+def memory_guard(config: GuardSettings, held, beats):
     """Stop the lowest-priority engine below the critical floor; start it again once memory is
     back above the warning floor + margin. `held` names the engines this guard stopped."""
     warned = False

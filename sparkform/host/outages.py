@@ -9,6 +9,7 @@ import os
 import re
 import time
 
+from sparkform.host import GuardEngine, GuardSettings
 from sparkform.host.alerts import alert, journal, read_json, write_json
 from sparkform.host.kvlog import JOURNAL_BYTES, LINE_CHARS
 from sparkform.host.procs import shown, strangers, unit_cgroup
@@ -30,15 +31,15 @@ RESULTS = {
 }
 
 
-def outage_path(config, name):
+def outage_path(config: GuardSettings, name):
     return os.path.join(config["state_dir"], f"outage-{name}.json")
 
 
-def kill_marker(config, name):
+def kill_marker(config: GuardSettings, name):
     return os.path.join(config["state_dir"], f"guard-kill-{name}.json")
 
 
-def guard_kills(config, name, why):
+def guard_kills(config: GuardSettings, name, why):
     """Before the guard kills a unit: its stop is the guard's, alerted by the guard."""
     write_json(kill_marker(config, name), {"time": time.time(), "why": why})
 
@@ -68,7 +69,7 @@ def why_stopped(result, code, status, lines):
     return reason + (f"; its last error line: {shown(words[-1])}" if words else "")
 
 
-def cmd_stopped(config, engine, tell, environ=os.environ):
+def cmd_stopped(config: GuardSettings, engine: GuardEngine, tell, environ=os.environ):
     """ExecStopPost= of an engine, as root: every stop of the unit passes here. `tell(event,
     message)` sends the alert (from outside the engine's cgroup)."""
     if any(job in PLANNED_JOBS for job in job_types(engine["unit"])):
@@ -106,7 +107,7 @@ def cmd_stopped(config, engine, tell, environ=os.environ):
         )
 
 
-def served_again(config, engine, failed_limits):
+def served_again(config: GuardSettings, engine: GuardEngine, failed_limits):
     """After a start that served: close the engine's outage with one alert, if one was open."""
     outage = read_json(outage_path(config, engine["name"]), None)
     if outage is None and not failed_limits:
@@ -142,11 +143,11 @@ def pid1_start(path="/proc/1/stat"):
         return None
 
 
-def alive_path(config):
+def alive_path(config: GuardSettings):
     return os.path.join(config["state_dir"], "guard-alive.json")
 
 
-def alive(config, clean=False):
+def alive(config: GuardSettings, clean=False):
     """The guard's heartbeat: this boot, now, and whether it stops cleanly (SIGTERM)."""
     write_json(alive_path(config), {"boot": boot_id(), "pid1": pid1_start(), "time": time.time(), "clean": clean})
 
@@ -157,7 +158,7 @@ def booted_since(last):
     return last.get("boot") != boot_id() or ("pid1" in last and last["pid1"] != pid1_start())
 
 
-def after_start(config):
+def after_start(config: GuardSettings):
     """At the daemon's start: a reboot since the last heartbeat, or a guard that died without a
     clean stop, is alerted; after a reboot each engine's outage opens, to close with its
     "serves again"."""

@@ -6,6 +6,7 @@ import subprocess
 import threading
 import time
 
+from sparkform.host import GuardEngine, GuardSettings
 from sparkform.host.alerts import alert
 from sparkform.host.systemd import active_state, systemctl
 
@@ -29,10 +30,10 @@ def established(*match):
     return found.stdout if found.returncode == 0 else ""
 
 
-def joined(rank):
-    """Whether this host holds an established connection to the rank's head's master port: the
-    store connection a rank keeps for as long as its head lives."""
-    address, port = rank["head"]
+def joined(head):
+    """Whether this host holds an established connection to a rank's head's master port (`head`:
+    its [address, port]): the store connection a rank keeps for as long as its head lives."""
+    address, port = head
     return bool(established("dst", address, "dport", "=", f":{int(port)}").strip())
 
 
@@ -67,7 +68,7 @@ def joined_peers(text, own_address):
     return peers
 
 
-def waits_for_ranks(engine):
+def waits_for_ranks(engine: GuardEngine):
     """Whether a head here still waits for ranks on other hosts to join its master port (vLLM's
     head sits silent and idle until every rank joined: no progress a start could be judged by)."""
     ranks = engine.get("ranks")
@@ -83,7 +84,7 @@ class RankWatch(threading.Thread):
     connection to the head's master port closed is restarted: it waits for the head and joins it
     again. A rank that joined resets its unit's start count, as a start that served does."""
 
-    def __init__(self, config, rank):
+    def __init__(self, config: GuardSettings, rank: GuardEngine):
         super().__init__(daemon=True)
         self.config, self.rank = config, rank
 
@@ -98,7 +99,7 @@ class RankWatch(threading.Thread):
             running_since = running_since or time.monotonic()
             if time.monotonic() - running_since < self.config["rank_join_s"]:
                 continue
-            if joined(self.rank):
+            if joined(self.rank["head"]):
                 if not counted_join:
                     systemctl("reset-failed", unit)
                     counted_join = True

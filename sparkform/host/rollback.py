@@ -33,7 +33,7 @@ import time
 if __name__ == "__main__":  # run by path on the host: its shared modules beside it (sparkform.host)
     sys.dont_write_bytecode, sys.path[:0] = True, [os.path.join(os.path.dirname(os.path.abspath(__file__)), "python")]
 
-from sparkform.host import ROOT_PYTHON, settings_path  # noqa: E402
+from sparkform.host import ROOT_PYTHON, RollbackSettings, settings_path  # noqa: E402
 from sparkform.host.folders import COMPLETE_MARKER, CONTROL  # noqa: E402
 from sparkform.host.kept import KEPT_FILES, KEPT_PREVIOUS, KEPT_RECORD, ROLLBACK_RECORD, day, settings_digest  # noqa: E402
 from sparkform.host.systemd import why_a_start_failed  # noqa: E402
@@ -191,7 +191,7 @@ def started_on_kept_settings(unit):
     return False
 
 
-def roll_back(settings, engine, by, lines):
+def roll_back(settings: RollbackSettings, engine, by, lines):
     """Put `engine` back (settings: the file beside this program, as the deploy rendered it)."""
     unit, files = settings["engines"][engine]["unit"], settings["engines"][engine]["files"]
     kept = os.path.join(settings["kept_root"], engine)
@@ -245,7 +245,7 @@ def roll_back(settings, engine, by, lines):
     return 0
 
 
-def main(argv):
+def main(argv) -> int:
     by = "deploy"
     if len(argv) == 3 and argv[1] == "--by" and argv[2] in ("deploy", "hand"):
         by = argv[2]
@@ -254,7 +254,7 @@ def main(argv):
         return 2
     try:
         with open(settings_path(__file__)) as handle:
-            settings = json.load(handle)
+            settings: RollbackSettings = json.load(handle)
     except (OSError, ValueError) as err:
         print(f"sparkform-rollback: cannot read its settings: {err}", file=sys.stderr)
         return 2

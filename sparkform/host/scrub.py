@@ -46,7 +46,7 @@ from pathlib import Path
 if __name__ == "__main__":  # run by path on the host: its shared modules beside it (sparkform.host)
     sys.dont_write_bytecode, sys.path[:0] = True, [os.path.join(os.path.dirname(os.path.abspath(__file__)), "python")]
 
-from sparkform.host import ROOT_PYTHON, hostlock, settings_path  # noqa: E402
+from sparkform.host import ROOT_PYTHON, ScrubSettings, ServedCheckpoint, hostlock, settings_path  # noqa: E402
 from sparkform.host.alerts import read_json, write_json  # noqa: E402
 from sparkform.host.folders import COMPLETE_MARKER as MARKER  # noqa: E402
 from sparkform.host.folders import MANIFEST, relative_file  # noqa: E402
@@ -92,7 +92,7 @@ def hashed(path, pace):
         os.close(handle)
 
 
-def manifest_files(folder, checkpoint):
+def manifest_files(folder, checkpoint: ServedCheckpoint):
     """The manifest's files ({path, size, sha256}), or a line saying why it is not one written
     for this checkpoint."""
     try:
@@ -134,7 +134,7 @@ def mismatches(folder, files, pace):
     return found, read
 
 
-def alert(settings, event, engine, message):
+def alert(settings: ScrubSettings, event, engine, message):
     """Through sparkform-guard: the journal (its MESSAGE_ID; this unit's journal too), the webhook,
     the command, the metric. Should the guard fail, the message is still said here."""
     result = subprocess.run([*ROOT_PYTHON, settings["guard"], "alert", event, engine, message], check=False)
@@ -142,17 +142,17 @@ def alert(settings, event, engine, message):
         say(f"{message} (the alert through {settings['guard']} failed: exit {result.returncode})")
 
 
-def fetch_environment(settings):
+def fetch_environment(settings: ScrubSettings):
     """The fetch's environment: the hub and the token (read from root's file, never in argv)."""
     env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HOME": "/tmp/sparkform-scrub-hf"}
-    if settings.get("hf_endpoint"):
-        env["HF_ENDPOINT"] = settings["hf_endpoint"]
-    if settings.get("hf_token_file"):
-        env["HF_TOKEN"] = Path(settings["hf_token_file"]).read_text().strip()
+    if endpoint := settings.get("hf_endpoint"):
+        env["HF_ENDPOINT"] = endpoint
+    if token_file := settings.get("hf_token_file"):
+        env["HF_TOKEN"] = Path(token_file).read_text().strip()
     return env
 
 
-def repair(settings, checkpoint, found=None):
+def repair(settings: ScrubSettings, checkpoint: ServedCheckpoint, found=None):
     """Report what was found (none on a retry), then with the host lock held (no deploy or
     rollback beside it): unmark, fetch again, start its engines on it. True once fetched."""
     folder = Path(checkpoint["folder"])
@@ -175,6 +175,7 @@ def repair(settings, checkpoint, found=None):
             say(f"{folder}: another run held the host for the whole wait: not repaired")
             return retried(settings, checkpoint, "another run held the host")
         (folder / MARKER).unlink(missing_ok=True)
+        fetched: int | str  # the exit code, or why the fetch did not run
         try:
             fetched = subprocess.run(checkpoint["fetch"], env=fetch_environment(settings), check=False).returncode
         except OSError as err:
@@ -211,12 +212,12 @@ def restarted(unit):
 RETRY_UNIT = "sparkform-scrub-retry"
 
 
-def repairs(settings):
+def repairs(settings: ScrubSettings):
     found = read_json(settings["repairs"], {})
     return {k: v for k, v in found.items() if isinstance(v, dict) and isinstance(v.get("failures"), int)}
 
 
-def save_repairs(settings, folder, entry):
+def save_repairs(settings: ScrubSettings, folder, entry):
     """The folder's entry replaced (None: removed); the file replaced whole."""
     current = repairs(settings)
     if entry is None:
@@ -226,7 +227,7 @@ def save_repairs(settings, folder, entry):
     write_json(settings["repairs"], current)
 
 
-def retried(settings, checkpoint, why):
+def retried(settings: ScrubSettings, checkpoint: ServedCheckpoint, why):
     """A repair that failed: counted, tried again after a pause that doubles each time (a transient
     timer runs `--retry`), and told once, at the first failure. Always False."""
     folder = checkpoint["folder"]
@@ -266,7 +267,7 @@ def mib_per_s(text):
     return value
 
 
-def retry(settings):
+def retry(settings: ScrubSettings):
     """The repairs that failed, tried again (a folder a deploy fetched meanwhile, or one no
     engine serves any more, is dropped). Exit code as main's."""
     failed = False
@@ -285,7 +286,7 @@ def retry(settings):
     return 1 if failed else 0
 
 
-def main():
+def main() -> int:
     parser = argparse.ArgumentParser(prog="sparkform-scrub")
     parser.add_argument("--check-only", action="store_true", help="report, change nothing")
     parser.add_argument("--retry", action="store_true", help="try the repairs that failed again, nothing else")
@@ -294,7 +295,7 @@ def main():
     )
     args = parser.parse_args()
     try:
-        settings = json.loads(Path(settings_path(__file__)).read_text())
+        settings: ScrubSettings = json.loads(Path(settings_path(__file__)).read_text())
     except (OSError, ValueError) as err:
         print(f"sparkform-scrub: cannot read its config: {err}", file=sys.stderr)
         return 2

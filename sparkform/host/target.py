@@ -11,11 +11,12 @@ never fails the engine's start)."""
 
 import time
 
+from sparkform.host import GuardEngine, GuardSettings
 from sparkform.host.alerts import journal
 from sparkform.host.systemd import active_state, job_types, systemctl
 
 
-def target_down(config):
+def target_down(config: GuardSettings):
     """Whether the host has the target, enabled, and it is not active."""
     target = config.get("engines_target")
     return (
@@ -23,7 +24,7 @@ def target_down(config):
     )
 
 
-def reach_target_after(config, engine):
+def reach_target_after(config: GuardSettings, engine: GuardEngine):
     """Right after `engine` served (its ExecStartPost): the target started without waiting, when it
     is enabled and down and every other engine is up or starting (its start job then waits for
     theirs, After=, and fails harmlessly if one of them fails: the watch below tries again)."""
@@ -34,7 +35,7 @@ def reach_target_after(config, engine):
         systemctl("start", "--no-block", config["engines_target"])
 
 
-def serving_without_target(config):
+def serving_without_target(config: GuardSettings):
     """Whether the target is enabled and down, no job is queued for it, and every enabled engine is
     active (started and served) with none queued either: a heal, not a deploy under way."""
     if not target_down(config) or job_types(config["engines_target"]):
@@ -42,7 +43,7 @@ def serving_without_target(config):
     return all(active_state(e["unit"]) == "active" and not job_types(e["unit"]) for e in config["engines"])
 
 
-def target_watch(config, beats):
+def target_watch(config: GuardSettings, beats):
     """The daemon's thread: every watchdog interval, the engines target started again (without
     waiting: its start only checks that the engines are active) once every engine serves."""
     interval = config["watchdog_interval_s"]

@@ -9,7 +9,7 @@ import threading
 import time
 import urllib.request
 
-from sparkform.host import outages, procs
+from sparkform.host import GuardEngine, GuardSettings, outages, procs
 from sparkform.host.alerts import alert, journal
 from sparkform.host.ranks import waits_for_ranks
 from sparkform.host.starts import PROGRESS_CPU_SHARE, STARVED_STALLS, STOPPED_S, StartJudge, launch_state
@@ -19,7 +19,7 @@ from sparkform.host.systemd import active_state, journal_cursor, systemctl, unit
 PROGRESS_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 
 
-def probe(engine, deadline_s):
+def probe(engine: GuardEngine, deadline_s):
     """Whether the engine's probe (sparkform.spec.engine.PROBES: a one-token completion, an embedding,
     a rerank of one document) came back within the deadline with its answer, a non-empty list."""
     spec = engine["probe"]
@@ -36,7 +36,7 @@ def probe(engine, deadline_s):
     return isinstance(answer, list) and bool(answer)
 
 
-def progress(engine, deadline_s):
+def progress(engine: GuardEngine, deadline_s):
     """The sum of the engine's token counters (None: /metrics did not answer). The text comes
     from the engine, the process that parses untrusted prompts: only numbers are taken from it."""
     try:
@@ -119,7 +119,7 @@ class Watchdog(threading.Thread):
     started, its probes judged by a HangJudge. A failed start's or a hung engine's whole cgroup is
     killed and systemd starts it again. `serving` holds the engines that answered last round."""
 
-    def __init__(self, config, engine, held, serving, beats):
+    def __init__(self, config: GuardSettings, engine: GuardEngine, held, serving, beats):
         super().__init__(daemon=True)
         self.config, self.engine, self.held, self.serving, self.beats = config, engine, held, serving, beats
 

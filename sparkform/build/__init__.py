@@ -1,0 +1,1 @@
+"""What lands on a host: rendered files, the host programs' settings, the converge plan."""
