@@ -1,9 +1,9 @@
 """The converge plan: every decision one run takes, from the inventory and the host's snapshot.
 
-deploy.py gathers the snapshot (`snapshot_request` says what to read, sparkform/deploy/facts/snapshot.py reads it in one round trip),
-asks `plan` what to do and calls one operation per step. What restarts, what counts as a cold start, which boot-chain
-hole the run repairs, which units are leftovers, and the order of it all live here, so they are tested on snapshots
-without pyinfra (tests/unit/test_converge_plan.py).
+The deploy (sparkform/deploy/converge.py) gathers the snapshot that `snapshot_request` names, asks `plan` what to
+do, and calls one operation per step, reading each decision from the plan. What restarts, what counts as a cold
+start, which boot-chain hole the run repairs, which units are leftovers, which services it keeps (services.py), and
+the order of it all live here, so they are tested on snapshots without pyinfra (tests/unit/test_converge_plan.py).
 """
 
 from __future__ import annotations
@@ -15,36 +15,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from sparkform.rules import bootchain
-from sparkform.readers import hostrecord
-from sparkform.spec import layout
-from sparkform.spec.engine import Engine
-from sparkform.rules.front_tls import FrontCertificate, front_certificate, tls_files, tls_paths
+from sparkform.build.programs import module_folders
+from sparkform.build.render import monitoring_packages, prerequisite_packages, render_host
+from sparkform.build.services import ServiceStep, service_digests, service_steps, service_units
 from sparkform.host.front_keys import clients_snippet
+from sparkform.readers import hostrecord
 from sparkform.readers.hostrecord import EngineRecord, HostRecord, HostVersions
 from sparkform.readers.kept import KeptSettings, settings_digest
-from sparkform.spec.layout import FRONT_CONFIG, FRONT_DROP_IN
-from sparkform.spec.model import Problem
 from sparkform.readers.parsers import EngineState
-from sparkform.build.programs import guard_files, module_folders
-from sparkform.build.render import monitoring_packages, node_exporter_files, prerequisite_packages, render_host
+from sparkform.readers.snapshot import RemoteFile, Snapshot
+from sparkform.rules import bootchain
+from sparkform.rules.front_tls import FrontCertificate, front_certificate, tls_files, tls_paths
+from sparkform.spec import layout
+from sparkform.spec.engine import Engine
+from sparkform.spec.model import Problem
 from sparkform.spec.rendered import RenderedFile, Secret
 from sparkform.spec.schema import HostConfig
-from sparkform.readers.snapshot import RemoteFile, Snapshot
 
 
 def sha256(content: str) -> str:
     return hashlib.sha256(content.encode()).hexdigest()
-
-
-# Bumped when the front's stamp changes form: a host with the old one reloads nginx once and gets
-# the new (2: root's only, where 1 was world-readable).
-FRONT_STAMP_FORMAT = "2"
-
-
-def digest(*contents: str) -> str:
-    """A short digest of what a service was (re)loaded with, kept in its applied stamp."""
-    return sha256("\0".join(contents))[:32]
 
 
 def differs(content: str, current: RemoteFile | None) -> bool:
@@ -168,6 +158,7 @@ def folders(config: HostConfig) -> list[Folder]:
 def snapshot_request(config: HostConfig) -> dict:
     """What the snapshot fact reads for `config` (its keyword arguments)."""
     rendered = render_host(config)
+    services = service_units(config)
     return dict(
         packages=prerequisite_packages(config.device) + monitoring_packages(config),
         users=[config.engine_user],
@@ -181,14 +172,9 @@ def snapshot_request(config: HostConfig) -> dict:
         ),
         markers=[
             *(layout.venv_marker(pin.venv) for pin in config.pins),
-            config.paths.stamp("nginx"),
-            config.paths.stamp("guard"),
-            config.paths.stamp("scrub"),
-        ]
-        + ([config.paths.stamp("node-exporter")] if config.monitoring.enabled else []),
-        units=[engine.unit for engine in config.engines]
-        + [layout.ENGINES_TARGET, layout.FRONT_UNIT, layout.GUARD_UNIT, layout.SCRUB_TIMER]
-        + ([layout.NODE_EXPORTER_UNIT] if config.monitoring.enabled else []),
+            *(config.paths.stamp(service) for service in services),
+        ],
+        units=[*(engine.unit for engine in config.engines), layout.ENGINES_TARGET, *services.values()],
         unit_glob=layout.ENGINE_UNIT_GLOB,
         models_dir=config.models_dir,
         pins_dir=config.pins_dir,
@@ -296,6 +282,7 @@ class ConvergePlan:
     guard_wanted: str  # the digest the guard must run with (its files)
     node_exporter_wanted: str  # the digest node_exporter must run with (its settings and drop-in)
     scrub_wanted: str  # the digest the scrub's timer must be armed with (its unit)
+    services: list[ServiceStep]  # the front, the guard, the scrub's timer and node_exporter, kept after the engines
     rollback_lines: list[str]  # engines back on their kept settings that this run renders the failed ones of
     record: HostRecord  # the host record as this run leaves it
 
@@ -308,6 +295,16 @@ class ConvergePlan:
     def engine_files(self) -> list[RenderedFile]:
         """Each engine's unit and settings: put once its venv and checkpoint are complete."""
         return [f for f in self.rendered if f.engine is not None]
+
+    @property
+    def drift_alert(self) -> str | None:
+        """What the guard alerts before any start, heard even if a start fails (None: no drift)."""
+        return "; ".join(self.drift_lines) or None
+
+    @property
+    def stale_steps(self) -> list[EngineStep]:
+        """The steps of engines whose caches go aside before any engine starts (no cold start beside another)."""
+        return [step for step in self.steps if step.stale]
 
     @property
     def served_steps(self) -> list[EngineStep]:
@@ -323,6 +320,11 @@ class ConvergePlan:
     def started(self) -> dict[str, bool]:
         """Engine -> whether its start in this run rebuilds its caches (cold)."""
         return {step.engine.name: step.cold for step in self.steps if step.starts}
+
+    @property
+    def engines_target(self) -> bool:
+        """Whether the run reaches the engines target: an engine runs on this host."""
+        return bool(self.steps)
 
 
 def checkpoint_complete(config: HostConfig, engine: Engine, snapshot: Snapshot) -> bool:
@@ -420,6 +422,8 @@ def plan(
 
     secret_files = secrets(config) + certificate_key
     contents = {f.path: f.content for f in rendered} | {s.path: s.content for s in secret_files}
+    wanted = service_digests(config, contents, certificate)
+    served_ports = [step.engine.port for step in steps if not config.is_worker(step.engine)]
     return ConvergePlan(
         config=config,
         rendered=rendered,
@@ -432,19 +436,12 @@ def plan(
         disabled=[engine for engine in config.engines if not engine.enabled],
         steps=steps,
         cache_keys=live_keys,
-        # The router is compiled when nginx loads its config: a new one needs a reload too.
-        front_wanted=f"{digest(contents[FRONT_DROP_IN])} "
-        + digest(
-            FRONT_STAMP_FORMAT,
-            contents[FRONT_CONFIG],
-            contents.get(config.paths.front_key, ""),
-            contents[config.paths.front_router],
-            certificate.pem if certificate else "",
-        ),
+        front_wanted=wanted["nginx"],
         certificate=certificate,
-        guard_wanted=digest(*(contents[path] for path in guard_files(config))),
-        node_exporter_wanted=digest(*(f.content for f in node_exporter_files(config))),
-        scrub_wanted=digest(contents[layout.unit_path(layout.SCRUB_TIMER)]),
+        guard_wanted=wanted["guard"],
+        node_exporter_wanted=wanted["node-exporter"],
+        scrub_wanted=wanted["scrub"],
+        services=service_steps(config, snapshot, wanted, served_ports),
         rollback_lines=rollback_lines(config, snapshot, rendered),
         record=planned_record(config, live, live_keys, snapshot.record, snapshot),
     )

@@ -9,8 +9,9 @@ name carries the deploy's ("sparkform | ...").
 
 The host's data is validated again here (after --data overrides) before any operation is added,
 so a bad value stops the run before anything on the host changes; one fact (HostSnapshot) reads
-the host in one round trip; `sparkform.build.converge.plan` decides everything from it; each step
-below is one operation.
+the host in one round trip; `sparkform.build.converge.plan` decides everything from it. The
+deploy only reads those decisions: five parts in order, each step one operation, and the services
+beside the engines one table of the same step (SERVICE_OPERATIONS).
 """
 
 import time
@@ -45,6 +46,7 @@ from sparkform.rules.inventory import exit_invalid, exit_untrusted, host_from_da
 from sparkform.rules.nodes import span_problems
 from sparkform.spec import layout
 from sparkform.spec.model import InventoryError
+from sparkform.spec.rendered import RenderedFile
 from sparkform.spec.schema import HostConfig
 
 
@@ -123,11 +125,31 @@ def planned() -> tuple[HostConfig, Snapshot, converge.ConvergePlan]:
     return config, snapshot, plan
 
 
+# The operation that keeps each service of the plan (ServiceStep.service): each hears its unit's
+# state, its stamp on the host and the stamp this run's files make, and the options only it takes.
+SERVICE_OPERATIONS = {
+    "nginx": front.front_serving,
+    "guard": guard.guard_running,
+    "scrub": scrub.scrub_timer,
+    "node-exporter": monitoring.node_exporter_serving,
+}
+
+
 @deploy("sparkform")
 def converge_host() -> None:
-    """Converge the current host (pyinfra's packaged deploy: deploy.py is a call of it)."""
+    """Converge the current host (pyinfra's packaged deploy: deploy.py is a call of it), one part
+    after the other, each reading what to do from the plan."""
     config, snapshot, plan = planned()
-    # node_exporter is not among them: it is installed after its settings are written (below).
+    _prerequisites(config, snapshot, plan)
+    _engines_installed(config, snapshot, plan)
+    _engines_started(config, snapshot, plan)
+    _services_running(config, snapshot, plan)
+    _finished(config, snapshot, plan)
+
+
+def _prerequisites(config: HostConfig, snapshot: Snapshot, plan: converge.ConvergePlan) -> None:
+    """Packages, the engine user, folders and secrets, and no file the host must not hold."""
+    # node_exporter is not among them: it is installed after its settings are written (_services_running).
     system.packages_present(
         name="Install prerequisites", packages=prerequisite_packages(config.device), snapshot=snapshot
     )
@@ -152,27 +174,31 @@ def converge_host() -> None:
     for path in plan.unwanted:
         files.removed(name=f"No {path}", path=path, current=snapshot.paths.get(path))
 
-    def put_files(selected: list) -> None:
-        for file in selected:
-            files.managed_file(
-                name=f"File {file.path}",
-                path=file.path,
-                content=file.content,
-                mode=file.mode,
-                current=snapshot.paths.get(file.path),
-            )
 
-    # Shared scripts first (the checkpoint fetch is one of them). Each engine's unit and settings
-    # only once its venv and checkpoint are complete: a failed fetch leaves the engine pointed at
-    # the revision it serves, and the next run still sees its settings as changed.
-    put_files(plan.shared_files)
+def _files_put(selected: list[RenderedFile], snapshot: Snapshot) -> None:
+    """Each rendered file, put where the host's copy differs."""
+    for file in selected:
+        files.managed_file(
+            name=f"File {file.path}",
+            path=file.path,
+            content=file.content,
+            mode=file.mode,
+            current=snapshot.paths.get(file.path),
+        )
+
+
+def _engines_installed(config: HostConfig, snapshot: Snapshot, plan: converge.ConvergePlan) -> None:
+    """Shared scripts first (the checkpoint fetch is one of them). Each engine's unit and settings
+    only once its venv and checkpoint are complete: a failed fetch leaves the engine pointed at the
+    revision it serves, and the next run still sees its settings as changed."""
+    _files_put(plan.shared_files, snapshot)
     # A human hears of the drift even if a start below fails.
-    if plan.drift_lines:
+    if plan.drift_alert:
         guard.alerted(
             name="Alert: drift since the last converge",
             guard_script=config.paths.guard,
             event="drift",
-            message="; ".join(plan.drift_lines),
+            message=plan.drift_alert,
         )
     venv.wheelhouse_synced(name="Wheelhouse on the host", config=config, snapshot=snapshot)
     for pin in config.pins:
@@ -187,8 +213,12 @@ def converge_host() -> None:
             engine=engine,
             snapshot=snapshot,
         )
-    put_files(plan.engine_files)
+    _files_put(plan.engine_files, snapshot)
 
+
+def _engines_started(config: HostConfig, snapshot: Snapshot, plan: converge.ConvergePlan) -> None:
+    """Leftover engines removed and disabled ones stopped, then the enabled ones started in `after`
+    order, each to readiness before the next."""
     for leftover in plan.leftovers:
         engines.engine_removed(
             name=f"Remove engine {leftover.name} (no longer in the inventory)",
@@ -201,25 +231,10 @@ def converge_host() -> None:
             name=f"Stop disabled engine {engine.name}", engine=engine, current=snapshot.engines.get(engine.unit)
         )
     # Stale caches aside before any engine starts: no cold start beside another one.
-    for step in plan.steps:
-        if step.stale:
-            jit.cache_moved_aside(
-                name=f"JIT caches of {step.engine.name} aside (stale)",
-                config=config,
-                engine=step.engine,
-                snapshot=snapshot,
-            )
-
-    def caches_keyed(step: converge.EngineStep) -> None:
-        jit.cache_keyed(
-            name=f"JIT caches of {step.engine.name} keyed",
-            config=config,
-            engine=step.engine,
-            key=plan.cache_keys[step.engine.name],
-            snapshot=snapshot,
-            rebuilt=step.stale,
+    for step in plan.stale_steps:
+        jit.cache_moved_aside(
+            name=f"JIT caches of {step.engine.name} aside (stale)", config=config, engine=step.engine, snapshot=snapshot
         )
-
     # The ranks this host runs for heads elsewhere, before any head starts (pyinfra runs each
     # operation on every host before the next): a head's start returns only once its ranks joined.
     for step in plan.worker_steps:
@@ -258,57 +273,42 @@ def converge_host() -> None:
             previous=step.engine.name in snapshot.previous,
             rolled_back=step.engine.name in snapshot.rollbacks,
         )
-        caches_keyed(step)
+        _caches_keyed(config, snapshot, plan, step)
     # A rank's caches are valid once its head served (the operation above, on the head's host).
     for step in plan.worker_steps:
-        caches_keyed(step)
-    # The front last: an engine that moved behind it has freed the port nginx takes over. nginx and
-    # the guard restart (or reload) when the files they run with differ from what they last loaded.
+        _caches_keyed(config, snapshot, plan, step)
+
+
+def _caches_keyed(
+    config: HostConfig, snapshot: Snapshot, plan: converge.ConvergePlan, step: converge.EngineStep
+) -> None:
+    jit.cache_keyed(
+        name=f"JIT caches of {step.engine.name} keyed",
+        config=config,
+        engine=step.engine,
+        key=plan.cache_keys[step.engine.name],
+        snapshot=snapshot,
+        rebuilt=step.stale,
+    )
+
+
+def _services_running(config: HostConfig, snapshot: Snapshot, plan: converge.ConvergePlan) -> None:
+    """The services after the engines: an engine that moved behind the front has freed the port
+    nginx takes over. Each service restarts (or reloads) when the files it runs with differ from
+    what it last loaded."""
     front.worker_connections(
         name=f"nginx: {config.front_connections} connections per worker",
         path=layout.NGINX_MAIN_CONFIG,
         wanted=config.front_connections,
         current=snapshot.worker_connections,
     )
-    front.front_serving(
-        name="Front (nginx) serving",
-        address=config.listen_address,
-        ports=[step.engine.port for step in plan.served_steps]
-        + ([config.front_port] if config.front_port and plan.served_steps else []),
-        current=snapshot.engines.get(layout.FRONT_UNIT),
-        applied=snapshot.markers.get(config.paths.stamp("nginx")),
-        stamp=config.paths.stamp("nginx"),
-        wanted=plan.front_wanted,
-    )
-    guard.guard_running(
-        name="Guard (watchdog, memory guard, alerts) running",
-        unit=layout.GUARD_UNIT,
-        current=snapshot.engines.get(layout.GUARD_UNIT),
-        applied=snapshot.markers.get(config.paths.stamp("guard")),
-        wanted=plan.guard_wanted,
-        stamp=config.paths.stamp("guard"),
-    )
-    scrub.scrub_timer(
-        name=f"Checkpoint scrub ({config.scrub.period})" if config.scrub.enabled else "Checkpoint scrub off",
-        enabled=config.scrub.enabled,
-        unit=layout.SCRUB_TIMER,
-        current=snapshot.engines.get(layout.SCRUB_TIMER),
-        applied=snapshot.markers.get(config.paths.stamp("scrub")),
-        wanted=plan.scrub_wanted,
-        stamp=config.paths.stamp("scrub"),
-    )
-    if config.monitoring.enabled:
-        monitoring.node_exporter_serving(
-            name="node_exporter (systemd and textfile collectors) serving",
-            package=layout.NODE_EXPORTER_PACKAGE,
-            installed=layout.NODE_EXPORTER_PACKAGE in snapshot.installed_packages,
-            unit=layout.NODE_EXPORTER_UNIT,
-            current=snapshot.engines.get(layout.NODE_EXPORTER_UNIT),
-            applied=snapshot.markers.get(config.paths.stamp("node-exporter")),
-            wanted=plan.node_exporter_wanted,
-            stamp=config.paths.stamp("node-exporter"),
-        )
-    if plan.steps:
+    for service in plan.services:
+        SERVICE_OPERATIONS[service.service](name=service.name, **service.arguments)
+
+
+def _finished(config: HostConfig, snapshot: Snapshot, plan: converge.ConvergePlan) -> None:
+    """The engines target, what no engine needs any more, and last the host record."""
+    if plan.engines_target:
         engines.target_reached(
             name=f"{layout.ENGINES_TARGET} reached",
             unit=layout.ENGINES_TARGET,

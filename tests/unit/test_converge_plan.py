@@ -33,7 +33,8 @@ def test_a_fresh_host_starts_every_engine_cold_in_after_order():
     assert result.started == {"fast": True, "slow": True}
     assert result.daemon_reload
     assert result.holes == [] and result.leftovers == [] and result.disabled == []
-    assert result.drift_lines == []  # no record: nothing to compare with
+    assert result.drift_lines == [] and result.drift_alert is None  # no record: nothing to compare with
+    assert result.stale_steps == [] and result.engines_target
     # Shared scripts go before each engine's unit and settings; every rendered file is in one of them.
     assert {f.engine for f in result.engine_files} == {"fast", "slow"}
     assert {f.path for f in result.shared_files} | {f.path for f in result.engine_files} == {
@@ -82,6 +83,8 @@ def test_a_new_driver_makes_both_engines_stale_cold_and_says_so():
     ]
     assert all(key.startswith("driver590.10.01") for key in result.cache_keys.values())
     assert any(line.startswith("driver 580.95.05 -> 590.10.01") for line in result.drift_lines)
+    assert result.drift_alert == "; ".join(result.drift_lines)  # the guard alerts before any start
+    assert [step.engine.name for step in result.stale_steps] == ["fast", "slow"]
     assert result.record.versions.driver == "590.10.01"
 
 
@@ -163,7 +166,41 @@ def test_the_snapshot_request_reads_every_file_the_plan_compares():
     assert {f.path for f in result.rendered} | set(result.unwanted) <= set(request["paths"])
     assert {layout.engine_unit("fast"), layout.engine_unit("slow"), layout.ENGINES_TARGET} <= set(request["units"])
     assert request["record_path"] == cfg.paths.host_record
-    assert cfg.paths.stamp("nginx") in request["markers"]
+    assert [service.stamp for service in result.services] == request["markers"][-3:]
+    assert [layout.FRONT_UNIT, layout.GUARD_UNIT, layout.SCRUB_TIMER] == request["units"][-3:]
+
+
+def test_the_services_follow_the_engines_as_one_table_each_with_its_stamp():
+    cfg = config()
+    result = plan(cfg, converged(cfg))
+    assert [(s.service, s.name) for s in result.services] == [
+        ("nginx", "Front (nginx) serving"),
+        ("guard", "Guard (watchdog, memory guard, alerts) running"),
+        ("scrub", "Checkpoint scrub (weekly)"),
+    ]
+    assert [s.wanted for s in result.services] == [result.front_wanted, result.guard_wanted, result.scrub_wanted]
+    assert [s.stamp for s in result.services] == [cfg.paths.stamp(s.service) for s in result.services]
+    assert all(s.current is None and s.applied is None for s in result.services)  # none of them runs yet
+    # The front takes over each served engine's port, in start order, and the combined one.
+    assert result.services[0].options == {"address": "127.0.0.1", "ports": [8012, 8011, cfg.front_port]}
+    assert result.services[2].options == {"enabled": True, "unit": layout.SCRUB_TIMER}
+
+
+def test_the_scrub_off_and_node_exporter_on_are_decided_in_the_table():
+    cfg = config(scrub={"enabled": False}, monitoring={"enabled": True})
+    snapshot = dataclasses.replace(converged(cfg), installed_packages={layout.NODE_EXPORTER_PACKAGE})
+    *_, scrub, node_exporter = plan(cfg, snapshot).services
+    assert (scrub.name, scrub.options["enabled"]) == ("Checkpoint scrub off", False)
+    assert (node_exporter.service, node_exporter.options["installed"]) == ("node-exporter", True)
+    assert node_exporter.wanted == plan(cfg, snapshot).node_exporter_wanted
+    assert node_exporter.stamp in converge.snapshot_request(cfg)["markers"]
+
+
+def test_a_host_with_no_engine_enabled_leaves_the_target_and_the_front_ports_alone():
+    cfg = config(engines=[{**e, "enabled": False} for e in CPU_PAIR["engines"]])
+    result = plan(cfg, converged(config()))
+    assert not result.engines_target and result.steps == []
+    assert result.services[0].options["ports"] == []  # no combined port without an engine behind it
 
 
 def test_an_engine_whose_checkpoint_is_fetched_again_restarts_alone_and_warm():

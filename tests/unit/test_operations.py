@@ -24,7 +24,9 @@ from samples import engine_state
 from suite_hygiene import temp_folder
 
 from sparkform.build import converge
+from sparkform.build.services import service_units
 from sparkform.deploy import operations
+from sparkform.deploy.converge import SERVICE_OPERATIONS
 from sparkform.deploy.operations import (
     checkpoints,
     engines,
@@ -561,6 +563,25 @@ def test_operation_yields_its_commands_then_nothing_once_they_ran(case):
     if after is not None:
         again, noops = run(operation, **after)
         assert again == [] and noops, f"not idempotent: {again}"
+
+
+def test_each_service_of_the_plan_goes_to_its_operation_which_leaves_a_converged_one_alone():
+    """The deploy's table (SERVICE_OPERATIONS) hands each service the plan keeps to its operation:
+    on a fresh host each one starts; once each runs with the stamp this run makes, none yields a
+    command."""
+    fresh = converge.plan(WATCHED, snapshot())
+    assert [service.service for service in fresh.services] == list(SERVICE_OPERATIONS)
+    for service in fresh.services:
+        commands, _ = run(SERVICE_OPERATIONS[service.service], **service.arguments)
+        assert any("systemctl restart" in command for command in commands), (service.name, commands)
+    converged = snapshot(
+        engines={unit: engine_state(unit) for unit in service_units(WATCHED).values()},
+        markers={service.stamp: service.wanted for service in fresh.services},
+        installed_packages={layout.NODE_EXPORTER_PACKAGE},
+    )
+    for service in converge.plan(WATCHED, converged).services:
+        commands, noops = run(SERVICE_OPERATIONS[service.service], **service.arguments)
+        assert commands == [] and noops, (service.name, commands)
 
 
 def test_the_folder_operation_never_chmods_or_chowns_through_a_link():
