@@ -12,26 +12,24 @@ import hashlib
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from checkout_copy import copy_checkout
 from deploy_helpers import ROOT, SANDBOX_INVENTORY, edited_inventory, ssh
 
 pytestmark = pytest.mark.usefixtures("converged")
 SHARES_SANDBOX = True  # it only reads the converged host
 CI_MINUTES = 2  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 
-NOT_BUILT = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".*cache")
-
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """The bin folder of a fresh venv with `pip install <a copy of the checkout>`."""
     folder = tmp_path_factory.mktemp("install")
-    shutil.copytree(ROOT, folder / "checkout", ignore=NOT_BUILT)
+    copy_checkout(folder / "checkout")
     subprocess.run([sys.executable, "-m", "venv", str(folder / "venv")], check=True, timeout=120)
     bin_dir = folder / "venv" / "bin"
     result = subprocess.run(

@@ -11,13 +11,13 @@ into a fresh venv against the sandbox is tests/integration/test_install.py.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from checkout_copy import copy_checkout
 from local_deploy import local_inventory, publish
 from samples import SERVED_PAIR
 
@@ -27,7 +27,6 @@ SEED_INVENTORY = SERVED_PAIR
 # inventories at the top, reached from the package through its links).
 PACKAGE_DATA = {"templates": "templates", "locks": "sparkform/locks", "verify": "sparkform/verify"}
 SHIPPED_INVENTORIES = ("spark.py", "sandbox.py", "sandbox-pair.py", "model_configs")
-NOT_BUILT = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".*cache")
 
 
 def checkout_files(name: str) -> set[str]:
@@ -45,7 +44,7 @@ def checkout_files(name: str) -> set[str]:
 def wheel(tmp_path_factory) -> Path:
     """The wheel `pip install .` builds from this checkout."""
     folder = tmp_path_factory.mktemp("wheel")
-    shutil.copytree(REPO, folder / "src", ignore=NOT_BUILT)
+    copy_checkout(folder / "src")
     result = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(folder / "dist"), str(folder / "src")],
         capture_output=True,
