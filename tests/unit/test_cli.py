@@ -27,13 +27,14 @@ from sparkform import cli
 from sparkform.build.programs import PROGRAMS
 from sparkform.commands import rebuild as rebuild_command
 from sparkform.commands import ssh
+from sparkform.rules.inventory import raw_inventory
 from sparkform.spec import package_data
 
 REPO = Path(__file__).resolve().parents[2]
 INVENTORIES = REPO / "tests" / "fixtures" / "inventories"
 BROKEN = INVENTORIES / "broken"
 SEED_INVENTORY = SERVED_PAIR
-SHIPPED_SPARK = REPO / "inventory" / "spark.py"  # the owner's: one test plans it, no other reads it
+SHIPPED_SPARK = REPO / "inventory" / "spark.py"  # the owner's: one test plans it here (test_init.py copies it)
 CONSOLE_SCRIPT = Path(sys.executable).with_name("sparkform")
 SHARED_MODULE_FILES = [p.name for p in Path(host_package.__file__).parent.glob("*.py") if p.stem not in PROGRAMS]
 
@@ -557,7 +558,7 @@ def test_render_never_writes_outside_its_out_folder(tmp_path):
 
 def test_the_shipped_spark_inventory_plans(tmp_path):
     """The owner's inventory/spark.py, whatever he made of it: it plans, each engine in the plan."""
-    (data,) = cli.raw_inventory(SHIPPED_SPARK).values()
+    (data,) = raw_inventory(SHIPPED_SPARK).values()
     result, _ = sparkform("plan", str(SHIPPED_SPARK), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     planned = {line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")}
@@ -593,7 +594,7 @@ def test_plan_host_name_follows_spark_host(tmp_path):
 
 
 def test_the_spark_inventory_pins_the_host_key_and_refuses_without_one(tmp_path):
-    data = dict(cli.raw_inventory(SEED_INVENTORY)["spark.local"])
+    data = dict(raw_inventory(SEED_INVENTORY)["spark.local"])
     assert data["ssh_strict_host_key_checking"] == "yes"  # never pyinfra's accept-new
     assert Path(data["ssh_known_hosts_file"]).is_file()
     known_hosts = str(tmp_path / "nowhere" / "known_hosts")

@@ -19,7 +19,7 @@ from sparkform import cli
 from sparkform.build.render import render_host
 from sparkform.readers.parsers import parse_kv_pool, parse_vllm_version
 from sparkform.reports import ledger
-from sparkform.rules.inventory import load_host
+from sparkform.rules.inventory import load_host, load_inventory
 from sparkform.sandbox import models
 from sparkform.spec.layout import KV_LEDGER_ROWS
 
@@ -265,7 +265,7 @@ def ledger_file(tmp_path: Path, host: str, rows: list[dict]) -> Path:
 
 def test_plan_takes_the_newest_matching_row_for_an_engine_without_measured(tmp_path, capsys):
     inventory = REPO / "inventory" / "sandbox.py"
-    (host,) = [h.name for h in cli.load_inventory(inventory)]
+    (host,) = [h.name for h in load_inventory(inventory)]
     older = GOOD_ROW | {"time": "2026-12-01T08:00:00Z", "measured": {**GOOD_ROW["measured"], "tokens": 100_000}}
     newer = GOOD_ROW | {"measured": {**GOOD_ROW["measured"], "tokens": 120_000}}
     other_window = GOOD_ROW | {"time": "2026-12-01T10:00:00Z", "max_model_len": 4096}
@@ -288,7 +288,7 @@ def test_plan_takes_the_newest_matching_row_for_an_engine_without_measured(tmp_p
 
 def test_plan_keeps_the_inventorys_measured_figures(tmp_path, capsys):
     inventory = SERVED_PAIR  # both engines carry measured figures
-    hosts = cli.load_inventory(inventory)
+    hosts = load_inventory(inventory)
     engine = next(e for e in hosts[0].config.engines if e.measured.kv_pool_tokens)
     row = GOOD_ROW | {
         "engine": engine.name,

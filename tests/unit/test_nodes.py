@@ -22,6 +22,7 @@ import pytest
 
 from sparkform import cli
 from sparkform.build import render
+from sparkform.commands.fields import field_table
 from sparkform.rules import inventory as inventory_module
 from sparkform.rules import nodes, planner
 from sparkform.spec import layout, modelconfig
@@ -502,7 +503,7 @@ def test_an_engine_of_one_host_plans_as_one_rank(seed_data, make_host):
 
 
 def test_the_new_fields_are_in_the_field_table():
-    table = cli.field_table()
+    table = field_table()
     for label in ("node_interface", "node_address", "nccl_socket_ifname", "gloo_socket_ifname", "nccl_ib_hca"):
         assert f"| `{label}` |" in table
     assert "| `engines[].nodes` | `[]` |" in table and "| `engines[].master_port` | `29501` |" in table

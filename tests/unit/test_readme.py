@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkform.cli import field_table
+from sparkform.commands.fields import field_table
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
