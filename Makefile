@@ -75,7 +75,11 @@ TEST_WORKERS ?= 3
 test: system-deps venv lint
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20
 
-# ruff's lint rules and format (pyproject.toml): a finding fails `make test` before any test runs.
+# ruff's lint rules and format, then mypy over every Python file that ships (the package with its
+# host programs, the deploy file, the shipped inventories, bench/): a finding fails `make test`
+# before any test runs (pyproject.toml holds both tools' settings).
+TYPED := sparkform deploy.py bench inventory/spark.py inventory/sandbox.py inventory/sandbox-pair.py
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy $(TYPED)

@@ -217,8 +217,8 @@ def planned_record(
         recorded_this_boot = (
             entry.started_at is not None and snapshot.booted_at is not None and entry.started_at >= snapshot.booted_at
         )
-        measured = state and state.started_at and state.start_s
-        if measured and state.started_at != entry.started_at and not recorded_this_boot:
+        measured = state is not None and state.started_at and state.start_s
+        if state is not None and measured and state.started_at != entry.started_at and not recorded_this_boot:
             entry = replace(entry, started_at=state.started_at, start_s=state.start_s, last_start_cold=False)
         engines[engine.name] = entry
     return HostRecord(live, engines)

@@ -14,9 +14,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from sparkform.build.render import bracketed, template
 from sparkform.spec import layout
 from sparkform.spec.model import Host, InventoryError, Problem
-from sparkform.build.render import bracketed, template
 from sparkform.spec.schema import HostConfig
 
 SCRAPE_FILE = "prometheus-scrape.yml"

@@ -87,7 +87,7 @@ def service_steps(
     # The combined port only once an engine serves behind it.
     ports = served_ports + ([config.front_port] if config.front_port and served_ports else [])
     # Each service's operation name, and the arguments only its operation takes.
-    table = {
+    table: dict[str, tuple[str, Mapping[str, object]]] = {
         "nginx": ("Front (nginx) serving", dict(address=config.listen_address, ports=ports)),
         "guard": ("Guard (watchdog, memory guard, alerts) running", dict(unit=layout.GUARD_UNIT)),
         "scrub": (

@@ -15,7 +15,9 @@ beside the engines one table of the same step (SERVICE_OPERATIONS).
 """
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pyinfra import host, inventory, logger
 from pyinfra.api import deploy
@@ -127,7 +129,7 @@ def planned() -> tuple[HostConfig, Snapshot, converge.ConvergePlan]:
 
 # The operation that keeps each service of the plan (ServiceStep.service): each hears its unit's
 # state, its stamp on the host and the stamp this run's files make, and the options only it takes.
-SERVICE_OPERATIONS = {
+SERVICE_OPERATIONS: dict[str, Callable[..., Any]] = {
     "nginx": front.front_serving,
     "guard": guard.guard_running,
     "scrub": scrub.scrub_timer,

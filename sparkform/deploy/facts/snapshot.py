@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Callable
 from importlib import resources
+from typing import Any
 
 from pyinfra.api import FactBase
 
@@ -165,8 +167,9 @@ class HostSnapshot(FactBase):
         for line in sections.get("stat", []):
             kind, mode, user, group, path = line.split("|", 4)
             link = kind == "symbolic link"
-            digest = None if kind == "directory" or link else digests.get(path)
-            snapshot.paths[path] = RemoteFile(digest, mode, user, group, link=link)
+            snapshot.paths[path] = RemoteFile(
+                None if kind == "directory" or link else digests.get(path), mode, user, group, link=link
+            )
         untrusted = snapshot.untrusted
 
         def checked(pattern: re.Pattern, value: str, where: str, what: str) -> bool:
@@ -233,7 +236,7 @@ def _read_kept(lines: list[str], snapshot: Snapshot, previous: bool) -> None:
     """Each engine's kept settings and rollback record, or (`previous`) the settings kept before
     them, one JSON line each, by the engine's folder; a record of another shape, or one that
     names another engine, is untrusted."""
-    readers = (
+    readers: dict[str, tuple[Callable[[str], KeptSettings | Rollback], dict[str, Any]]] = (
         {KEPT_RECORD: (KeptSettings.from_json, snapshot.previous)}
         if previous
         else {

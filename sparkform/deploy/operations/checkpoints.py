@@ -39,6 +39,7 @@ def checkpoint(config: HostConfig, engine: Engine, snapshot: Snapshot):
     """
     folder = config.checkpoint_dir(engine)
     commit = config.commit(engine)
+    assert commit is not None, "the deploy runs on a pinned configuration"
     current = snapshot.checkpoints.get(folder)
     complete = checkpoint_complete(config, engine, snapshot)
     if not complete:

@@ -80,10 +80,13 @@ def engine_running(
             if rollback_script
             else None
         )
-        commands += [_reset_failed(engine), ProgressCommand(f"{_explained(start, engine.unit, rollback)}; {serving}")]
-    if not commands:
-        host.noop(f"{engine.unit} is enabled and {current.active_state}")
-    yield from commands
+        yield from commands
+        yield _reset_failed(engine)
+        yield ProgressCommand(f"{_explained(start, engine.unit, rollback)}; {serving}")
+    elif commands:
+        yield from commands
+    else:
+        host.noop(f"{engine.unit} is enabled and {current.active_state if current else 'absent'}")
 
 
 def _enabled(engine: Engine, current: EngineState | None) -> list[str]:
@@ -114,7 +117,7 @@ def rank_running(engine: Engine, current: EngineState | None, restart: bool):
     if starts(current, restart):
         commands += [_reset_failed(engine), f"systemctl {'restart' if restart else 'start'} {shlex.quote(engine.unit)}"]
     if not commands:
-        host.noop(f"{engine.unit} is enabled and {current.active_state}")
+        host.noop(f"{engine.unit} is enabled and {current.active_state if current else 'absent'}")
     yield from commands
 
 

@@ -57,6 +57,7 @@ def managed_file(
         yield f"chown {shlex.quote(f'{user}:{group}')} {quoted}"
         yield f"chmod {mode} {quoted}"
         return
+    assert current is not None, "differs() holds for a file the host does not have"
     if current.mode != mode:
         yield f"chmod {mode} {quoted}"
     if (current.user, current.group) != (user, group):

@@ -70,7 +70,7 @@ class Holder:
         try:
             if self.channel is not None:
                 self.channel.sendall(b"\n")
-            else:
+            elif self.process is not None and self.process.stdin is not None:
                 self.process.stdin.write(b"\n")
                 self.process.stdin.flush()
         except OSError:
@@ -82,6 +82,7 @@ class Holder:
         if self.channel is not None:
             code, err = self.channel.recv_exit_status(), self.channel.makefile_stderr("r").read()
         else:
+            assert self.process is not None and self.process.stderr is not None  # a local holder: stderr piped
             code, err = self.process.wait(), self.process.stderr.read()
         lines = err.decode("utf-8", "replace").strip().splitlines()[-3:]
         return f"exit {code}: {' / '.join(lines) or 'no output'}"

@@ -49,17 +49,18 @@ def wheelhouse_synced(config: HostConfig, snapshot: Snapshot):
     + config: the host's validated configuration
     + snapshot: the host's state from the HostSnapshot fact
     """
-    if not config.wheelhouse_source or all(venv_is_current(pin, snapshot) for pin in config.pins):
+    wheelhouse = config.wheelhouse
+    if not config.wheelhouse_source or wheelhouse is None or all(venv_is_current(pin, snapshot) for pin in config.pins):
         host.noop("no venv to build")
         return
-    present = {path.rsplit("/", 1)[-1] for path in host.get_fact(FindFiles, path=config.wheelhouse) or []}
+    present = {path.rsplit("/", 1)[-1] for path in host.get_fact(FindFiles, path=wheelhouse) or []}
     missing = sorted(wheel for wheel in Path(config.wheelhouse_source).glob("*.whl") if wheel.name not in present)
     if not missing:
-        host.noop(f"{config.wheelhouse} holds every wheel")
+        host.noop(f"{wheelhouse} holds every wheel")
         return
-    yield f"install -d -m 755 {shlex.quote(config.wheelhouse)}"
+    yield f"install -d -m 755 {shlex.quote(wheelhouse)}"
     for wheel in missing:
-        yield FileUploadCommand(str(wheel), f"{config.wheelhouse}/{wheel.name}")
+        yield FileUploadCommand(str(wheel), f"{wheelhouse}/{wheel.name}")
 
 
 def install_command(config: HostConfig, pin: VllmPin, packages: int) -> str:
