@@ -19,6 +19,7 @@ holds its options' values there, and the copy serves the pair alone.
 """
 
 import os
+from typing import Any
 
 from sparkform.inventory import hosts
 
@@ -48,7 +49,7 @@ TOOL_PARSER = "qwen3_xml"
 # What each checkpoint of the served pair needs beyond its role's settings, and its pool as the
 # owner's Spark measured it. Another checkpoint starts without: set its parsers as its model card
 # says, and `measured` once it served (`sparkform ledger` shows it).
-CHECKPOINT_SETTINGS = {
+CHECKPOINT_SETTINGS: dict[str, dict[str, Any]] = {
     # The fast "hands": a Mamba hybrid, ~305K KV tokens per GiB.
     "nvidia/Nemotron-3.5-Lightning-30B-A3B-NVFP4": {
         "quantization": "modelopt",

@@ -62,7 +62,7 @@ def target(name: str, config: HostConfig, host_address: str) -> Target:
     )
 
 
-def targets(hosts: list[Host], addresses: dict[str, str]) -> list[Target]:
+def targets(hosts: list[Host], addresses: dict[str, str | None]) -> list[Target]:
     """The hosts with monitoring on, each reached at `addresses[name]` (its ssh_hostname) or its
     name; InventoryError when none has it on or a name cannot be a label."""
     problems = [
@@ -308,7 +308,7 @@ def dashboard() -> dict:
     }
 
 
-def write(hosts: list[Host], addresses: dict[str, str], inventory: str, out: Path) -> list[Path]:
+def write(hosts: list[Host], addresses: dict[str, str | None], inventory: str, out: Path) -> list[Path]:
     """Write the three files into `out` (made if missing); returns their paths."""
     found = targets(hosts, addresses)
     out.mkdir(parents=True, exist_ok=True)

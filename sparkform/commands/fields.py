@@ -9,13 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 
+from pydantic import BaseModel
+
 from sparkform.spec.engine import Checkpoint, Engine, Measured
 from sparkform.spec.schema import CompileCaps, FrontTLS, HostConfig, Monitoring, Scrub
 
 
 def field_table() -> str:
     """The table of inventory fields in docs/fields.md, from the schema's own descriptions."""
-    sections = [
+    sections: list[tuple[str, type[BaseModel]]] = [
         ("host", HostConfig),
         ("compile_caps.", CompileCaps),
         ("front_tls.", FrontTLS),
@@ -35,6 +37,8 @@ def field_table() -> str:
                 tables = (CompileCaps, FrontTLS, Measured, Monitoring, Scrub)
                 default = "—" if isinstance(value, tables) else f"`{json.dumps(value)}`"
             label = name if prefix == "host" else f"{prefix}{name}"
+            if not info.description:
+                raise ValueError(f"{label} has no description: a field's docstring in the schema is its docs")
             meaning = " ".join(info.description.split())  # the field's docstring, on one line
             lines.append(f"| `{label}` | {default} | {meaning} |")
     return "\n".join(lines)

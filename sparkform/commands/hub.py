@@ -42,7 +42,7 @@ def resolve_revision(endpoint: str, repo: str, revision: str, token: str | None 
         raise HubError(f"{url} answered {response.status_code} {reason}") from None
     except Exception as err:  # the transport's own errors (httpx's) share no narrower base class
         raise HubError(f"{url}: {err}") from None
-    if not COMMIT_ID.fullmatch(str(commit)):
+    if commit is None or not COMMIT_ID.fullmatch(commit):
         raise HubError(f"{url} named no commit (sha = {commit!r})")
     return commit
 
