@@ -50,7 +50,7 @@ def fetch_seconds(hub: FakeHub, work: Path, folder: Path, *options: str) -> tupl
     """Seconds sparkform-checkpoint takes in all, and from its first line (python started, the hub
     asked for the commit and the tree, the free space checked) to its end: the fetch itself."""
     script = work / "sparkform-checkpoint"
-    script.write_text(host_source("checkpoint"))  # as it lands on a host, byte for byte
+    script.write_text(host_source("checkpoint"))  # the program's module, run by path as the launcher runs it
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(HF_ENDPOINT=hub.url, HF_HOME=str(work / "hf-home"))
     subprocess.run(["sync"], check=True)  # as before curl's runs: what the runs before wrote is not this one's

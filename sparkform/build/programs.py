@@ -1,5 +1,6 @@
-"""The programs sparkform puts on a host (sparkform.host, byte for byte) and the settings files
-rendered beside them: what each knows about the host, as JSON.
+"""The programs sparkform puts on a host (sparkform.host, byte for byte: the launcher at each
+program's path, the package itself under HostPaths.host_modules) and the settings files rendered
+beside them: what each knows about the host, as JSON.
 
 Pure: files and dicts from a validated host; nothing here opens a connection.
 """
@@ -50,8 +51,8 @@ from sparkform.spec.schema import HostConfig
 # the head's master port (importing vLLM; tens of seconds on the sandbox's two cores) before the
 # guard judges that connection.
 RANK_JOIN_S = 120
-# The modules of sparkform.host that are programs (each lands as LIB_DIR/sparkform-NAME, at the
-# HostPaths property of the same role); the rest are the modules they share.
+# The modules of sparkform.host that are programs: each one's path (LIB_DIR/sparkform-NAME, the
+# HostPaths property of the same role) holds the launcher, which runs the module of that name.
 PROGRAMS = ("checkpoint", "guard", "record", "rollback", "scrub", "vllm_serve")
 
 
@@ -90,13 +91,12 @@ def host_locked(config: HostConfig, what: str, command: str) -> str:
 
 
 def shared_modules(config: HostConfig) -> list[RenderedFile]:
-    """The modules the programs share, under HostPaths.host_modules as the package lays them out
-    (each program puts that folder first on its sys.path)."""
+    """The package sparkform.host whole (the programs and the modules they share), under
+    HostPaths.host_modules as the package lays it out: the launcher puts that folder first on the
+    programs' import path."""
     base = f"{config.paths.host_modules}/sparkform"
     names = sorted(
-        entry.name[: -len(".py")]
-        for entry in resources.files("sparkform.host").iterdir()
-        if entry.name.endswith(".py") and entry.name[: -len(".py")] not in PROGRAMS
+        entry.name[: -len(".py")] for entry in resources.files("sparkform.host").iterdir() if entry.name.endswith(".py")
     )
     package = resources.files("sparkform").joinpath("__init__.py").read_text(encoding="utf-8")
     return [
@@ -272,23 +272,24 @@ def settings_file(path: str, settings: GuardSettings | ScrubSettings | RollbackS
 
 
 def code_files(config: HostConfig) -> list[RenderedFile]:
-    """The programs and the modules they share: sparkform.host's own text, byte for byte."""
+    """The programs' paths, each holding the launcher, and the package they run from: sparkform.host's
+    own text, byte for byte. None is an engine's file, so a change here restarts no engine."""
     paths = config.paths
     programs = [
         # Run by the venv's python (it needs huggingface_hub).
-        (paths.checkpoint, "checkpoint"),
+        paths.checkpoint,
         # Run by the system's python3: at the end of a converge, after a changed engine's failed
         # start (or by hand), as the guard's daemon and units, from the scrub's timer.
-        (paths.record, "record"),
-        (paths.rollback, "rollback"),
-        (paths.guard, "guard"),
-        (paths.scrub, "scrub"),
+        paths.record,
+        paths.rollback,
+        paths.guard,
+        paths.scrub,
     ]
     if any(engine.nodes for engine in config.engines):
         # Run by the venv's python for the ranks of an engine across hosts.
-        programs.append((paths.vllm_cli, "vllm_serve"))
+        programs.append(paths.vllm_cli)
     return [
-        *(RenderedFile(path, host_source(module), "644") for path, module in programs),
+        *(RenderedFile(path, host_source("launcher"), "644") for path in programs),
         # Read by nginx's njs module for the combined port (the front's config imports it).
         RenderedFile(paths.front_router, host_source("front_router", ".js"), "644"),
         *shared_modules(config),

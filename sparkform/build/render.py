@@ -14,12 +14,12 @@ from collections.abc import Mapping
 
 import jinja2
 
-from sparkform.rules import bootchain
-from sparkform.spec import layout
-from sparkform.spec.package_data import TEMPLATES
-from sparkform.spec.engine import API_ROUTES, Engine, pooling_flags
+from sparkform.build.programs import checkpoint_fetch, guard_files, min_available_kib, program_files  # noqa: F401  (the names tests and tasks take from here)
 from sparkform.host.front_keys import NO_CLIENT
 from sparkform.host.kvlog import SETTING_FLAGS
+from sparkform.rules import bootchain
+from sparkform.spec import layout
+from sparkform.spec.engine import API_ROUTES, Engine, pooling_flags
 from sparkform.spec.layout import (
     COMPLETE_MARKER,
     ENGINES_TARGET,
@@ -36,7 +36,7 @@ from sparkform.spec.layout import (
     record_dir,
     unit_path,
 )
-from sparkform.build.programs import checkpoint_fetch, guard_files, min_available_kib, program_files  # noqa: F401  (the names tests and tasks take from here)
+from sparkform.spec.package_data import TEMPLATES
 from sparkform.spec.rendered import RenderedFile
 from sparkform.spec.schema import HostConfig
 from sparkform.spec.shapes import CONTROL_CHARACTERS, NAME_PATTERN

@@ -1,23 +1,22 @@
 """The programs sparkform installs on a host, and the modules they share.
 
-Each program (guard, scrub, rollback, record, checkpoint, vllm_serve) lands byte for byte as
-LIB_DIR/sparkform-NAME (sparkform.spec.layout.HOST_PROGRAMS) and reads what varies per host from the
-rendered settings file beside it (settings_path). They run in the host's system Python (root's:
-`python3 -I`) or in the engines' vLLM venv, neither of which has sparkform: standard library
-only (the checkpoint fetcher's huggingface_hub comes with the venv), and what they share lies
-in this package, installed beside them under LIB_DIR/python (HostPaths.host_modules). `python3
--I` puts no folder of a program on sys.path, so each program, run as the main module, puts that
-folder first itself (root's, as every folder root runs from), and writes no bytecode there: the
-deploy puts every file of that folder. The core imports the programs' constants from here, so
-each is written once, and the shape of each settings file: the core builds it, its program reads
-it (tests/unit/test_program_settings.py holds the two to these shapes).
+Each program (guard, scrub, rollback, record, checkpoint, vllm_serve) is a module of this package.
+Its path on the host (LIB_DIR/sparkform-NAME, sparkform.spec.layout.HostPaths) holds the launcher
+(sparkform.host.launcher), which runs it from this package, installed whole under LIB_DIR/python
+(HostPaths.host_modules). A program reads what varies per host from the rendered settings file
+beside its path (settings_path). They run in the host's system Python (root's: `python3 -I`) or
+in the engines' vLLM venv, neither of which has sparkform: standard library only (the checkpoint
+fetcher's huggingface_hub comes with the venv). The core imports the programs' constants from
+here, so each is written once, and the shape of each settings file: the core builds it, its
+program reads it (tests/unit/test_program_settings.py holds the two to these shapes).
 """
 
 import os
+import sys
 from typing import NotRequired, TypedDict
 
 # How root runs Python on a host: isolated (no environment variable, user site or script folder
-# on sys.path that another user could shape).
+# among the places it imports from that another user could shape).
 ROOT_PYTHON = ("/usr/bin/python3", "-I")
 # `journalctl MESSAGE_ID=...` lists every alert of every sparkform program (sparkform.host.alerts).
 ALERT_MESSAGE_ID = "7d3f5c2a9e8b4f61a0c4d2e6b8f1a3c5"
@@ -28,6 +27,14 @@ SETTINGS_SUFFIX = ".json"
 def settings_path(program: str) -> str:
     """The settings file the deploy renders beside a program (its path with .json added)."""
     return os.path.abspath(program) + SETTINGS_SUFFIX
+
+
+def program_path() -> str:
+    """The path the running program was started by (its launcher): the script python was handed,
+    beside which its settings lie and by which it runs itself again. sys.argv[0] is the module's
+    own file (the launcher's run_module put it there), but sys.argv is as long as the script's
+    arguments, so the script sits that far from the end of python's own command line."""
+    return os.path.abspath(sys.orig_argv[len(sys.orig_argv) - len(sys.argv)])
 
 
 # --- the settings files (sparkform.build.programs renders each as JSON) ---------------------------

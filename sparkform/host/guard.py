@@ -64,21 +64,26 @@ import tempfile
 import threading
 import time
 
-if __name__ == "__main__":  # run by path on the host: its shared modules beside it (sparkform.host)
-    sys.dont_write_bytecode, sys.path[:0] = True, [os.path.join(os.path.dirname(os.path.abspath(__file__)), "python")]
-
-from sparkform.host import RETRY_UNIT_PREFIX, ROOT_PYTHON, GuardEngine, GuardSettings, outages, settings_path  # noqa: E402
-from sparkform.host.alerts import alert, counted, journal, outbox_watch, read_json, write_json  # noqa: E402
-from sparkform.host.front import front_watch  # noqa: E402
-from sparkform.host.front_clients import clients_watch  # noqa: E402
-from sparkform.host.gpu_metrics import gpu_watch  # noqa: E402
-from sparkform.host.keepalive import Beats, notify  # noqa: E402
-from sparkform.host.kvlog import INVOCATION_ID, JOURNAL_BYTES, LINE_CHARS, printed_pool, started_settings  # noqa: E402
-from sparkform.host.memory_guard import memory_guard  # noqa: E402
-from sparkform.host.ranks import RankWatch  # noqa: E402
-from sparkform.host.systemd import doubled_pause, invocation_journal, run_later, started_afresh, systemctl  # noqa: E402
-from sparkform.host.target import reach_target_after, target_watch  # noqa: E402
-from sparkform.host.watchdog import Watchdog  # noqa: E402
+from sparkform.host import (
+    RETRY_UNIT_PREFIX,
+    ROOT_PYTHON,
+    GuardEngine,
+    GuardSettings,
+    outages,
+    program_path,
+    settings_path,
+)
+from sparkform.host.alerts import alert, counted, journal, outbox_watch, read_json, write_json
+from sparkform.host.front import front_watch
+from sparkform.host.front_clients import clients_watch
+from sparkform.host.gpu_metrics import gpu_watch
+from sparkform.host.keepalive import Beats, notify
+from sparkform.host.kvlog import INVOCATION_ID, JOURNAL_BYTES, LINE_CHARS, printed_pool, started_settings
+from sparkform.host.memory_guard import memory_guard
+from sparkform.host.ranks import RankWatch
+from sparkform.host.systemd import doubled_pause, invocation_journal, run_later, started_afresh, systemctl
+from sparkform.host.target import reach_target_after, target_watch
+from sparkform.host.watchdog import Watchdog
 
 KEEPALIVE_S = 5  # a keep-alive to systemd's watchdog (WatchdogSec= is several of these)
 ALIVE_EVERY_S = 30  # the heartbeat on disk that tells a reboot (or a dead guard) at the next start
@@ -121,7 +126,7 @@ def cmd_failed(config: GuardSettings, engine: GuardEngine):
         timer,
         delay,
         f"sparkform: start {engine['unit']} again after its failure",
-        [*ROOT_PYTHON, os.path.abspath(__file__), "retry", engine["name"]],
+        [*ROOT_PYTHON, program_path(), "retry", engine["name"]],
     )
     message = f"{engine['unit']} failed: its starts never served and it stopped after its start limit; " + (
         f"retry {failures} in {delay} s" if scheduled else "its retry could not be scheduled (systemd-run)"
@@ -218,7 +223,7 @@ def alert_outside(engine: GuardEngine, event, message):
     """An alert from a command the engine's unit runs, sent from a unit of its own: the engine's
     IPAddressDeny= would block the webhook from its cgroup."""
     subprocess.run(
-        ["systemd-run", "--quiet", "--collect", "--no-block", *ROOT_PYTHON, os.path.abspath(__file__), "alert", event]
+        ["systemd-run", "--quiet", "--collect", "--no-block", *ROOT_PYTHON, program_path(), "alert", event]
         + [engine["name"], message],
         check=False,
     )
@@ -279,7 +284,7 @@ def main(argv):
         )
         return 2
     try:
-        config = load_config(settings_path(__file__))
+        config = load_config(settings_path(program_path()))
     except (OSError, ValueError) as err:
         print(f"sparkform-guard: cannot read its config: {err}", file=sys.stderr)
         return 2

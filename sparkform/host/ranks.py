@@ -39,7 +39,8 @@ def joined(head):
 
 # An endpoint in `ss -Htn`'s columns: an IPv4 address or a bracketed IPv6 one, then the port.
 ENDPOINT = re.compile(r"(\d{1,3}(?:\.\d{1,3}){3}|\[[0-9a-fA-F:.]+\]):\d{1,5}")
-# An IPv4 address as a dual-stack socket shows it (vLLM's store listens on one: CI, 2026-12-03).
+# An IPv4 address as a dual-stack socket shows it. vLLM's store listens on one, so the head's own
+# connection reads [::ffff:ADDRESS]: read as IPv4, it is known as the head's own, not a joined rank.
 MAPPED = re.compile(r"\[::ffff:(\d{1,3}(?:\.\d{1,3}){3})\]", re.IGNORECASE)
 
 

@@ -21,10 +21,7 @@ import sys
 import tempfile
 import time
 
-if __name__ == "__main__":  # run by path on the host: its shared modules beside it (sparkform.host)
-    sys.dont_write_bytecode, sys.path[:0] = True, [os.path.join(os.path.dirname(os.path.abspath(__file__)), "python")]
-
-from sparkform.host.textfile import metric_family, write_textfile  # noqa: E402
+from sparkform.host.textfile import metric_family, write_textfile
 
 PROPERTIES = "ExecMainStartTimestamp,ExecMainStartTimestampMonotonic,ActiveEnterTimestampMonotonic,ActiveState"
 

@@ -30,13 +30,10 @@ import sys
 import tempfile
 import time
 
-if __name__ == "__main__":  # run by path on the host: its shared modules beside it (sparkform.host)
-    sys.dont_write_bytecode, sys.path[:0] = True, [os.path.join(os.path.dirname(os.path.abspath(__file__)), "python")]
-
-from sparkform.host import ROOT_PYTHON, RollbackSettings, settings_path  # noqa: E402
-from sparkform.host.folders import COMPLETE_MARKER, CONTROL  # noqa: E402
-from sparkform.host.kept import KEPT_FILES, KEPT_PREVIOUS, KEPT_RECORD, ROLLBACK_RECORD, day, settings_digest  # noqa: E402
-from sparkform.host.systemd import why_a_start_failed  # noqa: E402
+from sparkform.host import ROOT_PYTHON, RollbackSettings, program_path, settings_path
+from sparkform.host.folders import COMPLETE_MARKER, CONTROL
+from sparkform.host.kept import KEPT_FILES, KEPT_PREVIOUS, KEPT_RECORD, ROLLBACK_RECORD, day, settings_digest
+from sparkform.host.systemd import why_a_start_failed
 
 DIGEST = re.compile(r"[0-9a-f]{32}")
 PATH = re.compile(r"(/[A-Za-z0-9._+@-]+)+")
@@ -253,7 +250,7 @@ def main(argv) -> int:
         print("usage: sparkform-rollback ENGINE [--by deploy|hand] (the reason on stdin)", file=sys.stderr)
         return 2
     try:
-        with open(settings_path(__file__)) as handle:
+        with open(settings_path(program_path())) as handle:
             settings: RollbackSettings = json.load(handle)
     except (OSError, ValueError) as err:
         print(f"sparkform-rollback: cannot read its settings: {err}", file=sys.stderr)

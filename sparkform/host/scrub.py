@@ -43,14 +43,11 @@ import sys
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # run by path on the host: its shared modules beside it (sparkform.host)
-    sys.dont_write_bytecode, sys.path[:0] = True, [os.path.join(os.path.dirname(os.path.abspath(__file__)), "python")]
-
-from sparkform.host import ROOT_PYTHON, ScrubSettings, ServedCheckpoint, hostlock, settings_path  # noqa: E402
-from sparkform.host.alerts import read_json, write_json  # noqa: E402
-from sparkform.host.folders import COMPLETE_MARKER as MARKER  # noqa: E402
-from sparkform.host.folders import MANIFEST, relative_file  # noqa: E402
-from sparkform.host.systemd import active_state, doubled_pause, run_later, started_afresh, systemctl  # noqa: E402
+from sparkform.host import ROOT_PYTHON, ScrubSettings, ServedCheckpoint, hostlock, program_path, settings_path
+from sparkform.host.alerts import read_json, write_json
+from sparkform.host.folders import COMPLETE_MARKER as MARKER
+from sparkform.host.folders import MANIFEST, relative_file
+from sparkform.host.systemd import active_state, doubled_pause, run_later, started_afresh, systemctl
 
 CHUNK = 8 * 1024 * 1024
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -241,7 +238,7 @@ def retried(settings: ScrubSettings, checkpoint: ServedCheckpoint, why):
         f"{RETRY_UNIT}-{entry['failures']}",
         delay,
         "sparkform: a checkpoint repair tried again",
-        [*ROOT_PYTHON, os.path.abspath(__file__), "--retry"],
+        [*ROOT_PYTHON, program_path(), "--retry"],
         collect=True,
     )
     then = f"try {entry['failures'] + 1} in {delay} s" if scheduled else "no retry (systemd-run failed)"
@@ -295,7 +292,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     try:
-        settings: ScrubSettings = json.loads(Path(settings_path(__file__)).read_text())
+        settings: ScrubSettings = json.loads(Path(settings_path(program_path())).read_text())
     except (OSError, ValueError) as err:
         print(f"sparkform-scrub: cannot read its config: {err}", file=sys.stderr)
         return 2

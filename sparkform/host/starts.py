@@ -5,10 +5,11 @@ killed, so systemd starts it again and counts a start that never served. Progres
 in the unit's journal, or the unit's processes using at least PROGRESS_CPU_SHARE of a CPU since
 the last progress (loading weights, compiling and capturing graphs all burn CPU; a start that
 waits on something that never comes does not). On a starved machine (CPU, IO or memory pressure)
-a quiet start is not evidence of a stall either: it waits up to STARVED_STALLS x start_stall_s
-(CI, 2026-12-03: three sandboxes on two cores, a start silent and idle for 90 s was killed, and
-the deploy that had started it failed). The time an engine waits its turn behind a loading
-neighbour (its launch state "waiting") is not the start's to judge."""
+a quiet start is not evidence of a stall either: it waits up to STARVED_STALLS x start_stall_s.
+Three hosts sharing two cores can keep a healthy start silent for 90 s under 10 % of a CPU;
+judged by start_stall_s alone it is killed, and the deploy that started it fails. The time an
+engine waits its turn behind a loading neighbour (its launch state "waiting") is not the start's
+to judge."""
 
 import os
 import re

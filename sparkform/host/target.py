@@ -3,11 +3,12 @@
 The target is Requisite= (not Requires=) of the engines: an engine's restart takes the target down
 with it, but the target's start never starts an engine. With Requires=, each restart of one engine
 queued a start of the other; a start job queued while its unit waits out RestartSec= is run and
-counted against its start limit before it is dropped, so each double crash spent one start of the
-other engine's StartLimitBurst on nothing (start-limit-hit in CI's second round). Reaching the
-target again is then the guard's job: the `served` hook of the engine that serves last starts
-it, and a watch every watchdog interval catches any start a hook missed (the hook may fail; it
-never fails the engine's start)."""
+counted against its start limit before it is dropped, so each double crash counted 2 starts
+against the other engine's StartLimitBurst for its one restart: under the default 3, the second
+double crash left it start-limit-hit at its first restart. Reaching the target again is then the
+guard's job: the `served` hook of the engine that serves last starts it, and a watch every
+watchdog interval catches any start a hook missed (the hook may fail; it never fails the
+engine's start)."""
 
 import time
 

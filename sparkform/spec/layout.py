@@ -255,7 +255,8 @@ class HostPaths:
 
     @property
     def host_modules(self) -> str:
-        """The modules the host programs share (the package's sparkform/host), on their sys.path."""
+        """The package's sparkform/host (the programs and the modules they share), which the
+        launcher at each program's path puts first on sys.path."""
         return f"{self.lib_dir}/python"
 
     @property

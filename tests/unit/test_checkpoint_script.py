@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ import pytest
 from pyinfra.api import StringCommand
 from script_box import put
 
-from sparkform.build.programs import program_files
+from sparkform.build.programs import code_files, program_files
 from sparkform.deploy.operations.checkpoints import _fetch
 from sparkform.host import checkpoint
 from sparkform.rules.inventory import load_host
@@ -137,8 +136,7 @@ def test_the_deploy_s_fetch_command_keeps_the_token_out_of_every_argv(script, hu
     ).config.pinned({"q": hub.resolve(QWEN, "main")})
     (engine,) = config.engines
     config = config.model_copy(update={"hf_token_file": "token-on-the-laptop"})
-    Path(config.lib_dir).mkdir()
-    shutil.copy(script, f"{config.lib_dir}/sparkform-checkpoint")
+    put(code_files(config), Path(config.lib_dir))
     Path(config.paths.hf_token).parent.mkdir(parents=True)
     Path(config.paths.hf_token).write_text(f"{token}\n")
     python = Path(config.venv) / "bin" / "python"
@@ -172,8 +170,9 @@ def test_the_deploy_s_fetch_command_keeps_the_token_out_of_every_argv(script, hu
 
 @pytest.fixture(scope="module")
 def checkpoint_module(script):
-    """The fetcher as the host runs it, imported (the installed file is the module's own text)."""
-    assert script.read_text() == Path(checkpoint.__file__).read_text()
+    """The fetcher as the host runs it, imported (the installed module is the package's own text)."""
+    installed = script.parent / "python" / "sparkform" / "host" / "checkpoint.py"
+    assert installed.read_text() == Path(checkpoint.__file__).read_text()
     return checkpoint
 
 

@@ -24,7 +24,6 @@ from samples import SERVED_PAIR
 
 import sparkform.host as host_package
 from sparkform import cli
-from sparkform.build.programs import PROGRAMS
 from sparkform.commands import rebuild as rebuild_command
 from sparkform.commands import ssh
 from sparkform.rules.inventory import raw_inventory
@@ -36,7 +35,7 @@ BROKEN = INVENTORIES / "broken"
 SEED_INVENTORY = SERVED_PAIR
 SHIPPED_SPARK = REPO / "inventory" / "spark.py"  # the owner's: one test plans it here (test_init.py copies it)
 CONSOLE_SCRIPT = Path(sys.executable).with_name("sparkform")
-SHARED_MODULE_FILES = [p.name for p in Path(host_package.__file__).parent.glob("*.py") if p.stem not in PROGRAMS]
+SHARED_MODULE_FILES = [p.name for p in Path(host_package.__file__).parent.glob("*.py")]
 
 # file: (text stderr must contain, naming the field (and the engine where there is one), more text)
 EXPECTED = {

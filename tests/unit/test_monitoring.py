@@ -16,10 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_box import put
 from test_guard import Guard, StubEngine
 from test_rebuild_parts import KEY, SHOW_ACTIVE, VERSIONS
 
 from sparkform.build import converge, monitoring
+from sparkform.build.programs import code_files
 from sparkform.build.render import render_host
 from sparkform.cli import main
 from sparkform.host.alerts import ENGINE_EVENTS, HOST_EVENTS
@@ -229,16 +231,16 @@ def test_monitoring_off_renders_nothing_of_node_exporter():
 
 
 def record_script(tmp_path: Path, textfile: Path, *args: str) -> subprocess.CompletedProcess:
-    config = load_inventory(MONITORED)[0].config
-    script = next(f for f in render_host(config) if f.path == config.paths.record)
-    (tmp_path / "sparkform-record").write_text(script.content)
+    # The launcher at the record's path and the package it runs beside it, as the deploy puts them.
+    config = load_inventory(MONITORED)[0].config.model_copy(update={"lib_dir": str(tmp_path / "lib")})
+    put(code_files(config), tmp_path)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "systemctl").write_text(f"#!/bin/sh\nprintf '%s' '{SHOW_ACTIVE}'\n")
     (bin_dir / "systemctl").chmod(0o755)
     planned = HostRecord(VERSIONS, {"fast": EngineRecord(KEY, 200.0, 30.0, 1.0, False), "slow": EngineRecord(KEY)})
     return subprocess.run(
-        [sys.executable, str(tmp_path / "sparkform-record"), "--textfile", str(textfile), str(tmp_path / "record.json")]
+        [sys.executable, config.paths.record, "--textfile", str(textfile), str(tmp_path / "record.json")]
         + [planned.to_json(), *args],
         capture_output=True,
         text=True,

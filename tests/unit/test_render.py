@@ -41,7 +41,7 @@ GOLDEN = REPO / "tests" / "fixtures" / "golden" / "spark.local"
 OPERATOR_GUIDE = REPO / "docs" / "operator.md"
 UPDATE_GOLDEN = os.environ.get("SPARKFORM_UPDATE_GOLDEN") == "1"
 SYSTEM_UNITS = Path("/lib/systemd/system")
-SHARED_MODULES = sorted(p for p in Path(host_package.__file__).parent.glob("*.py") if p.stem not in PROGRAMS)
+HOST_MODULES = sorted(Path(host_package.__file__).parent.glob("*.py"))
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -149,7 +149,8 @@ def test_golden_files(monkeypatch):
 
 
 def test_the_host_gets_each_program_and_shared_module_as_the_package_holds_it(monkeypatch):
-    """Byte for byte, under its role's name: nothing of the inventory is written into code."""
+    """Byte for byte: each program's path holds the launcher, which runs the module its name
+    says, and the package lands whole beside them. Nothing of the inventory is written into code."""
     config = seed_config(monkeypatch)
     source = Path(host_package.__file__).parent
     installed = {f.path: f.content for f in code_files(config)}
@@ -157,15 +158,18 @@ def test_the_host_gets_each_program_and_shared_module_as_the_package_holds_it(mo
         config.paths.guard: "guard", config.paths.scrub: "scrub", config.paths.rollback: "rollback",
         config.paths.record: "record", config.paths.checkpoint: "checkpoint",
     }  # fmt: skip
+    launcher = (source / "launcher.py").read_text()
     for path, module in programs.items():
-        assert installed.pop(path) == (source / f"{module}.py").read_text(), path
+        assert installed.pop(path) == launcher, path
+        assert Path(path).name.removeprefix("sparkform-").replace("-", "_") == module
+    # sparkform-vllm-serve lands only on a host that runs a rank of a span (test_nodes.py).
+    assert Path(config.paths.vllm_cli).name.removeprefix("sparkform-").replace("-", "_") == "vllm_serve"
+    assert set(programs.values()) | {"vllm_serve"} == set(PROGRAMS)
     assert installed.pop(config.paths.front_router) == (source / "front_router.js").read_text()
     modules = f"{config.paths.host_modules}/sparkform/host/"
     shared = {path[len(modules) :]: text for path, text in installed.items() if path.startswith(modules)}
-    assert shared and all(text == (source / name).read_text() for name, text in shared.items())
-    # sparkform-vllm-serve lands only on a host that runs a rank of a span (test_nodes.py).
-    every_module = {p.stem for p in source.glob("*.py")}
-    assert {name[:-3] for name in shared} | set(programs.values()) == every_module - {"vllm_serve"}
+    assert all(text == (source / name).read_text() for name, text in shared.items())
+    assert set(shared) == {p.name for p in source.glob("*.py")}
     assert not any("{{" in text or "{%" in text for text in installed.values())
 
 
@@ -221,10 +225,10 @@ def test_rendered_file_list_and_modes(seed_files):
         "/etc/systemd/system/sparkform-scrub.service",
         "/etc/systemd/system/sparkform-scrub.timer",
     ]
-    # The modules the programs share, beside them as the package lays them out.
+    # The programs and the modules they share, beside them as the package lays them out.
     host_files += [
         f"/usr/local/lib/sparkform/python/sparkform/{name}"
-        for name in ("__init__.py", *(f"host/{p.name}" for p in SHARED_MODULES))
+        for name in ("__init__.py", *(f"host/{p.name}" for p in HOST_MODULES))
     ]
     engine_files = [
         "/etc/systemd/system/vllm-{}.service",

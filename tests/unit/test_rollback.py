@@ -268,7 +268,8 @@ def test_an_engine_the_host_does_not_run_is_refused(host):
 def test_the_script_and_the_core_digest_the_same(host):
     """The host's digest of the files (in the rollback record) is the one the plan compares."""
     script = {}
-    exec(compile(Path(host.config.paths.rollback).read_text(), "sparkform-rollback", "exec"), script)
+    installed = Path(host.config.paths.host_modules) / "sparkform" / "host" / "rollback.py"
+    exec(compile(installed.read_text(), "rollback.py", "exec"), script)
     texts = ["[Unit]\n", "A=1\n", "--x\n"]
     assert script["settings_digest"](texts) == settings_digest(*texts)
 

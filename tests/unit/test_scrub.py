@@ -263,8 +263,9 @@ def test_a_checkpoint_not_complete_at_its_commit_is_left_to_the_deploy(host):
 
 
 def scrub_module(host: ScrubbedHost):
-    """The scrub as the host runs it, imported: the installed file is the module's own text."""
-    assert Path(host.config.paths.scrub).read_text() == Path(scrub.__file__).read_text()
+    """The scrub as the host runs it, imported: the installed module is the package's own text."""
+    installed = Path(host.config.paths.host_modules) / "sparkform" / "host" / "scrub.py"
+    assert installed.read_text() == Path(scrub.__file__).read_text()
     return scrub
 
 
