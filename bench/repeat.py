@@ -28,8 +28,7 @@ REPEATS = {
     "double-crash": (
         "SPARKFORM_DOUBLE_CRASHES",
         10,
-        "tests/integration/test_watchful.py::"
-        "test_both_engine_cores_killed_at_once_again_and_again_both_serve_again_every_time",
+        "tests/integration/test_watchful.py::test_both_engine_cores_killed_at_once_repeatedly_serve_again_each_time",
     ),
     "pair-reboots": (
         "SPARKFORM_PAIR_REBOOTS",

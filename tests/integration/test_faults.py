@@ -93,7 +93,7 @@ def converge_back(box: machine.Sandbox) -> None:
 
 
 @pytest.mark.from_scratch
-def test_deploy_killed_during_the_venv_install_leaves_no_venv_taken_as_complete(box):
+def test_deploy_killed_mid_venv_install_leaves_no_venv_taken_as_complete(box):
     deploy = start_pyinfra()
     try:
         wait_for(lambda: running_on_host(box, "bin/pip install"), 300, "pip install on the host", 0.3)
@@ -104,7 +104,7 @@ def test_deploy_killed_during_the_venv_install_leaves_no_venv_taken_as_complete(
 
 
 @pytest.mark.from_scratch
-def test_deploy_killed_during_the_download_leaves_no_checkpoint_taken_as_complete(box, tmp_path):
+def test_deploy_killed_mid_download_leaves_no_checkpoint_taken_as_complete(box, tmp_path):
     """This deploy installs the venv whole first (the one of the suite that does): without -v
     the install shows its progress, each line prefixed with the host's name."""
     hub = FakeHub(box.runtime_dir / "hub")
@@ -327,7 +327,7 @@ def test_engine_core_killed_at_run_time_exits_0_and_systemd_restarts_it(box):
 # --- engines that die at start (docs/incidents.md#restart-loop, #cuda-missing-under-systemd) --------
 
 
-def test_engine_that_dies_at_every_start_stops_at_the_start_limit_and_the_deploy_says_why(box, tmp_path):
+def test_engine_dying_every_start_stops_at_start_limit_and_deploy_says_why(box, tmp_path):
     nemotron_pid = main_pids(box)["vllm-nemotron.service"]
     # Nothing kept to go back to (a host before its first serving start): the start limit, not
     # a rollback, ends the crash loop.
@@ -368,7 +368,7 @@ def q38_files(box: machine.Sandbox) -> str:
     return ssh(box, f"sha256sum {' '.join(PATHS.engine_files('q38'))}").stdout
 
 
-def test_a_change_q38_cannot_start_on_goes_back_to_the_settings_it_last_served_with(box, tmp_path):
+def test_a_change_q38_cannot_start_on_goes_back_to_last_served_settings(box, tmp_path):
     """A flag this vLLM rejects: the deploy fails naming it, q38 serves again on its previous
     settings within one more start, nemotron is untouched, a human is told, and the next dry-run
     names the change while the inventory still holds it."""
@@ -474,7 +474,7 @@ def test_q38_moved_to_a_vllm_lock_of_its_own_then_rolled_back_by_hand(box, tmp_p
     assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
 
 
-def test_a_checkpoint_revision_that_verifies_but_cannot_load_goes_back_and_keeps_the_old_folder(box, tmp_path):
+def test_verified_revision_that_cannot_load_goes_back_and_keeps_old_folder(box, tmp_path):
     """A new pin whose every byte verifies but whose config.json names an architecture this vLLM
     cannot load: the deploy fails naming it, q38 serves again from the revision it last served
     with, whose folder is still there, and nemotron is untouched."""

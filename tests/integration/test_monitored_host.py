@@ -53,7 +53,7 @@ def answered(url: str) -> tuple[int, str] | None:
         raise
 
 
-def test_node_exporter_lists_both_engine_units_and_sparkforms_metrics_and_stays_a_no_op(box, tmp_path):
+def test_node_exporter_lists_engines_and_sparkform_metrics_and_stays_no_op(box, tmp_path):
     before = main_pids(box)
     watched = edited_inventory(
         tmp_path,

@@ -97,7 +97,7 @@ def test_a_second_converge_changes_nothing(pair):
     assert [unit_properties(box, UNIT, "MainPID")["MainPID"] for box in pair] == before
 
 
-def test_a_head_waiting_longer_than_start_stall_s_for_its_worker_is_not_failed_as_stalled(pair):
+def test_a_head_waiting_past_start_stall_s_for_its_worker_is_not_stalled(pair):
     """On two loaded cores a worker may join later than start_stall_s after its head started; a
     guard that took the silent, idle head for a stalled start would fail it again and again. A
     head waits for its ranks (its readiness budget bounds that; the worker's guard watches the

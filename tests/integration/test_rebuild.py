@@ -57,7 +57,7 @@ def now(box: machine.Sandbox) -> str:
 
 
 @pytest.mark.from_scratch
-def test_converge_records_versions_keys_and_cold_starts_and_reaches_the_engines_target(box):
+def test_converge_records_versions_keys_cold_starts_and_reaches_target(box):
     result = pyinfra(SANDBOX_INVENTORY, "-y")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     mark_converged(box)
@@ -96,7 +96,7 @@ def test_same_versions_after_a_reboot_touch_no_cache_and_restart_nothing(box):
     assert all(not entry["last_start_cold"] for entry in record(box)["engines"].values())
 
 
-def test_new_driver_rebuilds_caches_one_engine_at_a_time_and_a_failed_warm_start_keeps_the_old_ones(box):
+def test_new_driver_rebuilds_caches_in_turn_keeps_old_if_warm_start_fails(box):
     old = record(box)
     old_key = old["engines"]["q38"]["cache_key"]
     stage.set_driver(box, NEW_DRIVER)
@@ -170,7 +170,7 @@ def test_rebuild_stops_at_once_when_the_host_refuses_its_key(box, tmp_path):
     assert time.monotonic() - start < 60
 
 
-def test_two_deploys_a_second_apart_run_one_after_the_other_and_the_host_ends_with_the_last(box, tmp_path):
+def test_two_deploys_a_second_apart_run_in_turn_and_the_last_one_wins(box, tmp_path):
     """Two `pyinfra -y` runs a second apart, each with its own max_num_seqs for q38.
     Whichever takes the host first runs; the other is told who holds the host, waits, reads what
     the first left and runs; the host ends with the settings of the run that finished last, and

@@ -198,9 +198,7 @@ def test_reboot_brings_the_same_sandbox_back(make_sandbox: Callable[..., Sandbox
     assert ssh(sandbox, "systemctl is-system-running").stdout.strip() in ("running", "degraded")
 
 
-def test_reboot_waits_for_the_boot_s_start_jobs_and_names_the_one_it_outlasts(
-    make_sandbox: Callable[..., Sandbox],
-) -> None:
+def test_reboot_waits_for_boot_start_jobs_and_names_the_one_it_outlasts(make_sandbox: Callable[..., Sandbox]) -> None:
     # An enabled unit whose start takes 30 s, as an engine's does until readiness: the boot
     # (and so the reboot) is over only when it started.
     sandbox = make_sandbox()

@@ -138,7 +138,7 @@ def status_of(box) -> tuple[int, dict]:
     return result.returncode, document
 
 
-def test_status_shows_the_pair_serving_and_counts_a_crash_and_the_time_it_was_down(box):
+def test_status_shows_the_pair_serving_and_counts_a_crash_and_its_downtime(box):
     code, host = status_of(box)
     assert code == 0 and host["serving"] and host["untrusted"] == [], host
     engines = {e["name"]: e for e in host["engines"]}
@@ -180,7 +180,7 @@ def test_status_shows_the_pair_serving_and_counts_a_crash_and_the_time_it_was_do
     wait_for(restart_then_word, 60, "q38's restart, then the guard's 'serves again', in `sparkform logs`")
 
 
-def test_both_engine_cores_killed_at_once_again_and_again_both_serve_again_every_time(box):
+def test_both_engine_cores_killed_at_once_repeatedly_serve_again_each_time(box):
     # The modules before this one on the shared sandbox spent some of each unit's starts within
     # the start limit's interval; these crashes are to find the whole limit (reset-failed empties it).
     ssh(box, f"systemctl reset-failed {' '.join(UNITS)}")
@@ -285,7 +285,7 @@ def launched_pid(box, unit: str, before: int) -> int:
     return pid if "vllm.entrypoints" in args else 0
 
 
-def test_an_api_server_stopped_while_it_loads_fails_its_start_at_once_and_holds_no_neighbour_back(box):
+def test_api_server_stopped_mid_load_fails_at_once_blocking_no_neighbour(box):
     """SIGSTOP during a start: before, only the readiness budget (1,080 s on a Spark) ended it.
     Now the guard fails the start within STALL_FOUND_S, nemotron serves again one start later, and
     q38, restarted in the same second (ordered after nemotron), begins its load once the stall is
@@ -373,7 +373,7 @@ def test_a_crash_of_one_engine_while_the_other_hangs_both_serve_again(box):
     assert "gives up its turn" not in journal and "waits for engine nemotron" not in journal
 
 
-def test_an_engine_that_cannot_serve_is_retried_with_a_growing_back_off_and_serves_once_repaired(box, tmp_path):
+def test_engine_that_cannot_serve_is_retried_with_back_off_until_repaired(box, tmp_path):
     inventory = edited_inventory(tmp_path, host_changes={"recover_cooldown_s": 10})
     assert pyinfra(inventory, "-y").returncode == 0
     since, since_alerts = now(box), len(alerts(box))
@@ -463,7 +463,7 @@ def mem_available_gib(box) -> float:
 
 
 @pytest.mark.still_memory
-def test_memory_taken_outside_the_engines_stops_the_lower_priority_engine_until_it_is_back(box, tmp_path):
+def test_outside_memory_use_stops_the_lower_priority_engine_until_freed(box, tmp_path):
     available = mem_available_gib(box)
     # Floors 1.5 and 2 GiB under what is free now; 3 GiB taken outside every engine's cgroup (the
     # stand-in for CUDA allocations the cgroup cannot see).
@@ -496,7 +496,7 @@ def test_memory_taken_outside_the_engines_stops_the_lower_priority_engine_until_
     assert pyinfra(SANDBOX_INVENTORY, "-y").returncode == 0
 
 
-def test_a_byte_flipped_in_a_served_shard_is_found_by_the_scrub_fetched_again_and_its_engine_restarted(box):
+def test_scrub_fetches_a_flipped_shard_again_and_restarts_its_engine(box):
     shard = f"{checkpoint_dir(box, 'nemotron')}/model-00001-of-00002.safetensors"
     good = ssh(box, f"sha256sum {shard}").stdout.split()[0]
     flip_a_byte_keeping_size_and_mtime(box, shard)
@@ -526,9 +526,7 @@ def test_a_byte_flipped_in_a_served_shard_is_found_by_the_scrub_fetched_again_an
     assert changed_operations(SANDBOX_INVENTORY) == []
 
 
-def test_a_repair_while_the_hub_is_down_is_tried_again_and_the_engine_serves_the_good_file_without_a_deploy(
-    box, tmp_path
-):
+def test_repair_while_the_hub_is_down_retries_and_serves_without_a_deploy(box, tmp_path):
     """A flipped byte found by the scrub while the hub does not answer: the repair fails
     (one alert) and q38's starts are refused (no marker) until they spend its start limit; the hub
     back, the scrub's own retry fetches the file, starts q38 again, and q38 serves the good bytes
@@ -583,7 +581,7 @@ def ledger_rows() -> list[dict]:
     return host["rows"]
 
 
-def test_each_start_that_served_is_a_ledger_row_with_what_the_engine_printed_and_plan_uses_it(box, tmp_path):
+def test_each_served_start_is_a_ledger_row_of_its_output_that_plan_uses(box, tmp_path):
     before = ledger_rows()
     for name in NAMES.values():  # the converge's starts (and any restart since) each left a row
         assert any(row["engine"] == name for row in before), before

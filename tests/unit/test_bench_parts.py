@@ -59,7 +59,7 @@ def phase_output(name: str, rc: str, result: str, log: str = "") -> str:
     )
 
 
-def test_a_result_of_vllm_bench_serve_reads_as_decode_tokens_per_s_and_ttft():
+def test_a_vllm_bench_serve_result_reads_as_decode_tokens_per_s_and_ttft():
     saved = json.loads(RESULT)
     figures = read_phase("sandbox", "q38", ["q38"], phase_output("q38", "0 100.5 112.25", RESULT), SETTINGS)
     q38 = figures["q38"]
@@ -138,7 +138,7 @@ def test_the_penalty_and_the_combined_figure_are_the_field_notes():
     assert lines[-1].endswith("nemotron 100%, q38 40%")
 
 
-def test_overlap_gives_the_slower_engine_the_share_it_ran_beside_the_faster():
+def test_overlap_gives_the_slower_engine_the_share_it_ran_beside_faster():
     figures = {"fast": Figures(80, 40, 10.0, 20.0), "slow": Figures(10, 300, 10.0, 35.0)}
     assert overlap(figures) == {"fast": 1.0, "slow": pytest.approx(10 / 25)}
     apart = {"a": Figures(1, 1, 0.0, 1.0), "b": Figures(1, 1, 2.0, 3.0)}
@@ -196,7 +196,7 @@ def planted(path: list[str], value) -> str:
         (planted(["engines"], {}), "engines is not a table of engines"),
     ],
 )
-def test_a_ledger_line_in_a_shape_sparkform_never_writes_is_left_out_and_named(line, said):
+def test_a_ledger_line_sparkform_never_writes_is_left_out_and_named(line, said):
     with pytest.raises(UntrustedRow, match=None) as caught:
         read_row(line)
     assert said in str(caught.value)
@@ -234,7 +234,7 @@ def shellcheck(script: str) -> None:
     assert result.returncode == 0, result.stdout
 
 
-def test_the_phase_runs_every_generator_at_once_as_the_engine_user_and_passes_shellcheck(host):
+def test_phase_runs_all_generators_at_once_as_engine_user_shellcheck_clean(host):
     engines = host.config.enabled_engines
     folders = {e.name: f"/models/{e.name} with space" for e in engines}
     script = phase_command(host.config, engines, folders, SETTINGS, 7)
@@ -303,7 +303,7 @@ def test_the_plot_is_a_png_of_the_size_it_is_drawn_at(tmp_path):
     assert path.stat().st_size > 10_000  # bars, lines and labels, not an empty canvas
 
 
-def test_bench_with_settings_over_an_engines_window_exits_2_before_connecting(tmp_path, free_port):
+def test_bench_settings_over_an_engines_window_exit_2_before_connecting(tmp_path, free_port):
     inventory = unreachable_inventory(tmp_path, free_port())
     result, _ = sparkform("bench", str(inventory), "--input-len", "1000000", cwd=tmp_path)
     assert result.returncode == 2, result.stderr

@@ -65,7 +65,7 @@ def test_the_checkpoint_bench_runs_whole_at_its_smallest_size():
     assert lines[-1].startswith("no-op check of 22 GiB in 11 shards")
 
 
-def test_the_front_bench_s_program_times_each_place_and_kind_against_stand_in_engines(servers):
+def test_front_bench_times_each_place_and_kind_against_stand_in_engines(servers):
     """The places and bodies of the sandbox inventory's nemotron, the program the host runs
     pointed at three stand-ins (2 rounds), and the table it prints: the key goes to the front's
     ports only, never to the engine's own. Costs about 2 s: the inventory read, 12 requests on

@@ -18,7 +18,7 @@ from chains import SHARED_CHAIN, chain, chain_minutes, declared, longest_first
 INTEGRATION = chains.REPO / "tests" / "integration"
 
 
-def test_every_integration_module_declares_its_minutes_and_the_sharing_ones_make_one_chain():
+def test_integration_modules_declare_minutes_and_sharing_ones_form_a_chain():
     modules = sorted(p.relative_to(chains.REPO).as_posix() for p in INTEGRATION.glob("test_*.py"))
     minutes = chain_minutes([f"{module}::test" for module in modules])
     sharing = [m for m in modules if declared(m).get("SHARES_SANDBOX")]
@@ -29,7 +29,7 @@ def test_every_integration_module_declares_its_minutes_and_the_sharing_ones_make
     assert chain("tests/unit/test_render.py::test_x") is None
 
 
-def test_chains_go_longest_first_then_the_unit_tests_each_keeping_its_order(monkeypatch):
+def test_chains_go_longest_first_then_the_unit_tests_each_keeping_order(monkeypatch):
     monkeypatch.setattr(
         chains,
         "declared",

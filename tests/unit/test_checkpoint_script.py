@@ -231,7 +231,7 @@ def test_each_fetched_file_gets_a_line_and_nothing_else_is_printed(script, hub, 
     assert len(again.stdout.splitlines()) == 2
 
 
-def test_a_slow_file_gets_a_progress_line_every_few_seconds_while_it_downloads(script, hub, tmp_path):
+def test_a_slow_download_gets_a_progress_line_every_few_seconds(script, hub, tmp_path):
     hub.stall()  # bodies pause after their first chunk: the shards stall, the small files do not
     process = subprocess.Popen(
         fetch_command(script, QWEN, tmp_path / "ckpt", "--progress-every", "0.5"),
@@ -377,7 +377,7 @@ def test_a_cut_download_resumes_where_it_stopped(script, hub, tmp_path):
     assert not (folder / ".partial").exists()
 
 
-def test_a_resumed_file_that_does_not_match_is_fetched_again_from_its_start(script, hub, tmp_path):
+def test_a_resumed_file_that_mismatches_is_fetched_again_from_its_start(script, hub, tmp_path):
     folder = tmp_path / "ckpt"
     served = hub.repo_dir(QWEN) / hub.resolve(QWEN, "main") / SHARD
     (folder / ".partial").mkdir(parents=True)
@@ -403,7 +403,7 @@ def hub_file(hub: FakeHub, folder: Path, monkeypatch) -> tuple[checkpoint.Fetch,
     return checkpoint.Fetch(1, entry, folder), served, commit
 
 
-def test_the_fetcher_resumes_from_the_bytes_an_earlier_run_left_called_directly(hub, tmp_path, monkeypatch):
+def test_fetcher_called_directly_resumes_from_bytes_an_earlier_run_left(hub, tmp_path, monkeypatch):
     """Fetch.download, imported: the bytes in .partial/ (ending mid-block) are kept, the rest asked
     for as a range, and the file moved in place whole."""
     fetch, served, commit = hub_file(hub, tmp_path / "ckpt", monkeypatch)
@@ -417,7 +417,7 @@ def test_the_fetcher_resumes_from_the_bytes_an_earlier_run_left_called_directly(
     assert fetch.digests.mismatch(fetch.entry) is None
 
 
-def test_the_fetcher_fetches_from_the_start_what_a_resume_made_wrong_called_directly(hub, tmp_path, monkeypatch):
+def test_fetcher_called_directly_fetches_again_what_a_resume_made_wrong(hub, tmp_path, monkeypatch):
     fetch, served, commit = hub_file(hub, tmp_path / "ckpt", monkeypatch)
     fetch.partial.parent.mkdir(parents=True)
     fetch.partial.write_bytes(b"\0" * 5000)  # not the hub's bytes
@@ -426,7 +426,7 @@ def test_the_fetcher_fetches_from_the_start_what_a_resume_made_wrong_called_dire
     assert fetch.local.read_bytes() == served
 
 
-def test_a_disk_that_fills_during_the_fetch_ends_with_the_numbers_and_the_next_run_resumes(script, hub, tmp_path):
+def test_a_full_disk_mid_fetch_ends_with_the_numbers_and_next_run_resumes(script, hub, tmp_path):
     small = tmp_path / "small"
     small.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], check=True)
@@ -484,7 +484,7 @@ def test_a_disk_that_fills_during_the_fetch_ends_with_the_numbers_and_the_next_r
         ".partial/x.part",
     ],
 )
-def test_a_tree_entry_outside_the_folder_is_refused_before_anything_is_written(script, hub, tmp_path, hostile):
+def test_a_tree_entry_outside_the_folder_is_refused_before_any_write(script, hub, tmp_path, hostile):
     """A hostile mirror (its hashes are its own too): the fetch exits 5 naming the entry, and
     nothing inside or outside the checkpoint folder was created or changed."""
     hub.list_only(QWEN, hostile, like=SHARD)

@@ -150,7 +150,7 @@ def test_the_network_guard_catches_a_connection(no_network):
 # --- the broken inventories ------------------------------------------------------------------------
 
 
-def test_there_are_at_least_a_dozen_broken_inventories_each_with_an_expectation():
+def test_at_least_a_dozen_broken_inventories_each_have_an_expectation():
     names = {path.stem for path in BROKEN_FILES}
     assert len(names) >= 12
     assert names == set(EXPECTED), (
@@ -491,7 +491,7 @@ def test_verify_of_a_host_that_does_not_answer_says_so_in_one_line(tmp_path, fre
     assert line.endswith("; nothing was checked")
 
 
-def test_rebuild_of_a_host_that_does_not_answer_says_so_in_one_line_and_deploys_nothing(tmp_path, free_port):
+def test_rebuild_of_a_silent_host_says_so_in_one_line_and_deploys_nothing(tmp_path, free_port):
     """--wait 0: one try; the line names the host and ssh's reason, and no deploy runs."""
     inventory = unreachable_inventory(tmp_path, free_port())
     result, elapsed = sparkform("rebuild", str(inventory), "--wait", "0", cwd=tmp_path)

@@ -192,7 +192,7 @@ def test_one_exit_code_table_in_help_and_in_the_operators_guide(tmp_path):
     assert exit_code_table() in (REPO / "docs" / "operator.md").read_text()
 
 
-def test_each_host_reads_a_lone_host_in_this_thread_and_several_at_once_in_order():
+def test_each_host_reads_one_host_in_this_thread_and_many_at_once_in_order():
     """One host: read in this thread (a Ctrl-C cuts its wait); several: all at once, answers in the hosts' order."""
     assert ssh.each_host(lambda _: threading.current_thread(), ["one"]) == [threading.main_thread()]
     started = threading.Barrier(3, timeout=10)  # each read waits for the other two: only parallel reads pass

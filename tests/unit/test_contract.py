@@ -82,7 +82,7 @@ def test_captured_answers_of_both_kinds_are_here():
 
 
 @pytest.mark.parametrize("name", OVER_WINDOW)
-def test_a_captured_over_window_answer_keeps_its_versions_contract_and_breaks_the_other(name):
+def test_a_captured_over_window_answer_passes_its_versions_contract_only(name):
     case = captured(name)
     reply = Reply(case["status"], case["body"])
     own = contract_for(case["vllm"])
@@ -223,7 +223,7 @@ def pooling_engine(kind: str, window: int, dimensions: int = 8):
 
 
 @pytest.mark.parametrize("kind", ["embed", "rerank"])
-def test_a_pooling_engine_s_contract_is_its_shape_its_window_and_what_an_over_long_input_gets(kind):
+def test_a_pooling_engines_contract_checks_shape_window_and_long_input(kind):
     host = load_host(
         "h", {"engines": [{"name": "emb", "port": 8004, "kind": kind, "max_model_len": 512,
                            "checkpoint": {"repo": "BAAI/bge-m3", "revision": "main"}}]}
@@ -312,7 +312,7 @@ def host_with_key(tmp_path: Path, port: int):
     return config, config.engines[0]
 
 
-def test_curl_carries_the_key_from_the_fronts_snippet_and_the_body_on_stdin(tmp_path, front):
+def test_curl_carries_the_key_from_the_front_snippet_and_the_body_on_stdin(tmp_path, front):
     config, engine = host_with_key(tmp_path, front)
     body = {"model": "e", "prompt": "it's a 'quoted' \"prompt\"", "max_tokens": 1}
     script = curl_script(config, engine, Request("/v1/completions", body), 10)
@@ -337,7 +337,7 @@ def test_a_reply_without_a_status_is_none():
     assert parse_curl('{"a": 1}\n@@sparkform-http:200') == Reply(200, '{"a": 1}')
 
 
-def test_the_command_exits_3_naming_host_and_engine_when_the_host_does_not_answer():
+def test_contract_exits_3_naming_host_and_engine_when_host_does_not_answer():
     result = subprocess.run(
         [
             str(Path(__import__("sys").executable).with_name("sparkform")),

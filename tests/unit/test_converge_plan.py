@@ -102,7 +102,7 @@ def test_caches_a_failed_run_moved_aside_stay_stale():
     assert {s.engine.name: s.stale for s in result.steps} == {"fast": False, "slow": True}
 
 
-def test_a_unit_of_an_engine_gone_from_the_inventory_is_a_leftover_to_remove():
+def test_a_unit_of_an_engine_gone_from_inventory_is_a_leftover_to_remove():
     cfg = config()
     snapshot = converged(cfg)
     gone = layout.unit_path(layout.engine_unit("old-model"))
@@ -112,7 +112,7 @@ def test_a_unit_of_an_engine_gone_from_the_inventory_is_a_leftover_to_remove():
     assert result.started == {}
 
 
-def test_a_disabled_engine_is_stopped_and_its_waiter_loses_the_edge_and_restarts():
+def test_disabled_engine_stops_and_its_waiter_loses_the_edge_and_restarts():
     snapshot = converged(config())
     result = plan(config(engines=engine_data("fast", enabled=False)), snapshot)
     assert [e.name for e in result.disabled] == ["fast"]
@@ -121,7 +121,7 @@ def test_a_disabled_engine_is_stopped_and_its_waiter_loses_the_edge_and_restarts
     assert result.daemon_reload
 
 
-def test_a_hole_left_by_an_engine_disabled_by_hand_is_repaired_by_starting_it():
+def test_a_hole_from_an_engine_disabled_by_hand_is_repaired_by_starting_it():
     cfg = config()
     snapshot = converged(cfg)
     snapshot.unit_files[layout.engine_unit("fast")] = "disabled"
@@ -144,7 +144,7 @@ def test_a_hole_from_a_hand_made_drop_in_is_named_and_not_repaired():
     assert result.started == {}
 
 
-def test_a_new_api_key_changes_what_the_front_must_run_with_and_restarts_no_engine(tmp_path):
+def test_a_new_api_key_changes_the_fronts_settings_and_restarts_no_engine(tmp_path):
     first, second = tmp_path / "a", tmp_path / "b"
     first.write_text("k" * 32)
     second.write_text("z" * 32)
@@ -196,14 +196,14 @@ def test_the_scrub_off_and_node_exporter_on_are_decided_in_the_table():
     assert node_exporter.stamp in converge.snapshot_request(cfg)["markers"]
 
 
-def test_a_host_with_no_engine_enabled_leaves_the_target_and_the_front_ports_alone():
+def test_a_host_with_no_engine_enabled_leaves_target_and_front_ports_alone():
     cfg = config(engines=[{**e, "enabled": False} for e in CPU_PAIR["engines"]])
     result = plan(cfg, converged(config()))
     assert not result.engines_target and result.steps == []
     assert result.services[0].options["ports"] == []  # no combined port without an engine behind it
 
 
-def test_an_engine_whose_checkpoint_is_fetched_again_restarts_alone_and_warm():
+def test_an_engine_whose_checkpoint_is_fetched_again_restarts_alone_warm():
     """A file that left its manifest (or a marker gone) is fetched again: the running engine
     still holds the old bytes, so it restarts on the fetched ones."""
     cfg = config()
@@ -231,7 +231,7 @@ def kept_as_converged(cfg, snapshot: Snapshot) -> Snapshot:
     return dataclasses.replace(snapshot, kept=kept)
 
 
-def test_a_changed_engine_with_kept_settings_goes_back_to_them_if_its_start_fails():
+def test_a_changed_engine_goes_back_to_kept_settings_if_its_start_fails():
     cfg = config()
     snapshot = kept_as_converged(cfg, converged(cfg))
     steps = {s.engine.name: s for s in plan(cfg, snapshot).steps}
@@ -254,7 +254,7 @@ def test_an_engine_without_kept_settings_has_nothing_to_go_back_to():
     assert steps["slow"].starts and not steps["slow"].rolls_back
 
 
-def test_the_dry_run_says_an_engine_runs_its_previous_settings_until_the_inventory_changes():
+def test_dry_run_names_engine_on_previous_settings_until_inventory_changes():
     cfg = config()
     snapshot = kept_as_converged(cfg, converged(cfg))
     failing = config(engines=engine_data("slow", extra_args=["--no-such-flag"]))
@@ -270,7 +270,7 @@ def test_the_dry_run_says_an_engine_runs_its_previous_settings_until_the_invento
     assert plan(cfg, snapshot).rollback_lines == []
 
 
-def test_a_link_at_a_managed_path_is_untrusted_but_one_where_a_file_is_removed_is_not():
+def test_a_link_at_a_managed_path_is_untrusted_unless_the_path_is_removed():
     models, site = "/var/lib/sparkform/models", "/etc/nginx/sites-enabled/default"
     found = Snapshot(
         paths={

@@ -95,7 +95,7 @@ def test_a_moved_branch_changes_nothing_while_the_host_records_its_pin(tmp_path,
     )
 
 
-def test_a_link_planted_at_a_managed_folder_stops_the_deploy_before_any_change(tmp_path, hub):
+def test_a_link_planted_at_a_managed_folder_stops_deploy_before_any_change(tmp_path, hub):
     """An engine user who could make models_dir a link would get root's chmod, chown and
     checkpoint writes wherever it points: the deploy names it and exits 3 first (a real run too:
     the check is the plan's, not --dry's)."""
@@ -110,7 +110,7 @@ def test_a_link_planted_at_a_managed_folder_stops_the_deploy_before_any_change(t
     assert list(elsewhere.iterdir()) == [] and oct(elsewhere.stat().st_mode & 0o777) == "0o700"
 
 
-def test_an_existing_account_sparkform_did_not_make_is_refused_as_the_engine_user(tmp_path, hub):
+def test_an_account_sparkform_did_not_make_is_refused_as_the_engine_user(tmp_path, hub):
     """Validation refuses the well-known shared accounts by name; any other account of the host
     (here one of this machine's, with a home of its own) shows only in the snapshot: exit 2 naming
     it, before its home is moved."""
@@ -170,7 +170,7 @@ local = hosts({{"@local": {{
     assert not (tmp_path / "wh").exists()
 
 
-def test_dry_run_names_a_change_that_went_back_while_the_inventory_still_renders_it(tmp_path, hub):
+def test_dry_run_names_a_rolled_back_change_the_inventory_still_renders(tmp_path, hub):
     """The host holds a rollback record of the very settings this inventory renders for fast:
     the run says so first (and plans to keep what each engine serves once it serves)."""
     publish(hub, tmp_path, "v1")
@@ -208,7 +208,7 @@ def held_host(tmp_path: Path, wait_s: int, hub) -> tuple[Path, subprocess.Popen]
     return inventory, holder
 
 
-def test_a_deploy_while_another_holds_the_host_says_who_waits_and_is_refused_with_exit_4(tmp_path, hub):
+def test_a_deploy_while_another_holds_the_host_names_it_waits_and_exits_4(tmp_path, hub):
     inventory, holder = held_host(tmp_path, 2, hub)
     try:
         result = _pyinfra(str(inventory), "deploy.py", "--dry")

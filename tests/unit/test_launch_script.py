@@ -154,7 +154,7 @@ def loading(box: Box, name: str, pid: str = "4242"):
     return handle
 
 
-def test_launch_waits_its_turn_while_another_engine_loads_and_gives_up_at_its_bound(make_box):
+def test_launch_waits_while_another_engine_loads_and_gives_up_at_its_bound(make_box):
     box = make_box()
     box.complete("a")
     with loading(box, "b"):
@@ -221,7 +221,7 @@ def test_a_neighbour_systemd_counts_as_started_is_hung_not_loading(make_box):
     assert time.monotonic() - started < 2 and "waits for" not in result.stderr
 
 
-def test_a_neighbour_whose_process_is_stopped_holds_no_one_back_and_a_live_one_is_named_in_the_state(make_box):
+def test_a_stopped_neighbour_holds_no_one_back_and_a_live_one_is_named(make_box):
     # A "loading" that nothing makes progress on (its process stopped): no wait at all.
     box = make_box()
     box.complete("a")
@@ -343,7 +343,7 @@ def test_rendered_scripts_are_executable_in_the_box(make_box):
         assert stat.S_IMODE(script.stat().st_mode) == 0o755
 
 
-def test_a_rank_for_a_head_elsewhere_waits_for_its_master_port_then_runs_vllms_own_cli_headless(make_box, free_port):
+def test_a_rank_waits_for_its_remote_heads_port_then_runs_vllm_headless(make_box, free_port):
     head_port = free_port()
     box = make_box(head_port=head_port)
     box.complete("b")
@@ -390,7 +390,7 @@ def main():
 """
 
 
-def test_a_rank_s_vllm_cli_runs_from_the_installed_modules_and_its_spawned_workers_import_it_by_name(
+def test_a_rank_s_vllm_cli_runs_from_installed_modules_workers_reimport_it(
     make_box, free_port, tmp_path
 ):
     """sparkform-vllm-serve is the launcher: it runs sparkform.host.vllm_serve from the modules

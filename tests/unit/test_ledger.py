@@ -111,7 +111,7 @@ def guard(tmp_path) -> HostGuard:
     return HostGuard(tmp_path)
 
 
-def test_a_start_that_served_appends_what_vllm_printed_beside_the_prediction(guard):
+def test_a_served_start_appends_what_vllm_printed_beside_the_prediction(guard):
     log = cpu_start()
     result = guard.served(log)
     assert result.returncode == 0, result.stderr

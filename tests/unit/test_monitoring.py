@@ -357,7 +357,7 @@ def access_line(client: str, status: int, path: str = "/v1/chat/completions") ->
     return f'2026-12-04T10:00:00+00:00 192.168.1.5 {client} "POST {path}" {status} 512 0.031\n'
 
 
-def test_the_guard_counts_the_fronts_requests_per_client_from_its_access_log(tmp_path):
+def test_guard_counts_the_fronts_requests_per_client_from_its_access_log(tmp_path):
     """Counted from the log's end at the guard's start, by client and status class; a line of
     another shape is not counted, a rotated log is read from its start."""
     folder = tmp_path / "textfiles"
@@ -432,7 +432,7 @@ def test_monitoring_settings_are_validated():
         assert field in str(err.value), err.value
 
 
-def test_the_converge_reads_and_manages_node_exporter_only_with_monitoring_on():
+def test_converge_reads_and_manages_node_exporter_only_with_monitoring_on():
     watched = load_inventory(MONITORED)[0].config
     plain = watched.model_copy(update={"monitoring": Monitoring()})
     request = converge.snapshot_request(watched)

@@ -224,7 +224,7 @@ def test_the_memory_problem_names_only_the_node_that_is_over(pair, capsys):
     assert len(lines) == 1 and lines[0].startswith("  - spark-b: engine big: gpu_memory_utilization = 0.55: ")
 
 
-def test_a_rank_that_needs_more_than_a_node_gives_is_told_to_span_more_nodes(pair, capsys):
+def test_a_rank_needing_more_than_a_node_gives_is_told_to_span_more_nodes(pair, capsys):
     big_on(weights_gib=240.0)(pair)
     (line, _) = invalid_lines(pair, capsys)
     assert "a rank would need 1.02 of this node (at most 0.95): span more nodes" in line
@@ -287,7 +287,7 @@ def test_a_host_that_failed_to_load_is_not_also_reported_missing(pair, capsys):
     assert line.startswith("  - spark-b: timeout_start_s = 60: ")
 
 
-def test_sparkform_plan_of_the_pair_plans_each_node_and_exits_2_on_a_mismatch(pair, tmp_path, capsys):
+def test_sparkform_plan_of_the_pair_plans_each_node_exits_2_on_mismatch(pair, tmp_path, capsys):
     big_on(model_config_path=str(MODEL_CONFIGS / "qwen3_32b_dense.json"))(pair)  # the inventory lies elsewhere
     inventory = tmp_path / "pair.py"
     inventory.write_text(f"pair = {list(pair.items())!r}\n")
@@ -311,7 +311,7 @@ def rendered(config: HostConfig) -> dict[str, str]:
     return {file.path: file.content for file in render.render_host(config)}
 
 
-def test_each_node_renders_its_rank_the_head_serving_and_the_worker_headless(pair):
+def test_each_node_renders_its_rank_the_head_serving_the_worker_headless(pair):
     hosts = loaded(pair)
     head = hosts["spark-a"].config.spanned({"big": Span("10.0.0.1", "10.0.0.1", LINK)})
     worker = hosts["spark-b"].config.spanned({"big": Span("10.0.0.1", "10.0.0.2", LINK)})
@@ -379,7 +379,7 @@ def read_link(interface: str, venv: Path, head: tuple[str, int] | None = None) -
     return nodes.parse_node_link(interface, output.splitlines())
 
 
-def test_the_preflight_reads_the_interface_the_nccl_and_whether_the_head_answers(venv_with_nccl):
+def test_preflight_reads_the_interface_nccl_and_whether_the_head_answers(venv_with_nccl):
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         refused_port = closed.getsockname()[1]

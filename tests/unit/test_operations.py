@@ -565,7 +565,7 @@ def test_operation_yields_its_commands_then_nothing_once_they_ran(case):
         assert again == [] and noops, f"not idempotent: {again}"
 
 
-def test_each_service_of_the_plan_goes_to_its_operation_which_leaves_a_converged_one_alone():
+def test_each_service_goes_to_its_operation_leaving_a_converged_one_alone():
     """The deploy's table (SERVICE_OPERATIONS) hands each service the plan keeps to its operation:
     on a fresh host each one starts; once each runs with the stamp this run makes, none yields a
     command."""
@@ -629,7 +629,7 @@ CAPTURED = Path(__file__).parent.parent / "fixtures" / "captured"
         ),
     ],
 )
-def test_the_why_lines_of_a_failed_start_name_its_reason_and_leave_the_noise(journal, why, noise):
+def test_why_lines_of_a_failed_start_name_its_reason_and_leave_out_noise(journal, why, noise):
     captured = (CAPTURED / journal).read_text()
     lines = subprocess.run(
         ["bash", "-c", f"set -o pipefail; {engines.WHY_LINES_FILTER}"],

@@ -64,7 +64,7 @@ def unpacked(wheel, tmp_path_factory) -> Path:
     return site
 
 
-def test_the_wheel_carries_the_deploy_and_its_data_and_nothing_beside_the_package(wheel):
+def test_the_wheel_carries_deploy_and_data_and_nothing_outside_the_package(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names}
     assert top_level == {"sparkform", wheel.name.split("-py3")[0] + ".dist-info"}

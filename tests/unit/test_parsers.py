@@ -270,7 +270,7 @@ def test_systemctl_show_blocks_by_unit_id_whatever_the_property_order():
     assert units["vllm-qwen38.service"]["UnitFileState"] == ""
 
 
-def test_systemctl_show_keeps_values_with_equals_signs_and_drops_blocks_without_id():
+def test_systemctl_show_keeps_equals_in_values_and_drops_blocks_without_id():
     units = parse_systemctl_show(["Id=a.service", "Description=x=y", "", "MainPID=7", ""])
     assert units == {"a.service": {"Id": "a.service", "Description": "x=y"}}
 
@@ -338,7 +338,7 @@ def test_values_serialize_for_the_pyinfra_cli():
         "(EngineCore pid=1807) INFO 12-01 09:18:01 [core.py:97] Initializing a V1 LLM engine (v0.32.0) with config: ",
     ],
 )
-def test_kv_pool_drops_the_available_memory_of_a_start_that_died_before_its_pool(start_line):
+def test_kv_pool_drops_the_stale_available_memory_of_a_start_that_died(start_line):
     """A start that printed its available memory and died: the next start's pool (a device that
     prints no such line) does not take that stale figure."""
     lines = [

@@ -469,7 +469,7 @@ def seed_pair_by_weights(seed_data: dict[str, Any], util: tuple[float, float]) -
     return seed_data
 
 
-def test_even_split_starves_the_dense_engine_and_the_recommendation_moves_memory_to_it(seed_data, make_host):
+def test_even_split_starves_dense_engine_and_recommendation_gives_it_more(seed_data, make_host):
     host = make_host(seed_pair_by_weights(seed_data, (0.35, 0.35)))
     result = planner.plan(host)
     plans = by_name(result)

@@ -598,7 +598,7 @@ def test_each_program_reads_only_keys_of_its_shape(program):
     assert reader.read.get(shape), f"the walk found no read of {shape.__name__} in sparkform-{program}"
 
 
-def test_the_reader_check_finds_an_unknown_key_a_nested_one_and_an_undeclared_parameter():
+def test_the_reader_check_finds_unknown_keys_and_an_undeclared_parameter():
     sources = host_sources(
         outages=lambda text: text.replace('config["state_dir"], f"outage-', 'config["state_folder"], f"outage-'),
         watchdog=lambda text: text.replace("spec['route']", "spec['path']"),

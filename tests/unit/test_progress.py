@@ -116,7 +116,7 @@ def venv_build(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess,
     return sh(venv.install_command(config, config.pin(), 3), tmp_path, **env), config.venv
 
 
-def test_the_venv_build_counts_wheels_collected_and_installed_then_says_done(tmp_path):
+def test_venv_build_counts_wheels_collected_and_installed_then_says_done(tmp_path):
     result, folder = venv_build(tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

@@ -75,7 +75,7 @@ def test_record_script_refuses_an_engine_that_is_not_active(tmp_path):
     assert not (tmp_path / "record.json").exists()
 
 
-def test_planned_record_takes_a_boot_start_systemd_measured_and_keeps_the_cold_start():
+def test_planned_record_takes_systemds_boot_start_and_keeps_the_cold_start():
     old = HostRecord(VERSIONS, {"a": EngineRecord(KEY, 200.0, 30.0, 1000.0, True)})
     snapshot = Snapshot(
         engines={
@@ -128,7 +128,7 @@ def test_start_table_tells_new_starts_from_engines_that_kept_running():
     assert [cell.strip() for cell in header_only.split("  ") if cell.strip()] == cells[0]
 
 
-def test_planned_record_keeps_the_boots_start_through_restarts_systemd_made_on_its_own():
+def test_planned_record_keeps_the_boot_start_through_systemds_own_restarts():
     # Booted at 1900; the record has this boot's start (2000). systemd restarted the engine at
     # 2500 after a crash: not a change to converge, so the planned record is the record.
     booted = HostRecord(

@@ -148,7 +148,7 @@ def test_golden_files(monkeypatch):
     assert not differing, f"rendering differs from the golden files: {differing} (SPARKFORM_UPDATE_GOLDEN=1)"
 
 
-def test_the_host_gets_each_program_and_shared_module_as_the_package_holds_it(monkeypatch):
+def test_the_host_gets_each_program_and_shared_module_as_packaged(monkeypatch):
     """Byte for byte: each program's path holds the launcher, which runs the module its name
     says, and the package lands whole beside them. Nothing of the inventory is written into code."""
     config = seed_config(monkeypatch)
@@ -375,7 +375,7 @@ def scored(root: Path, unit: str, device: str, bound: float, record_property) ->
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
-def test_engine_units_are_hardened_to_2_or_less_and_keep_what_the_engine_needs(
+def test_engine_units_are_hardened_to_2_or_less_and_keep_what_engines_need(
     device, tmp_path, system_units, record_property
 ):
     config, files = verified_variant(device, tmp_path / "root", system_units)
@@ -465,7 +465,7 @@ def test_the_exposure_check_can_fail(tmp_path, system_units):
     assert exposure(tmp_path / "root", "vllm-hands.service") > 2.0
 
 
-def test_engines_target_is_requisite_of_and_follows_every_enabled_engine_only():
+def test_engines_target_is_requisite_of_and_follows_enabled_engines_only():
     config = variant_config()
     target = next(f for f in render_host(config) if f.path.endswith("sparkform-engines.target"))
     enabled = " ".join(e.unit for e in config.enabled_engines)
@@ -686,7 +686,7 @@ def test_variant_unit_values(tmp_path):
     assert "/etc/systemd/system/vllm-retired.service" in files
 
 
-def test_unit_after_a_disabled_engine_is_ordered_after_what_that_engine_waited_for():
+def test_unit_after_a_disabled_engine_is_ordered_after_what_it_waited_for():
     data = json.loads(json.dumps(VARIANT))
     retired = next(e for e in data["engines"] if e["name"] == "retired")
     retired["after"] = ["hands"]

@@ -181,7 +181,7 @@ def test_the_kept_copy_is_root_only_and_read_back_as_kept(host):
     assert snapshot.untrusted == [] and snapshot.kept == {"a": host.kept} and snapshot.rollbacks == {}
 
 
-def test_a_failed_change_goes_back_byte_for_byte_restarts_only_its_engine_alerts_and_is_named_by_the_dry_run(host):
+def test_failed_change_goes_back_byte_for_byte_restarting_only_its_engine(host):
     failing = load_host("rollback-test", data(host.root, ["--no-such-flag"])).config
     host.put(failing, "a")
     assert host.texts("a") != host.served
@@ -242,7 +242,7 @@ def test_kept_settings_not_as_the_deploy_left_them_change_nothing(host, damage, 
     assert not Path(host.config.paths.kept("a"), "rolled-back.json").exists()
 
 
-def test_a_start_that_fails_on_the_kept_settings_too_exits_4_with_them_in_place(host):
+def test_a_start_failing_on_kept_settings_too_exits_4_with_them_in_place(host):
     host.put(load_host("rollback-test", data(host.root, ["--no-such-flag"])).config, "a")
     result = host.rollback("a", STUB_FAILS="vllm-a.service")
     assert result.returncode == 4, result.stderr
@@ -274,7 +274,7 @@ def test_the_script_and_the_core_digest_the_same(host):
     assert script["settings_digest"](texts) == settings_digest(*texts)
 
 
-def test_keeping_again_after_a_rollback_drops_its_record_and_leaves_no_folder_behind(host):
+def test_keeping_again_after_a_rollback_drops_its_record_and_folder(host):
     host.put(load_host("rollback-test", data(host.root, ["--no-such-flag"])).config, "a")
     assert host.rollback("a").returncode == 0
     assert "a" in host.snapshot().rollbacks
@@ -287,7 +287,7 @@ def test_keeping_again_after_a_rollback_drops_its_record_and_leaves_no_folder_be
     assert sorted(p.name for p in Path(kept_root(host.config.state_dir)).iterdir()) == ["a"]
 
 
-def test_by_hand_the_reason_travels_on_stdin_quoted_and_is_recorded_as_given(host):
+def test_by_hand_the_reason_goes_on_stdin_quoted_and_is_recorded_as_given(host):
     host.put(load_host("rollback-test", data(host.root, ["--max-num-seqs", "4"])).config, "a")
     reason = "answers garbage; $(touch pwned) `touch pwned`"
     command = rollback_command(host.config, "a", reason)
@@ -304,7 +304,7 @@ def test_an_engine_the_inventory_lacks_is_named_before_connecting(capsys):
     assert capsys.readouterr().err == "sparkform rollback: the inventory has no engine 'q83' (engines: nemotron, q38)\n"
 
 
-def test_by_hand_a_change_that_served_goes_back_to_the_settings_before_it_and_they_trade_places(host):
+def test_by_hand_a_served_change_and_the_settings_before_it_trade_places(host):
     """The change served (the deploy kept it, the settings before it moved to previous/); the
     owner rolls it back: the settings before it serve again and are the kept ones, the change
     is kept before them and named by the next dry-run."""

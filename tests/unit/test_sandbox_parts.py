@@ -240,7 +240,7 @@ def test_without_the_sandbox_extra_the_sandbox_says_what_to_install(
 
 
 @pytest.mark.parametrize("layer", ["/no/such/layer", "/tmp/a:b"])
-def test_a_layer_that_is_not_a_folder_or_holds_a_colon_is_refused_before_anything_boots(layer):
+def test_a_layer_not_a_folder_or_holding_a_colon_is_refused_before_booting(layer):
     with pytest.raises(SandboxError, match="bad layer"):
         machine.up("t-badlayer", layers=[Path(layer)])
     assert not registry.runtime_dir("t-badlayer").exists()

@@ -705,9 +705,7 @@ def test_the_lan_with_a_key_is_accepted_and_the_key_must_be_a_bearer_token(seed_
         assert "bearer token" in problem.message and bad not in str(problem)
 
 
-def test_each_client_key_is_checked_as_its_own_field_and_no_two_clients_share_a_key(
-    seed_data, make_host, problems_of, tmp_path
-):
+def test_each_client_key_is_checked_alone_and_no_two_clients_share_a_key(seed_data, make_host, problems_of, tmp_path):
     files = {}
     for name, key in (("default", "0123456789abcdef0123"), ("planner", "planner-key-0123456789"), ("coder", "x")):
         files[name] = tmp_path / name

@@ -134,7 +134,7 @@ def served(host: ScrubbedHost, repo: str, name: str) -> bytes:
     return (host.hub.repo_dir(repo) / host.hub.resolve(repo, "main") / name).read_bytes()
 
 
-def test_a_flipped_byte_with_size_and_mtime_kept_is_found_fetched_again_and_only_its_engine_restarted(host):
+def test_flipped_byte_with_kept_size_and_mtime_is_found_and_fetched_again(host):
     shard = host.folder("q") / SHARD
     flip_a_byte_keeping_size_and_mtime(shard)
     # What a deploy trusts still holds: the size and mtime its manifest recorded.
@@ -182,7 +182,7 @@ def test_check_only_names_the_file_and_changes_nothing(host):
     assert host.systemctl_calls() == [] and host.alerts() == [] and host.hub.requests == []
 
 
-def test_a_repair_the_hub_cannot_serve_is_tried_again_with_a_growing_back_off_and_serves_once_it_verifies(host):
+def test_repair_the_hub_cannot_serve_backs_off_until_it_verifies(host):
     """The hub served bad bytes at the scrub's repair and at the first retry: the
     checkpoint stays unmarked (no engine starts on it), each failure schedules the next try twice
     as late, one alert says it failed; once the hub serves the file again, the retry fetches it,
@@ -234,7 +234,7 @@ def test_a_repair_the_hub_cannot_serve_is_tried_again_with_a_growing_back_off_an
     assert host.scrub("--retry").returncode == 0 and len(host.systemctl_calls()) == 7
 
 
-def test_a_manifest_entry_outside_the_folder_is_not_read_and_the_checkpoint_is_fetched_again(host, tmp_path):
+def test_manifest_entry_outside_folder_is_unread_and_checkpoint_refetched(host, tmp_path):
     outside = tmp_path / "outside"
     outside.write_text("root never reads this for the scrub\n")
     path = host.folder("q") / CHECKPOINT_MANIFEST

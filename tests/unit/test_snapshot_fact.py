@@ -141,7 +141,7 @@ def test_checkpoint_scan_trusts_size_and_mtime_only(tmp_path):
     assert check()[str(folder)] == ("c1", "b.safetensors")
 
 
-def test_the_fact_sends_the_scan_s_text_and_the_host_s_python3_runs_it_alone(tmp_path):
+def test_the_fact_sends_the_scans_text_and_the_hosts_python3_runs_it_alone(tmp_path):
     """The fact's section runs the module's own text with python3 -c: it prints what scan()
     yields, and imports nothing of sparkform (a host has none of it before its first deploy).
     Costs one python3 start."""
@@ -243,7 +243,7 @@ RECORD = json.dumps(
         ("record", RECORD.replace("5.36", "5.36\\n`id`"), "versions.firmware"),
     ],
 )
-def test_a_value_read_back_in_a_shape_sparkform_never_writes_is_untrusted_and_left_out(section, line, untrusted):
+def test_a_read_back_value_of_unknown_shape_is_untrusted_and_left_out(section, line, untrusted):
     snapshot = HostSnapshot().process([f"{SECTION}{section}", line])
     assert len(snapshot.untrusted) == 1 and untrusted in snapshot.untrusted[0], snapshot.untrusted
     assert not getattr(snapshot, section)  # nothing of it is used

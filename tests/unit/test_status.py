@@ -172,7 +172,7 @@ def test_a_disabled_engine_does_not_count(make_host, seed_data):
     assert "(disabled)" in format_status(s)
 
 
-def test_a_front_that_passes_no_keyed_request_is_not_serving_and_names_the_front(spark):
+def test_a_front_passing_no_keyed_request_is_named_and_not_serving(spark):
     broken = answer(front__q38=["000"], services=services(**{"nginx.service": "activating/auto-restart"}))
     s = status.read_status("spark", spark.config, broken, checked_at=T0)
     assert all(e.serving for e in s.engines) and not s.serving
@@ -182,7 +182,7 @@ def test_a_front_that_passes_no_keyed_request_is_not_serving_and_names_the_front
     assert table.startswith("spark: NOT SERVING CLIENTS") and "nginx.service activating/auto-restart" in table
 
 
-def test_a_service_state_in_a_shape_systemd_never_prints_is_left_out_and_named(spark):
+def test_a_service_state_systemd_never_prints_is_left_out_and_named(spark):
     planted = answer(services=services(**{"nginx.service": "active/$(reboot)"}))
     s = status.read_status("spark", spark.config, planted, checked_at=T0)
     assert "nginx.service" not in [u.unit for u in s.services] and "$(reboot)" not in format_status(s)
@@ -206,14 +206,14 @@ def test_an_engine_waiting_its_turn_says_for_whom(spark):
     assert status.read_status("spark", spark.config, hostile).engines[1].launch is None
 
 
-def test_tokens_per_second_is_none_across_a_restart_or_without_a_second_sample(spark):
+def test_tokens_per_second_is_none_across_a_restart_or_with_one_sample(spark):
     restarted = answer(metrics2__nemotron=metrics("nemotron", 12))
     assert status.read_status("spark", spark.config, restarted).engines[0].generation_tokens_per_s is None
     unsampled = answer(metrics2__nemotron=[])
     assert status.read_status("spark", spark.config, unsampled).engines[0].generation_tokens_per_s is None
 
 
-def test_the_kv_pool_comes_from_blocks_when_the_size_label_is_absent_and_the_old_use_name_is_read(spark):
+def test_kv_pool_from_blocks_without_size_label_and_old_use_name_is_read(spark):
     older = [
         'vllm:cache_config_info{block_size="16",num_gpu_blocks="168975"} 1.0',
         'vllm:gpu_cache_usage_perc{model_name="nemotron"} 0.5',
@@ -308,7 +308,7 @@ def test_the_table_shows_each_engine_on_one_row(spark):
         assert cell in row, cell
 
 
-def test_the_fronts_certificate_fingerprint_is_read_and_a_stranger_shape_is_left_out(spark):
+def test_fronts_certificate_fingerprint_is_read_and_other_shapes_left_out(spark):
     config = spark.config.model_copy(update={"front_tls": FrontTLS(enabled=True)})
     assert "front-tls.pem" in status.status_command(config, 1)
     assert "front-tls.pem" not in status.status_command(spark.config, 1)  # plain HTTP: nothing to read
@@ -393,7 +393,7 @@ def test_watch_reads_again_every_interval_until_stopped(tmp_path, free_port):
     assert rounds[0]["checked_at"] < rounds[1]["checked_at"] < rounds[2]["checked_at"]
 
 
-def test_a_headless_rank_serves_while_its_unit_runs_and_says_whose_rank_it_is(make_host, seed_data):
+def test_a_headless_rank_serves_while_its_unit_runs_and_says_whose_it_is(make_host, seed_data):
     """q38 spans spark-a (its head) and this host: here it runs rank 1 without an API, so its
     /health never answers; it counts as serving while its unit is active with a process."""
     data = copy.deepcopy(seed_data)
@@ -411,7 +411,7 @@ def test_a_headless_rank_serves_while_its_unit_runs_and_says_whose_rank_it_is(ma
     assert not stopped.serving and not stopped.engines[1].serving
 
 
-def test_by_default_the_status_fits_100_columns_and_wide_shows_every_column(spark):
+def test_by_default_status_fits_100_columns_and_wide_shows_every_column(spark):
     """The narrow table keeps what a glance needs; long lines (a problem, an alert) wrap."""
     entry = {
         "__REALTIME_TIMESTAMP": f"{T0 - 60}000000", "MESSAGE": "vllm-q38.service stopped: " + "why " * 60,

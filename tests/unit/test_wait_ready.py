@@ -41,7 +41,7 @@ def test_wait_ready_accepts_compact_json(make_box, servers):
     assert result.returncode == 0, result.stderr
 
 
-def test_wait_ready_keeps_waiting_for_a_missing_name_and_fails_at_the_budget(make_box, servers):
+def test_wait_ready_keeps_waiting_for_a_missing_name_and_fails_at_budget(make_box, servers):
     box = make_box()
     engine = servers(names=("a",))
     result, elapsed = box.run_wait_ready(str(engine.port), "3", "a", "vision")
