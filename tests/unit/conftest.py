@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from script_box import INTERNAL_OFFSET, Box, FakeEngine, Staller, build_box
+from script_box import INTERNAL_OFFSET, Box, Staller, build_box, fake_engine
 
 from sparkform.sandbox import stage
 from sparkform.sandbox.fakehub import FakeHub
@@ -32,11 +32,11 @@ def make_box(tmp_path, free_port) -> Callable[..., Box]:
 
 @pytest.fixture
 def servers():
-    """Start FakeEngine ("engine") or Staller ("staller") servers; all closed after the test."""
+    """Start fake_engine ("engine") or Staller ("staller") servers; all closed after the test."""
     started: list[Any] = []
 
     def _start(kind: str = "engine", **kwargs):
-        server = FakeEngine(**kwargs) if kind == "engine" else Staller(**kwargs)
+        server = fake_engine(**kwargs) if kind == "engine" else Staller(**kwargs)
         started.append(server)
         return server
 

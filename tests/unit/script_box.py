@@ -3,23 +3,23 @@
 A Box is a small host (engines a and b) rendered with its every sparkform folder in a test's
 tmp_path, so the launch script and the readiness helper run there with bash: the launch script
 with a stub `python` in the venv that records the environment and arguments it was handed, the
-helper against FakeEngine (the few endpoints it polls) or Staller (a socket that never answers)
+helper against fake_engine (a StubEngine with the few endpoints it polls) or Staller (a socket that never answers)
 on 127.0.0.1. The fixtures that make them, make_box and servers, are in conftest.py. Journal is
 a stand-in journald socket the guard's alerts reach (test_guard.py, test_scrub.py).
 """
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+from standins import NOT_FOUND, PROBE_ANSWERS, Reply, Request, StubEngine, json_reply
 
 from sparkform.build.render import render_host
 from sparkform.host import ALERT_MESSAGE_ID
@@ -223,81 +223,34 @@ def build_box(
     return box
 
 
-class FakeEngine:
-    """The few endpoints the readiness helper polls, on 127.0.0.1."""
+def fake_engine(
+    port: int = 0,
+    names: tuple[str, ...] = ("a", "a-alias"),
+    health: int = 200,
+    completion: int = 200,
+    compact: bool = False,
+    serves: tuple[str, ...] = ("/v1/completions",),
+) -> StubEngine:
+    """A StubEngine with the few endpoints the readiness helper polls: /health answers `health`,
+    /v1/models lists `names`, and each route of `serves` its probe's answer (a completion's with
+    status `completion`); `compact` JSON has no spaces."""
+    models = {
+        "object": "list",
+        "data": [{"id": name, "object": "model", "root": "/models/x", "max_model_len": 2048} for name in names],
+    }
 
-    def __init__(
-        self,
-        port: int = 0,
-        names: tuple[str, ...] = ("a", "a-alias"),
-        health: int = 200,
-        completion: int = 200,
-        compact: bool = False,
-        serves: tuple[str, ...] = ("/v1/completions",),
-    ):
-        self.names, self.health, self.completion, self.compact = names, health, completion, compact
-        self.serves = serves
-        self.requests: list[dict[str, Any]] = []
-        outer = self
+    def answer(request: Request) -> Reply:
+        route = (request["method"], request["path"])
+        if route == ("GET", "/health"):
+            return json_reply({}, health, compact)
+        if route == ("GET", "/v1/models"):
+            return json_reply(models, 200, compact)
+        if request["method"] == "POST" and request["path"] in serves:
+            status = completion if request["path"] == "/v1/completions" else 200
+            return json_reply(PROBE_ANSWERS[request["path"]], status, compact)
+        return NOT_FOUND
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # keep pytest's output clean
-                pass
-
-            def _reply(self, status: int, body: Any) -> None:
-                data = json.dumps(body, separators=(",", ":") if outer.compact else None).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _record(self, body: bytes | None) -> None:
-                outer.requests.append(
-                    {"method": self.command, "path": self.path, "headers": dict(self.headers), "body": body}
-                )
-
-            def do_GET(self):
-                self._record(None)
-                if self.path == "/health":
-                    self._reply(outer.health, {})
-                elif self.path == "/v1/models":
-                    self._reply(
-                        200,
-                        {
-                            "object": "list",
-                            "data": [
-                                {"id": name, "object": "model", "root": "/models/x", "max_model_len": 2048}
-                                for name in outer.names
-                            ],
-                        },
-                    )
-                else:
-                    self._reply(404, {"detail": "Not Found"})
-
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                self._record(body)
-                if self.path not in outer.serves:
-                    self._reply(404, {"detail": "Not Found"})
-                elif self.path == "/v1/completions":
-                    self._reply(outer.completion, {"choices": [{"text": "pong"}]})
-                elif self.path == "/v1/embeddings":
-                    self._reply(200, {"data": [{"object": "embedding", "embedding": [0.5, 0.5], "index": 0}]})
-                else:
-                    self._reply(404, {"detail": "Not Found"})
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def paths(self, method: str = "GET") -> list[str]:
-        return [r["path"] for r in self.requests if r["method"] == method]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    return StubEngine(answer, port)
 
 
 class Staller:

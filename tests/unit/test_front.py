@@ -14,14 +14,14 @@ import shutil
 import socket
 import ssl
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from standins import Reply, Request, StubEngine, json_reply
 
 from sparkform.build.converge import front_certificate, secrets, tls_files
 from sparkform.build.render import render_host
@@ -48,54 +48,19 @@ KEY = "sf-test-key-0123456789abcdef"
 STREAM_PAUSE_S = 1.0
 
 
-class StubEngine:
-    """Answers every path with what it received; /v1/chat/completions with `"stream": true`
-    sends one event, pauses, then the rest (so buffering shows)."""
+def echo_path(request: Request) -> Reply:
+    """A stub engine's answer to every path: what it received; /v1/chat/completions with
+    `"stream": true` sends one event, pauses, then the rest (so buffering shows)."""
+    if request["path"] == "/v1/chat/completions" and request["body"] and json.loads(request["body"]).get("stream"):
+        return Reply(content_type="text/event-stream", events=paused_events())
+    return json_reply({"path": request["path"]})
 
-    def __init__(self):
-        self.requests: list[dict] = []
-        outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def _handle(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
-                outer.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
-                if self.path == "/v1/chat/completions" and body and json.loads(body).get("stream"):
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/event-stream")
-                    self.send_header("Transfer-Encoding", "chunked")
-                    self.end_headers()
-                    for index, event in enumerate((b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n")):
-                        if index == 1:
-                            time.sleep(STREAM_PAUSE_S)
-                        self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
-                        self.wfile.flush()
-                    self.wfile.write(b"0\r\n\r\n")
-                    return
-                data = json.dumps({"path": self.path}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = _handle
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def paths(self) -> list[str]:
-        return [request["path"] for request in self.requests]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+def paused_events() -> Iterator[bytes]:
+    yield b'data: {"n": 1}\n\n'
+    time.sleep(STREAM_PAUSE_S)  # the pause the client must see, not a wait for something
+    yield b'data: {"n": 2}\n\n'
+    yield b"data: [DONE]\n\n"
 
 
 def free_port() -> int:
@@ -236,7 +201,7 @@ class Front:
 
 @pytest.fixture
 def stubs():
-    started = [StubEngine(), StubEngine()]
+    started = [StubEngine(echo_path), StubEngine(echo_path)]
     yield started
     for stub in started:
         stub.close()

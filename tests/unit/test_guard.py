@@ -12,11 +12,11 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from script_box import Journal, cpu_host_under, put
+from standins import HANG, NOT_FOUND, PROBE_ANSWERS, Reply, Request, StubEngine, json_reply, recording_command
 
 from sparkform.build.render import render_host
 from sparkform.host import outages, watchdog
@@ -26,73 +26,39 @@ from sparkform.sandbox.alerts import make_server, read_alerts
 WEBHOOK_SECRET = "sf-webhook-token-0123456789"
 
 
-# What each kind's probe route answers, as vLLM does (the probe checks its list is not empty).
-STUB_ANSWERS = {
-    "/v1/completions": b'{"choices": [{"text": "pong"}]}',
-    "/v1/embeddings": b'{"data": [{"object": "embedding", "embedding": [0.1, 0.2], "index": 0}]}',
-    "/rerank": b'{"results": [{"index": 0, "relevance_score": 0.5}]}',
-}
-
-
-class StubEngine:
+class GuardedEngine(StubEngine):
     """Its kind's probe route answers at once ("ok"), never ("hung") or never while /metrics keeps
     counting tokens ("busy"); `serves` lists the routes it has (others: 404, as vLLM's pooling
-    engine answers /v1/completions)."""
+    engine answers /v1/completions). The test may change `mode` as it runs."""
 
-    def __init__(self, mode: str = "ok", serves: tuple[str, ...] = tuple(STUB_ANSWERS)):
-        self.mode, self.tokens, self.probes, self.paths = mode, 0, 0, []
-        outer = self
+    def __init__(self, mode: str = "ok", serves: tuple[str, ...] = tuple(PROBE_ANSWERS)):
+        self.mode, self.tokens, self.serves = mode, 0, serves
+        super().__init__(self._answer)
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+    @property
+    def probes(self) -> list[str]:
+        """The probe routes asked for, in order."""
+        return self.paths("POST")
 
-            def log_message(self, *args):
-                pass
-
-            def _send(self, body: bytes, kind: str = "application/json"):
-                self.send_response(200)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self):
-                if outer.mode == "busy":
-                    outer.tokens += 100
-                if outer.mode == "hung":
-                    time.sleep(30)
-                    return
-                self._send(
-                    f'# HELP x\nvllm:generation_tokens_total{{model_name="m"}} {outer.tokens}.0\n'
-                    f'vllm:prompt_tokens_total{{model_name="m"}} 7.0\n'.encode(),
-                    "text/plain",
-                )
-
-            def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                outer.probes += 1
-                outer.paths.append(self.path)
-                if outer.mode != "ok":
-                    time.sleep(30)
-                    return
-                if self.path in serves:
-                    self._send(STUB_ANSWERS[self.path])
-                else:
-                    self.send_error(404)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+    def _answer(self, request: Request) -> Reply:
+        if request["method"] == "POST":
+            if self.mode != "ok":
+                return HANG
+            return json_reply(PROBE_ANSWERS[request["path"]]) if request["path"] in self.serves else NOT_FOUND
+        if self.mode == "busy":
+            self.tokens += 100
+        if self.mode == "hung":
+            return HANG
+        metrics = (
+            f'# HELP x\nvllm:generation_tokens_total{{model_name="m"}} {self.tokens}.0\n'
+            'vllm:prompt_tokens_total{model_name="m"} 7.0\n'
+        )
+        return Reply(body=metrics.encode(), content_type="text/plain")
 
 
-STUB_SYSTEMCTL = """#!/bin/sh
-echo "systemctl $*" >> "{calls}"
-if [ "$1" = is-enabled ]; then
+# systemctl answers from files under {states}: a unit's "ActiveState SubState" (else active),
+# its .enabled (else enabled), .pid and .cgroup.
+SYSTEMCTL_ANSWER = """if [ "$1" = is-enabled ]; then
   for unit; do :; done
   [ "$(cat "{states}/$unit.enabled" 2>/dev/null || echo enabled)" = enabled ]; exit
 fi
@@ -105,14 +71,10 @@ if [ "$1" = show ]; then
     ControlGroup) cat "{states}/$unit.cgroup" 2>/dev/null || true ;;
     *) echo "${{state% *}}" ;;
   esac
-fi
-"""
-STUB_SYSTEMD_RUN = """#!/bin/sh
-echo "systemd-run $*" >> "{calls}"
-while [ "${{1#--}}" != "$1" ]; do shift; done
+fi"""
 # An alert sent from a transient unit (outside the engine's cgroup) runs now; a timer does not.
-case " $* " in *" alert "*) exec "$@" ;; esac
-"""
+SYSTEMD_RUN_ANSWER = """while [ "${1#--}" != "$1" ]; do shift; done
+case " $* " in *" alert "*) exec "$@" ;; esac"""
 ALERT_COMMAND = """#!/bin/sh
 cat >> "{out}"
 echo >> "{out}"
@@ -131,7 +93,13 @@ class Guard:
     """The rendered guard with its config, stand-ins and receivers, all under `root`."""
 
     def __init__(
-        self, root: Path, engines: list[StubEngine], fronts=(), outbox_first_s=10, kinds=("generate",) * 2, **settings
+        self,
+        root: Path,
+        engines: list[GuardedEngine],
+        fronts=(),
+        outbox_first_s=10,
+        kinds=("generate",) * 2,
+        **settings,
     ):
         self.root = root
         self.journal = Journal(root / "journal.sock")
@@ -142,10 +110,8 @@ class Guard:
         self.set_available_gib(50)
         self.command_out = root / "command.out"
         bin_dir = root / "bin"
-        bin_dir.mkdir()
-        for name, text in (("systemctl", STUB_SYSTEMCTL), ("systemd-run", STUB_SYSTEMD_RUN)):
-            (bin_dir / name).write_text(text.format(calls=self.calls, states=self.states))
-            (bin_dir / name).chmod(0o755)
+        recording_command(bin_dir, "systemctl", self.calls, SYSTEMCTL_ANSWER.format(states=self.states))
+        recording_command(bin_dir, "systemd-run", self.calls, SYSTEMD_RUN_ANSWER)
         command = root / "alert-command"
         command.write_text(ALERT_COMMAND.format(out=self.command_out))
         command.chmod(0o755)
@@ -247,10 +213,10 @@ class Guard:
 @pytest.fixture
 def guard(tmp_path):
     made: list[Guard] = []
-    stubs: list[StubEngine] = []
+    stubs: list[GuardedEngine] = []
 
-    def _guard(modes=("ok", "ok"), front=None, serves=None, **settings) -> tuple[Guard, list[StubEngine]]:
-        engines = [StubEngine(mode, *([serves[i]] if serves else [])) for i, mode in enumerate(modes)]
+    def _guard(modes=("ok", "ok"), front=None, serves=None, **settings) -> tuple[Guard, list[GuardedEngine]]:
+        engines = [GuardedEngine(mode, *([serves[i]] if serves else [])) for i, mode in enumerate(modes)]
         stubs.extend(engines)
         fronts = []
         if front is not None:  # a stub as the front of the second engine ("eyes")
@@ -360,7 +326,7 @@ def test_the_watchdog_kills_a_hung_engine_and_leaves_the_others(guard):
     assert alert["event"] == "hung" and alert["engine"] == "hands"
     assert "answered none of 2 probes (/v1/completions, " in alert["message"]
     assert not any("vllm-eyes" in call and "kill" in call for call in box.calls_made())
-    assert eyes.probes >= 2
+    assert len(eyes.probes) >= 2
 
 
 def test_pooling_engine_is_probed_on_its_route_and_killed_only_if_it_hangs(guard):
@@ -374,15 +340,15 @@ def test_pooling_engine_is_probed_on_its_route_and_killed_only_if_it_hangs(guard
     (alert,) = box.wait(lambda: box.webhook_alerts(), 20, "the alert")
     assert alert["event"] == "hung" and alert["engine"] == "hands"
     assert "answered none of 2 probes (/rerank, " in alert["message"]
-    box.wait(lambda: eyes.probes >= 3, 20, "three probes of the embedder")
-    assert set(eyes.paths) == {"/v1/embeddings"} and set(hands.paths) == {"/rerank"}
+    box.wait(lambda: len(eyes.probes) >= 3, 20, "three probes of the embedder")
+    assert set(eyes.probes) == {"/v1/embeddings"} and set(hands.probes) == {"/rerank"}
     assert not any("vllm-eyes" in call and "kill" in call for call in box.calls_made())
 
 
 def test_the_watchdog_leaves_a_busy_engine_whose_counters_move(guard):
     box, (hands, _) = guard(modes=("busy", "ok"), **FAST_WATCHDOG)
     box.watch()
-    box.wait(lambda: hands.probes >= 4, 20, "four probes of the busy engine")
+    box.wait(lambda: len(hands.probes) >= 4, 20, "four probes of the busy engine")
     assert not any("kill" in call for call in box.calls_made())
     assert any("busy, not hung" in e["MESSAGE"] for e in box.journal.read())
 
@@ -392,7 +358,7 @@ def test_the_watchdog_leaves_an_engine_that_is_not_started(guard):
     box.set_state("vllm-hands.service", "activating")  # its start: the readiness helper's business
     box.watch()
     time.sleep(4)
-    assert hands.probes == 0 and not any("kill" in call for call in box.calls_made())
+    assert hands.probes == [] and not any("kill" in call for call in box.calls_made())
 
 
 def test_memory_guard_stops_lower_priority_engine_and_restarts_even_failed(guard):
@@ -586,7 +552,7 @@ def test_an_alert_the_webhook_did_not_take_is_kept_and_sent_again_in_order(guard
 
 
 def test_front_passing_nothing_to_a_serving_engine_alerts_down_and_up(guard):
-    front = StubEngine("hung")  # nginx in a restart loop: nothing answers in time
+    front = GuardedEngine("hung")  # nginx in a restart loop: nothing answers in time
     box, _ = guard(front=front, **FAST_WATCHDOG)
     box.watch()
     (down,) = box.wait(lambda: box.webhook_alerts(), 30, "the front-down alert")

@@ -390,9 +390,7 @@ def main():
 """
 
 
-def test_a_rank_s_vllm_cli_runs_from_installed_modules_workers_reimport_it(
-    make_box, free_port, tmp_path
-):
+def test_a_rank_s_vllm_cli_runs_from_installed_modules_workers_reimport_it(make_box, free_port, tmp_path):
     """sparkform-vllm-serve is the launcher: it runs sparkform.host.vllm_serve from the modules
     folder beside it (no site-packages here: -S), whose version falls back to the CPU build's name,
     and a worker that vLLM spawns imports that module again by its name."""

@@ -7,6 +7,7 @@ ledger`'s table; `sparkform plan --ledger` plans with the newest matching row. T
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 from samples import SERVED_PAIR
 from script_box import cpu_host_under, put
+from standins import recording_command
 
 from sparkform import cli
 from sparkform.build.render import render_host
@@ -27,14 +29,6 @@ REPO = Path(__file__).resolve().parents[2]
 CAPTURED = REPO / "tests" / "fixtures" / "captured"
 INVOCATION = "0123456789abcdef0123456789abcdef"
 MIB = 2**20
-
-STUB_JOURNALCTL = """#!/bin/sh
-echo "journalctl $*" >> "{calls}"
-cat "{log}"
-"""
-STUB_SYSTEMCTL = """#!/bin/sh
-echo "systemctl $*" >> "{calls}"
-"""
 
 
 class HostGuard:
@@ -73,10 +67,8 @@ class HostGuard:
         self.log = root / "start.log"
         self.calls = root / "calls"
         bin_dir = root / "bin"
-        bin_dir.mkdir()
-        for name, text in (("journalctl", STUB_JOURNALCTL), ("systemctl", STUB_SYSTEMCTL)):
-            (bin_dir / name).write_text(text.format(calls=self.calls, log=self.log))
-            (bin_dir / name).chmod(0o755)
+        recording_command(bin_dir, "journalctl", self.calls, f"cat {shlex.quote(str(self.log))}")
+        recording_command(bin_dir, "systemctl", self.calls)
         self.env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "INVOCATION_ID": INVOCATION}
 
     def served(self, log: list[str], **env: str) -> subprocess.CompletedProcess:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from script_box import put
-from test_guard import Guard, StubEngine
+from test_guard import Guard, GuardedEngine
 from test_rebuild_parts import KEY, SHOW_ACTIVE, VERSIONS
 
 from sparkform.build import converge, monitoring
@@ -290,7 +290,7 @@ def test_no_textfile_goes_into_a_folder_another_user_could_swap(tmp_path, unsafe
 
 
 def test_the_guard_counts_its_alerts_in_its_textfile(tmp_path):
-    stubs = [StubEngine(), StubEngine()]
+    stubs = [GuardedEngine(), GuardedEngine()]
     folder = tmp_path / "textfiles"
     folder.mkdir(mode=0o755)
     guard = Guard(tmp_path, stubs, monitoring={"enabled": True, "textfile_dir": str(folder)})
@@ -321,7 +321,7 @@ def test_the_guard_counts_its_alerts_in_its_textfile(tmp_path):
 def test_the_guard_samples_the_gpu_into_its_textfile(tmp_path, nvml_lib):
     """The daemon runs NVML's report, as `sparkform status` does, by a python with pynvml against
     the sandbox's NVML stand-in (answering as a GB10 slowed down by heat); nvidia-smi is not asked."""
-    stubs = [StubEngine(), StubEngine()]
+    stubs = [GuardedEngine(), GuardedEngine()]
     folder = tmp_path / "textfiles"
     folder.mkdir(mode=0o755)
     guard = Guard(tmp_path, stubs, monitoring={"enabled": True, "textfile_dir": str(folder)})
@@ -364,7 +364,7 @@ def test_guard_counts_the_fronts_requests_per_client_from_its_access_log(tmp_pat
     folder.mkdir(mode=0o755)
     log = tmp_path / "sparkform-access.log"
     log.write_text(access_line("planner", 200) * 5)  # before the guard started: not counted
-    stubs = [StubEngine(), StubEngine()]
+    stubs = [GuardedEngine(), GuardedEngine()]
     guard = Guard(tmp_path, stubs, monitoring={"enabled": True, "textfile_dir": str(folder)})
     settings = json.loads(guard.config_path.read_text())
     guard.config_path.write_text(json.dumps({**settings, "front_access_log": str(log), "front_count_s": 0.2}))
@@ -401,7 +401,7 @@ def test_guard_counts_the_fronts_requests_per_client_from_its_access_log(tmp_pat
 
 
 def test_the_guard_keeps_alerting_when_its_textfile_cannot_be_written(tmp_path):
-    stubs = [StubEngine(), StubEngine()]
+    stubs = [GuardedEngine(), GuardedEngine()]
     folder = tmp_path / "textfiles"
     folder.mkdir(mode=0o777)
     os.chmod(folder, 0o777)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from samples import SERVED_PAIR
 from script_box import Journal
+from standins import recording_command
 
 from sparkform import cli
 from sparkform.build import converge
@@ -31,11 +32,9 @@ from sparkform.rules.inventory import load_host
 from sparkform.spec.layout import COMPLETE_MARKER, UNIT_DIR, kept_root
 
 # A failed start's journal: a line that says why (among lines that do not), too long for one line.
-STUB_JOURNALCTL = (
-    '#!/bin/sh\necho "INFO loading weights"\necho "ValueError: no kv room {tail}"\n'
-    'echo "sparkform-launch: asked for $*"\n'
-).format(tail="x" * 500)
-STUB_SYSTEMCTL = '#!/bin/sh\necho "systemctl $*" >> "{calls}"\n[ "$1 $2" != "start $STUB_FAILS" ]\n'
+JOURNAL = (
+    f'echo "INFO loading weights"\necho "ValueError: no kv room {"x" * 500}"\necho "sparkform-launch: asked for $*"'
+)
 WHY = "ValueError: unrecognized arguments: --no-such-flag\nvllm-a.service: Failed with result 'exit-code'."
 
 
@@ -67,11 +66,8 @@ class RolledHost:
         self.units = root / "units"
         self.calls = root / "calls"
         bin_dir = root / "bin"
-        bin_dir.mkdir(parents=True)
-        (bin_dir / "systemctl").write_text(STUB_SYSTEMCTL.format(calls=self.calls))
-        (bin_dir / "systemctl").chmod(0o755)
-        (bin_dir / "journalctl").write_text(STUB_JOURNALCTL)
-        (bin_dir / "journalctl").chmod(0o755)
+        recording_command(bin_dir, "systemctl", self.calls)
+        recording_command(bin_dir, "journalctl", root / "journalctl-calls", JOURNAL)
         self.config = load_host("rollback-test", data(root, [])).config
         self.put(self.config)
         paths = self.config.paths
@@ -244,7 +240,7 @@ def test_kept_settings_not_as_the_deploy_left_them_change_nothing(host, damage, 
 
 def test_a_start_failing_on_kept_settings_too_exits_4_with_them_in_place(host):
     host.put(load_host("rollback-test", data(host.root, ["--no-such-flag"])).config, "a")
-    result = host.rollback("a", STUB_FAILS="vllm-a.service")
+    result = host.rollback("a", STUB_FAILS="start vllm-a.service")
     assert result.returncode == 4, result.stderr
     # One more try (a start can fail once for a reason not the settings'), each failure shown with
     # the last lines of the unit's journal.

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from script_box import Journal, put
+from standins import recording_command
 
 from sparkform.build.programs import program_files
 from sparkform.build.render import render_host
@@ -26,9 +27,7 @@ from sparkform.spec.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
 QWEN, LLAMA = "sparkform-test/tiny-qwen3", "sparkform-test/tiny-llama"
 SHARD = "model-00001-of-00002.safetensors"  # of QWEN's checkpoint
 TOKEN = "hf_scrubTestToken0123456789"
-STUB_SYSTEMCTL = '#!/bin/sh\necho "systemctl $*" >> "{calls}"\n'
-STUB_SYSTEMD_RUN = '#!/bin/sh\necho "systemd-run $*" >> "{calls}"\n'
-# What the scrub asks before it restarts an engine on a repaired checkpoint (the stub answers nothing).
+# What the scrub asks before it restarts an engine on a repaired checkpoint (the stand-in answers nothing).
 STATE = "systemctl show -p ActiveState --value"
 ALERT_COMMAND = '#!/bin/sh\ncat >> "{out}"\necho >> "{out}"\n'
 
@@ -41,13 +40,11 @@ class ScrubbedHost:
         self.hub = hub
         self.calls, self.command_out = root / "calls", root / "alert-command.out"
         bin_dir = root / "bin"
-        bin_dir.mkdir(parents=True)
-        (bin_dir / "systemctl").write_text(STUB_SYSTEMCTL.format(calls=self.calls))
-        (bin_dir / "systemd-run").write_text(STUB_SYSTEMD_RUN.format(calls=self.calls))
+        recording_command(bin_dir, "systemctl", self.calls)
+        recording_command(bin_dir, "systemd-run", self.calls)
         command = root / "alert-command"
         command.write_text(ALERT_COMMAND.format(out=self.command_out))
-        for path in (bin_dir / "systemctl", bin_dir / "systemd-run", command):
-            path.chmod(0o755)
+        command.chmod(0o755)
         token = root / "hf_token"
         token.write_text(TOKEN + "\n")
         token.chmod(0o600)
@@ -212,8 +209,11 @@ def test_repair_the_hub_cannot_serve_backs_off_until_it_verifies(host):
     assert len(host.alerts()) == 2
     # The hub serves the file again; meanwhile q's refused starts spent its start limit.
     host.hub.corrupt_file(QWEN, SHARD, corrupt=False)
-    (host.calls.parent / "bin" / "systemctl").write_text(
-        STUB_SYSTEMCTL.format(calls=host.calls) + 'case "$*" in "show -p ActiveState --value"*) echo failed;; esac\n'
+    recording_command(
+        host.calls.parent / "bin",
+        "systemctl",
+        host.calls,
+        'case "$*" in "show -p ActiveState --value"*) echo failed;; esac',
     )
     repaired = host.scrub("--retry")
     assert repaired.returncode == 0, repaired.stdout + repaired.stderr
