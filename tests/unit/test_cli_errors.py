@@ -145,8 +145,20 @@ def test_ctrl_c_in_a_real_terminal_leaves_no_traceback(tmp_path, command, silent
     tmux = ["tmux", "-L", session, "-f", "/dev/null"]
     subprocess.run([*tmux, "new-session", "-d", "-s", session, "-x", "200", "-y", "50", "bash", "--norc"], check=True)
     try:
+        shell_pid = int(
+            subprocess.run(
+                [*tmux, "display-message", "-p", "-t", session, "#{pane_pid}"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
         subprocess.run([*tmux, "send-keys", "-t", session, shell, "Enter"], check=True)
-        time.sleep(3)  # well into its wait
+        deadline = time.monotonic() + 30
+        # Ctrl-C once the command waits on the host: its ssh runs (a loaded machine may take seconds to start it).
+        while not any(children(command_pid) for command_pid in children(shell_pid)):
+            assert time.monotonic() < deadline, "the command started no ssh within 30 s"
+            time.sleep(0.05)
         subprocess.run([*tmux, "send-keys", "-t", session, "C-c"], check=True)
         deadline, screen = time.monotonic() + 30, ""
         while "exit=" not in screen and time.monotonic() < deadline:
