@@ -43,10 +43,10 @@ import urllib.request
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from sparkform.domain.layout import FRONT_CONFIG, FRONT_UNIT, GUARD_UNIT
 from sparkform.host.starts import STOPPED_S
 from sparkform.sandbox import machine, stage
 from sparkform.sandbox.alerts import read_alerts
-from sparkform.spec.layout import FRONT_CONFIG, FRONT_UNIT, GUARD_UNIT
 
 # The live tests' helpers (their sandbox inventory, pyinfra, ssh, edited inventories) are no part of the package.
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests" / "integration"))

@@ -25,12 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparkform.build.programs import host_source, scrub_settings
 from sparkform.deploy.facts.snapshot import checkpoint_scan_command
+from sparkform.domain.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
+from sparkform.domain.schema import HostConfig
 from sparkform.host import settings_path
 from sparkform.sandbox.fakehub import FakeHub
-from sparkform.spec.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
-from sparkform.spec.schema import HostConfig
+from sparkform.writers.programs import host_source, scrub_settings
 
 REPO = "bench/weights"
 GIB = 2**30

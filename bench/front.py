@@ -25,9 +25,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from sparkform.domain.schema import HostConfig
 from sparkform.rules.inventory import load_inventory
 from sparkform.sandbox import machine, stage
-from sparkform.spec.schema import HostConfig
 
 # The live tests' helpers (their sandbox inventory, their ssh) are no part of the package.
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests" / "integration"))

@@ -7,7 +7,7 @@ command raises into one line and an exit code.
 (`render` asks each host which commit its branches and tags are pinned to); `verify`, `rebuild`,
 `status`, `ledger`, `logs`, `rollback`, `contract` and `bench` validate the inventory before they
 connect; `lock` asks the package indexes.
-Exit codes: the table of sparkform/spec/exits.py, for every command (`sparkform --help` prints it).
+Exit codes: the table of sparkform/domain/exits.py, for every command (`sparkform --help` prints it).
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from sparkform.commands import (
     status,
     verify,
 )
+from sparkform.domain import exits
+from sparkform.domain.exits import EXIT_CODES
+from sparkform.domain.model import InventoryError
 from sparkform.rules.inventory import UnloadableInventory, default_inventory, exit_invalid
 from sparkform.sandbox import command as sandbox
-from sparkform.spec import exits
-from sparkform.spec.exits import EXIT_CODES
-from sparkform.spec.model import InventoryError
 
 # The commands, in the order `sparkform --help` lists them.
 COMMANDS = (

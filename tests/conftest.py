@@ -24,8 +24,8 @@ from suite_clock import SuiteClock
 from suite_figures import SuiteFigures
 from suite_hygiene import TEMP_PREFIX, MachineState, clear_leftovers, hold_run_lock, temp_folder
 
+from sparkform.domain.model import Host, InventoryError, Problem
 from sparkform.rules.inventory import load_host, raw_inventory
-from sparkform.spec.model import Host, InventoryError, Problem
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pyinfra.api import FileUploadCommand, StringCommand
 
 from sparkform.deploy.operations import venv
-from sparkform.spec.locks import VllmPin
-from sparkform.spec.schema import HostConfig
+from sparkform.domain.locks import VllmPin
+from sparkform.domain.schema import HostConfig
 
 
 def run_build_commands(

@@ -25,11 +25,11 @@ from pyinfra.api import FileUploadCommand, StringCommand
 from venv_build import run_build_commands
 
 from sparkform.deploy.operations import venv
+from sparkform.domain.schema import HostConfig
 from sparkform.rules.inventory import load_inventory
 from sparkform.sandbox import stage
 from sparkform.sandbox.rootfs import cache_dir
 from sparkform.sandbox.system import SandboxError, locked, remove_tree, run_step, say, unmount_all
-from sparkform.spec.schema import HostConfig
 
 SANDBOX_INVENTORY = Path(__file__).resolve().parents[1] / "inventory" / "sandbox.py"
 BUILD_TIMEOUT_S = 1200.0

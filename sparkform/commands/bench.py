@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from sparkform.commands import hostpins, ssh
+from sparkform.domain.layout import record_dir
+from sparkform.domain.model import Host
 from sparkform.readers.parsers import parse_prometheus
 from sparkform.readers.remote import plain_file, section, split_sections
 from sparkform.reports.bench import (
@@ -45,8 +47,6 @@ from sparkform.reports.bench import (
 )
 from sparkform.reports.bench_table import format_history, format_row
 from sparkform.rules.inventory import INVENTORY_HELP, load_inventory, raw_inventory
-from sparkform.spec.layout import record_dir
-from sparkform.spec.model import Host
 
 EXIT_USAGE = 2
 # Requests an engine has in flight or queued: any, and its "alone" figure is not one.

@@ -24,11 +24,11 @@ from typing import Any
 
 from sparkform.commands import ssh
 from sparkform.commands.status import positive_seconds
+from sparkform.domain.engine import Engine
+from sparkform.domain.schema import HostConfig
 from sparkform.reports.contract import Finding, NoAnswer, Reply, Request, contract_table, major_minor
 from sparkform.reports.contract_requests import check_engine
 from sparkform.rules.inventory import INVENTORY_HELP, load_inventory, raw_inventory
-from sparkform.spec.engine import Engine
-from sparkform.spec.schema import HostConfig
 
 EXIT_FAILED, EXIT_NO_ANSWER = 1, 3
 REQUEST_TIMEOUT_S = 300.0

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 
-from sparkform.spec.package_data import DEPLOY
+from sparkform.domain.package_data import DEPLOY
 
 
 def run(_: argparse.Namespace) -> int:
-    """Where deploy.py is: in the checkout, or in the installed wheel (package data, sparkform/spec/package_data.py)."""
+    """Where deploy.py is: in the checkout, or in the installed wheel (package data: domain/package_data.py)."""
     print(DEPLOY)
     return 0
 

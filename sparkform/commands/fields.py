@@ -11,8 +11,8 @@ import json
 
 from pydantic import BaseModel
 
-from sparkform.spec.engine import Checkpoint, Engine, Measured
-from sparkform.spec.schema import CompileCaps, FrontTLS, HostConfig, Monitoring, Scrub
+from sparkform.domain.engine import Checkpoint, Engine, Measured
+from sparkform.domain.schema import CompileCaps, FrontTLS, HostConfig, Monitoring, Scrub
 
 
 def field_table() -> str:

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from sparkform.commands import ssh
+from sparkform.domain.engine import Engine
+from sparkform.domain.schema import HostConfig
 from sparkform.readers import readback, remote
-from sparkform.spec.engine import Engine
-from sparkform.spec.schema import HostConfig
 
 ASK_TIMEOUT_S = 30
 

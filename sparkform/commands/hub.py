@@ -14,10 +14,10 @@ from pathlib import Path
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 
-from sparkform.spec.engine import Engine
-from sparkform.spec.model import InventoryError, Problem
-from sparkform.spec.schema import HostConfig
-from sparkform.spec.shapes import COMMIT_ID
+from sparkform.domain.engine import Engine
+from sparkform.domain.model import InventoryError, Problem
+from sparkform.domain.schema import HostConfig
+from sparkform.domain.shapes import COMMIT_ID
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 

@@ -17,11 +17,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from sparkform.domain import exits
+from sparkform.domain.package_data import INVENTORIES
+from sparkform.domain.schema_sections import checked_address
+from sparkform.domain.shapes import HOST_NAME, NAME_PATTERN
 from sparkform.rules.inventory import DEFAULT_INVENTORY
-from sparkform.spec import exits
-from sparkform.spec.package_data import INVENTORIES
-from sparkform.spec.schema_sections import checked_address
-from sparkform.spec.shapes import HOST_NAME, NAME_PATTERN
 
 SHIPPED = INVENTORIES / "spark.py"
 BLOCK_BEGIN, BLOCK_END = "# >>> sparkform init", "# <<< sparkform init"

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from sparkform.commands import ssh
+from sparkform.domain.model import Host
 from sparkform.reports.ledger import LedgerRow, format_ledger, read_command, read_rows
 from sparkform.rules.inventory import INVENTORY_HELP, load_inventory, raw_inventory
-from sparkform.spec.model import Host
 
 SSH_TIMEOUT_S = 60.0
 

@@ -1,5 +1,5 @@
 """`sparkform lock --vllm VERSION [--device cuda|cpu] ...`: a hashed lock of a vLLM release, made
-with uv (sparkform.spec.locks reads and checks locks; this one runs the tool).
+with uv (sparkform.domain.locks reads and checks locks; this one runs the tool).
 
 Exit codes: 0 the lock is written; 1 it could not be made (one line says why).
 """
@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from sparkform.spec.locks import (
+from sparkform.domain.locks import (
     CPU_EXCLUDED,
     PIN,
     TARGETS,

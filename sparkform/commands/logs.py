@@ -23,10 +23,10 @@ import tempfile
 from pathlib import Path
 
 from sparkform.commands import ssh
+from sparkform.domain import exits
+from sparkform.domain.layout import FRONT_UNIT, GUARD_UNIT, RECOVER_UNIT, SCRUB_UNIT
+from sparkform.domain.model import Host
 from sparkform.rules.inventory import INVENTORY_HELP, load_inventory, raw_inventory
-from sparkform.spec import exits
-from sparkform.spec.layout import FRONT_UNIT, GUARD_UNIT, RECOVER_UNIT, SCRUB_UNIT
-from sparkform.spec.model import Host
 
 # What journalctl's --since takes (`-1h`, given as --since=-1h; `2026-11-30 10:00`, `today`,
 # `1 hour ago`); nothing a shell would read as syntax.

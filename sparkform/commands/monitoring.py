@@ -1,5 +1,5 @@
 """`sparkform monitoring [INVENTORY] --out DIR`: a Prometheus scrape config, alert rules and a
-Grafana dashboard for the hosts (sparkform/build/monitoring.py writes them); it never connects.
+Grafana dashboard for the hosts (sparkform/writers/monitoring.py writes them); it never connects.
 
 Exit codes: 0 written; 2 the inventory is invalid.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sparkform.build import monitoring
 from sparkform.rules.inventory import INVENTORY_HELP, load_inventory, raw_inventory
+from sparkform.writers import monitoring
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from sparkform.commands import ledger as ledger_command
 from sparkform.commands.hub import resolve_pins
+from sparkform.domain.model import Host
+from sparkform.domain.schema import HostConfig
 from sparkform.reports import ledger
 from sparkform.rules import planner
 from sparkform.rules.inventory import INVENTORY_HELP, load_inventory, planning
-from sparkform.spec.model import Host
-from sparkform.spec.schema import HostConfig
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 from sparkform.commands import ssh
+from sparkform.domain.layout import record_path
+from sparkform.domain.package_data import DEPLOY
 from sparkform.readers.hostrecord import HostRecord, UntrustedValue
 from sparkform.rules.inventory import INVENTORY_HELP, load_inventory, raw_inventory
-from sparkform.spec.layout import record_path
-from sparkform.spec.package_data import DEPLOY
 
 WAIT_POLL_S = 5.0
 

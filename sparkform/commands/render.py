@@ -12,10 +12,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sparkform.build.render import render_host
 from sparkform.commands import hostpins
+from sparkform.domain.model import InventoryError, Problem
 from sparkform.rules.inventory import INVENTORY_HELP, exit_invalid, load_inventory, raw_inventory
-from sparkform.spec.model import InventoryError, Problem
+from sparkform.writers.render import render_host
 
 
 def run(args: argparse.Namespace) -> int:

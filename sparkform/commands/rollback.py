@@ -18,14 +18,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sparkform.build.programs import host_locked, run_by
 from sparkform.commands import ssh
 from sparkform.commands.logs import engine_host
+from sparkform.domain.layout import ROOT_PYTHON
+from sparkform.domain.model import Host
+from sparkform.domain.schema import HostConfig
 from sparkform.rules import bootchain
 from sparkform.rules.inventory import INVENTORY_HELP, load_inventory, raw_inventory
-from sparkform.spec.layout import ROOT_PYTHON
-from sparkform.spec.model import Host
-from sparkform.spec.schema import HostConfig
+from sparkform.writers.programs import host_locked, run_by
 
 EXIT_USAGE = 2
 NOTHING_TO_GO_BACK_TO = 3  # sparkform-rollback's exit: nothing changed

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from sparkform.commands import ssh
+from sparkform.domain.model import Host
 from sparkform.reports.status import read_status, status_command, unreachable
 from sparkform.reports.status_schema import HostStatus
 from sparkform.reports.status_table import format_status
 from sparkform.rules.inventory import INVENTORY_HELP, load_inventory, raw_inventory
-from sparkform.spec.model import Host
 
 SSH_TIMEOUT_S = 60.0
 CLEAR_SCREEN = "\033[H\033[2J"

@@ -13,9 +13,9 @@ import tempfile
 from pathlib import Path
 
 from sparkform.commands import ssh
+from sparkform.domain.model import Host
+from sparkform.domain.package_data import VERIFY_SUITE
 from sparkform.rules.inventory import INVENTORY_HELP, load_inventory, raw_inventory
-from sparkform.spec.model import Host
-from sparkform.spec.package_data import VERIFY_SUITE
 
 
 def _unreachable(inventory: Path, hosts: list[Host]) -> list[str]:

@@ -9,7 +9,7 @@ name carries the deploy's ("sparkform | ...").
 
 The host's data is validated again here (after --data overrides) before any operation is added,
 so a bad value stops the run before anything on the host changes; one fact (HostSnapshot) reads
-the host in one round trip; `sparkform.build.converge.plan` decides everything from it. The
+the host in one round trip; `sparkform.writers.converge.plan` decides everything from it. The
 deploy only reads those decisions: five parts in order, each step one operation, and the services
 beside the engines one table of the same step (SERVICE_OPERATIONS).
 """
@@ -22,8 +22,6 @@ from typing import Any
 from pyinfra import host, inventory, logger
 from pyinfra.api import deploy
 
-from sparkform.build import converge
-from sparkform.build.render import prerequisite_packages
 from sparkform.commands.hub import resolve_pins
 from sparkform.deploy.facts.node_link import NodeLink
 from sparkform.deploy.facts.snapshot import HostSnapshot
@@ -41,15 +39,17 @@ from sparkform.deploy.operations import (
     system,
     venv,
 )
+from sparkform.domain import layout
+from sparkform.domain.model import InventoryError
+from sparkform.domain.rendered import RenderedFile
+from sparkform.domain.schema import HostConfig
 from sparkform.readers.kept import KeptSettings
 from sparkform.readers.snapshot import Snapshot
 from sparkform.rules import nodes
 from sparkform.rules.inventory import exit_invalid, exit_untrusted, host_from_data
 from sparkform.rules.nodes import span_problems
-from sparkform.spec import layout
-from sparkform.spec.model import InventoryError
-from sparkform.spec.rendered import RenderedFile
-from sparkform.spec.schema import HostConfig
+from sparkform.writers import converge
+from sparkform.writers.render import prerequisite_packages
 
 
 def planned() -> tuple[HostConfig, Snapshot, converge.ConvergePlan]:

@@ -1,7 +1,7 @@
 """The programs sparkform installs on a host, and the modules they share.
 
 Each program (guard, scrub, rollback, record, checkpoint, vllm_serve) is a module of this package.
-Its path on the host (LIB_DIR/sparkform-NAME, sparkform.spec.layout.HostPaths) holds the launcher
+Its path on the host (LIB_DIR/sparkform-NAME, sparkform.domain.layout.HostPaths) holds the launcher
 (sparkform.host.launcher), which runs it from this package, installed whole under LIB_DIR/python
 (HostPaths.host_modules). A program reads what varies per host from the rendered settings file
 beside its path (settings_path). They run in the host's system Python (root's: `python3 -I`) or
@@ -37,11 +37,11 @@ def program_path() -> str:
     return os.path.abspath(sys.orig_argv[len(sys.orig_argv) - len(sys.argv)])
 
 
-# --- the settings files (sparkform.build.programs renders each as JSON) ---------------------------
+# --- the settings files (sparkform.writers.programs renders each as JSON) ---------------------------
 
 
 class EngineProbe(TypedDict):
-    """How the guard asks an engine whether it serves (sparkform.spec.engine.PROBES)."""
+    """How the guard asks an engine whether it serves (sparkform.domain.engine.PROBES)."""
 
     route: str
     body: dict[str, object]

@@ -29,7 +29,7 @@ KV_VERSION = re.compile(
 CHECKPOINT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}@[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 KV_DTYPE = re.compile(r"[a-z0-9_]{1,32}")
 # The engine's flags the pool depends on, as the deploy writes them into its args file
-# (sparkform.build.render.engine_args writes them by these names).
+# (sparkform.writers.render.engine_args writes them by these names).
 SETTING_FLAGS = {
     "checkpoint": "--model",
     "max_model_len": "--max-model-len",

@@ -20,7 +20,7 @@ PROGRESS_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 
 
 def probe(engine: GuardEngine, deadline_s):
-    """Whether the engine's probe (sparkform.spec.engine.PROBES: a one-token completion, an embedding,
+    """Whether the engine's probe (sparkform.domain.engine.PROBES: a one-token completion, an embedding,
     a rerank of one document) came back within the deadline with its answer, a non-empty list."""
     spec = engine["probe"]
     request = urllib.request.Request(

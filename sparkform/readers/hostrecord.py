@@ -20,8 +20,8 @@ from collections.abc import Mapping, Set
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, TypeVar
 
+from sparkform.domain.shapes import NAME_PATTERN
 from sparkform.readers.parsers import cuda_version_from_nvidia_smi
-from sparkform.spec.shapes import NAME_PATTERN
 
 ShapedText = TypeVar("ShapedText", str, None, str | None)
 

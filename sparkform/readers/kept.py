@@ -21,10 +21,10 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from sparkform.domain.shapes import SAFE_PATH
 from sparkform.host import kept as host_kept
 from sparkform.host.kept import day
 from sparkform.readers.hostrecord import ENGINE_NAME_PATTERN, UntrustedValue
-from sparkform.spec.shapes import SAFE_PATH
 
 DIGEST = re.compile(r"[0-9a-f]{32}")
 # A checkpoint folder: a SAFE_PATH whose last part is owner--name@commit.

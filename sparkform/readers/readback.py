@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 import shlex
 
+from sparkform.domain.shapes import COMMIT_ID
 from sparkform.readers.remote import plain_files
-from sparkform.spec.shapes import COMMIT_ID
 
 # A pin (owner--name@revision) and a checkpoint folder (owner--name@commit) share one shape.
 REPO_AT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")

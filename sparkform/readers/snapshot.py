@@ -1,6 +1,6 @@
 """A host as one converge sees it: the value sparkform/deploy/facts/snapshot.py gathers in one SSH round trip.
 
-Pure data: the deploy's plan (sparkform/build/converge.py) and every operation decide from it, and
+Pure data: the deploy's plan (sparkform/writers/converge.py) and every operation decide from it, and
 tests build one by hand.
 """
 

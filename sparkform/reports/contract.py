@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from sparkform.spec.engine import Engine
+from sparkform.domain.engine import Engine
 
 Answer = Literal["error", "truncate"]
 
@@ -246,7 +246,7 @@ def judge_served_name(name: str, reply: Reply) -> Finding:
 
 
 def judge_pooled(name: str, kind: str, reply: Reply) -> Finding:
-    """A pooling engine's probe (sparkform.spec.engine.PROBES) asked of `name` comes back in its shape:
+    """A pooling engine's probe (sparkform.domain.engine.PROBES) asked of `name` comes back in its shape:
     an embedding's vector (its dimensions are what a client's index must hold), a rerank's scores."""
     check = f"name {name}"
     if reply.status != 200:

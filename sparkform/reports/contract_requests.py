@@ -8,6 +8,8 @@ import struct
 import zlib
 from typing import Any
 
+from sparkform.domain.engine import PROBES, Engine
+from sparkform.domain.schema import HostConfig
 from sparkform.reports.contract import (
     Ask,
     Contract,
@@ -25,8 +27,6 @@ from sparkform.reports.contract import (
     judge_window,
     reply_error,
 )
-from sparkform.spec.engine import PROBES, Engine
-from sparkform.spec.schema import HostConfig
 
 # --- the requests --------------------------------------------------------------------------------
 

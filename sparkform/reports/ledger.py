@@ -19,15 +19,15 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from sparkform.domain.engine import Engine, Measured
+from sparkform.domain.layout import KV_LEDGER_ROWS
+from sparkform.domain.model import Host
+from sparkform.domain.modelconfig import GIB
+from sparkform.domain.schema import HostConfig
+from sparkform.domain.shapes import NAME_PATTERN
 from sparkform.host.kvlog import CHECKPOINT, KV_DTYPE, LINE_CHARS, MAX_GIB, MAX_TOKENS
 from sparkform.readers.remote import LINK
 from sparkform.rules import planner
-from sparkform.spec.engine import Engine, Measured
-from sparkform.spec.layout import KV_LEDGER_ROWS
-from sparkform.spec.model import Host
-from sparkform.spec.modelconfig import GIB
-from sparkform.spec.schema import HostConfig
-from sparkform.spec.shapes import NAME_PATTERN
 
 _TIME = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z$"
 _VERSION = r"^[0-9]+\.[0-9]+[0-9A-Za-z.+-]{0,40}$"

@@ -15,6 +15,10 @@ import re
 import shlex
 import time
 
+from sparkform.domain.engine import Engine
+from sparkform.domain.layout import FRONT_UNIT, GUARD_UNIT, SCRUB_TIMER
+from sparkform.domain.locks import VllmPin
+from sparkform.domain.schema import HostConfig
 from sparkform.host import ALERT_MESSAGE_ID
 from sparkform.readers.gpu import NvmlReportError, parse_nvml_report, report_command
 from sparkform.readers.hostrecord import (
@@ -42,10 +46,6 @@ from sparkform.readers.readback import named_lines
 from sparkform.readers.remote import plain_file, plain_files, section, split_sections
 from sparkform.reports.status_schema import EngineStatus, HostStatus, ServiceStatus, WatchdogEvent
 from sparkform.rules.front_tls import fingerprint, read_back, read_command
-from sparkform.spec.engine import Engine
-from sparkform.spec.layout import FRONT_UNIT, GUARD_UNIT, SCRUB_TIMER
-from sparkform.spec.locks import VllmPin
-from sparkform.spec.schema import HostConfig
 
 # What status adds to the deploy's unit properties: the cgroup's memory and when the state changed.
 STATUS_PROPERTIES = f"{SYSTEMCTL_SHOW_PROPERTIES},MemoryCurrent,MemoryHigh,MemoryMax,StateChangeTimestamp"

@@ -9,10 +9,10 @@ orders nothing and both engines start at once: the compile storm of two cold sta
 
 from __future__ import annotations
 
-from sparkform.spec.engine import Engine
-from sparkform.spec.layout import UNIT_PREFIX
-from sparkform.spec.model import Host, Problem
-from sparkform.spec.schema import HostConfig
+from sparkform.domain.engine import Engine
+from sparkform.domain.layout import UNIT_PREFIX
+from sparkform.domain.model import Host, Problem
+from sparkform.domain.schema import HostConfig
 
 
 def edges(config: HostConfig, engine: Engine) -> list[str]:

@@ -18,11 +18,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from sparkform.domain import layout
+from sparkform.domain.rendered import RenderedFile, Secret
+from sparkform.domain.schema import HostConfig
 from sparkform.readers.remote import plain_file
 from sparkform.readers.snapshot import Snapshot
-from sparkform.spec import layout
-from sparkform.spec.rendered import RenderedFile, Secret
-from sparkform.spec.schema import HostConfig
 
 # A certificate as sparkform writes it, and as it accepts one read back: PEM blocks only.
 PEM_CERTIFICATES = re.compile(

@@ -18,12 +18,12 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
+from sparkform.domain import modelconfig
+from sparkform.domain.model import Host, InventoryError, Problem
+from sparkform.domain.schema import HostConfig
+from sparkform.domain.shapes import owned_flag
 from sparkform.rules.nodes import span_problems
 from sparkform.rules.validate import host_problems
-from sparkform.spec import modelconfig
-from sparkform.spec.model import Host, InventoryError, Problem
-from sparkform.spec.schema import HostConfig
-from sparkform.spec.shapes import owned_flag
 
 BASE_DIR_KEY = "_sparkform_base_dir"  # relative paths in host data resolve against it
 # The inventory a command reads when none is named (where `sparkform init` writes one), unless

@@ -20,10 +20,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from sparkform.spec import locks
-from sparkform.spec.engine import Engine, Span
-from sparkform.spec.model import Host, Problem
-from sparkform.spec.schema import HostConfig
+from sparkform.domain import locks
+from sparkform.domain.engine import Engine, Span
+from sparkform.domain.model import Host, Problem
+from sparkform.domain.schema import HostConfig
 
 HOST_PIN_FIELDS = ("device", "python")  # with the engine's own package and version: what picks the vLLM a rank runs
 SAME_DATA = "define it once, in the data of the group the engine's nodes share"

@@ -21,10 +21,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from sparkform.spec import modelconfig
-from sparkform.spec.engine import Engine
-from sparkform.spec.model import Host, Problem
-from sparkform.spec.modelconfig import GIB, KvLayout
+from sparkform.domain import modelconfig
+from sparkform.domain.engine import Engine
+from sparkform.domain.model import Host, Problem
+from sparkform.domain.modelconfig import GIB, KvLayout
 
 # The schema's bound on gpu_memory_utilization.
 MAX_UTILIZATION = next(

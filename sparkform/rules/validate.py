@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sparkform.domain import locks, modelconfig, vllm_versions
+from sparkform.domain.engine import Engine
+from sparkform.domain.locks import VllmPin
+from sparkform.domain.model import Host, Problem
+from sparkform.domain.schema import HostConfig
+from sparkform.domain.shapes import COMMIT_ID
 from sparkform.rules import bootchain
 from sparkform.rules import validate_access as access
 from sparkform.rules.planner import node_memory_problems, state_block_problems
-from sparkform.spec import locks, modelconfig, vllm_versions
-from sparkform.spec.engine import Engine
-from sparkform.spec.locks import VllmPin
-from sparkform.spec.model import Host, Problem
-from sparkform.spec.schema import HostConfig
-from sparkform.spec.shapes import COMMIT_ID
 
 
 def host_problems(host: Host) -> list[Problem]:
@@ -338,7 +338,7 @@ def _lock(host: Host) -> list[Problem]:
 
 def _vllm_takes(host: Host) -> list[Problem]:
     """Each engine's quantization and KV cache dtype are ones its vLLM takes, where its code was
-    read (sparkform.spec.vllm_versions): a method a version dropped (0.32 dropped bitsandbytes) would
+    read (sparkform.domain.vllm_versions): a method a version dropped (0.32 dropped bitsandbytes) would
     fail at engine start, after the deploy changed the host."""
     cfg = host.config
     problems = []

@@ -12,9 +12,9 @@ import ipaddress
 import re
 from pathlib import Path
 
+from sparkform.domain.model import Host, Problem
+from sparkform.domain.shapes import API_KEY_MAX_LENGTH, API_KEY_MIN_LENGTH, API_KEY_PATTERN, DEFAULT_CLIENT
 from sparkform.rules.front_tls import BadCertificate, owners_certificate
-from sparkform.spec.model import Host, Problem
-from sparkform.spec.shapes import API_KEY_MAX_LENGTH, API_KEY_MIN_LENGTH, API_KEY_PATTERN, DEFAULT_CLIENT
 
 SECRET_FILE_FIELDS = ("hf_token_file", "alert_webhook_file")  # and the clients' keys (secret_fields)
 WEBHOOK_URL = re.compile(r"https?://[^\s\x00-\x1f]+")  # one URL, nothing a shell or header could split

@@ -11,9 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sparkform.domain.package_data import INVENTORIES
 from sparkform.rules.inventory import load_inventory
 from sparkform.sandbox.network import CABLE_INTERFACE, CABLE_MTU
-from sparkform.spec.package_data import INVENTORIES
 
 SANDBOX_INVENTORY = INVENTORIES / "sandbox.py"
 # pyproject's `sandbox` extra: the stage's fake hub builds its tiny checkpoints with them.

@@ -23,12 +23,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from sparkform.build.render import prerequisite_packages
+from sparkform.domain.layout import NODE_EXPORTER_PACKAGE
 from sparkform.sandbox import machine, registry
 from sparkform.sandbox.rootfs import build_rootfs
 from sparkform.sandbox.system import SandboxError
 from sparkform.sandbox.wheelhouse import build_wheelhouse
-from sparkform.spec.layout import NODE_EXPORTER_PACKAGE
+from sparkform.writers.render import prerequisite_packages
 
 WHEELHOUSE_IN_GUEST = "/srv/wheelhouse"
 HUB_PORT = 8088

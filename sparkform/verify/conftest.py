@@ -15,9 +15,9 @@ import pytest
 import testinfra
 
 from sparkform.commands import ssh
+from sparkform.domain.schema import HostConfig
 from sparkform.rules import nodes
 from sparkform.rules.inventory import load_inventory, raw_inventory
-from sparkform.spec.schema import HostConfig
 
 
 def pytest_addoption(parser):

@@ -9,13 +9,8 @@ import shlex
 
 import pytest
 
-from sparkform.build.render import VLLM_UNGUARDED_ROUTES, engine_environment
 from sparkform.commands.contract import KEYS_FROM_SNIPPET, key_header
-from sparkform.readers.hostrecord import HostRecord
-from sparkform.readers.kept import KeptSettings, settings_digest
-from sparkform.readers.parsers import parse_kv_pool
-from sparkform.rules import bootchain
-from sparkform.spec.layout import (
+from sparkform.domain.layout import (
     CHECKPOINT_MANIFEST,
     COMPLETE_MARKER,
     ENGINES_TARGET,
@@ -30,6 +25,11 @@ from sparkform.spec.layout import (
     record_path,
     venv_marker,
 )
+from sparkform.readers.hostrecord import HostRecord
+from sparkform.readers.kept import KeptSettings, settings_digest
+from sparkform.readers.parsers import parse_kv_pool
+from sparkform.rules import bootchain
+from sparkform.writers.render import VLLM_UNGUARDED_ROUTES, engine_environment
 
 UNIT_LIMITS_USEC = re.compile(r"^(\d+)")
 

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from sparkform.build.render import bracketed
-from sparkform.spec import layout
+from sparkform.domain import layout
+from sparkform.writers.render import bracketed
 
 
 def test_node_exporter_serves_the_engine_units_and_sparkforms_metrics(remote, config):

@@ -12,10 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+from sparkform.domain import layout
+from sparkform.domain.schema import HostConfig
 from sparkform.sandbox import machine, stage
 from sparkform.sandbox.alerts import read_alerts
-from sparkform.spec import layout
-from sparkform.spec.schema import HostConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 # The pair every module converges; the shipped inventory is the whole box (the pair and an embedding engine).

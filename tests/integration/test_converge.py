@@ -50,16 +50,16 @@ from deploy_helpers import (
     why_it_restarted,
 )
 
-from sparkform.build.render import VLLM_UNGUARDED_ROUTES
+from sparkform.domain import layout
+from sparkform.domain.engine import GENERATE_ROUTES
+from sparkform.domain.locks import lock_id
+from sparkform.domain.shapes import owned_flag
 from sparkform.readers import gpu
 from sparkform.rules.inventory import load_inventory
 from sparkform.sandbox import machine, stage
 from sparkform.sandbox.fakehub import FakeHub
 from sparkform.sandbox.wheelhouse import LOCK
-from sparkform.spec import layout
-from sparkform.spec.engine import GENERATE_ROUTES
-from sparkform.spec.locks import lock_id
-from sparkform.spec.shapes import owned_flag
+from sparkform.writers.render import VLLM_UNGUARDED_ROUTES
 
 pytestmark = pytest.mark.usefixtures("converged")
 VENV_IMAGE = True  # the venv is in place: its install is test_faults' (with its progress lines)

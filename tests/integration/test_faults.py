@@ -42,12 +42,12 @@ from deploy_helpers import (
     why_it_restarted,
 )
 
+from sparkform.domain import layout
+from sparkform.domain.locks import lock_id
 from sparkform.rules.inventory import load_inventory
 from sparkform.sandbox import machine
 from sparkform.sandbox.fakehub import FakeHub
 from sparkform.sandbox.wheelhouse import LOCK
-from sparkform.spec import layout
-from sparkform.spec.locks import lock_id
 
 pytestmark = pytest.mark.usefixtures("converged")
 CI_MINUTES = 30  # wall time in CI, its sandbox setups included (the table at the end of `make test`)

@@ -24,8 +24,8 @@ from deploy_helpers import (
     wait_for,
 )
 
-from sparkform.spec import layout
-from sparkform.spec.schema import Monitoring
+from sparkform.domain import layout
+from sparkform.domain.schema import Monitoring
 
 pytestmark = pytest.mark.usefixtures("converged")
 SHARES_SANDBOX = True  # it turns monitoring off again (node_exporter, the owner's package then, stays)

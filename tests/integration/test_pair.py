@@ -21,8 +21,8 @@ from steady_memory import moving_memory
 from suite_hygiene import sandbox_name
 from venv_image import venv_image
 
+from sparkform.domain import layout
 from sparkform.sandbox import machine, stage
-from sparkform.spec import layout
 
 CI_MINUTES = 23  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 PAIR_INVENTORY = ROOT / "inventory" / "sandbox-pair.py"

@@ -41,12 +41,7 @@ from deploy_helpers import (
     wait_for,
 )
 
-from sparkform.host import ALERT_MESSAGE_ID
-from sparkform.host.starts import STOPPED_S
-from sparkform.readers.parsers import parse_kv_pool, parse_vllm_version
-from sparkform.rules.inventory import load_inventory
-from sparkform.sandbox import stage
-from sparkform.spec.layout import (
+from sparkform.domain.layout import (
     COMPLETE_MARKER,
     ENGINES_TARGET,
     FRONT_CONFIG,
@@ -55,6 +50,11 @@ from sparkform.spec.layout import (
     GUARD_WATCHDOG_S,
     SCRUB_UNIT,
 )
+from sparkform.host import ALERT_MESSAGE_ID
+from sparkform.host.starts import STOPPED_S
+from sparkform.readers.parsers import parse_kv_pool, parse_vllm_version
+from sparkform.rules.inventory import load_inventory
+from sparkform.sandbox import stage
 
 pytestmark = pytest.mark.usefixtures("converged")
 SHARES_SANDBOX = True  # each test leaves the pair serving as the deploy left it

@@ -8,13 +8,13 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from sparkform.build import converge
-from sparkform.build.converge import plan
+from sparkform.domain import layout
 from sparkform.readers.hostrecord import HostVersions
 from sparkform.readers.parsers import EngineState
 from sparkform.readers.snapshot import CheckpointFolder, RemoteFile, Snapshot
 from sparkform.rules.bootchain import after_units
-from sparkform.spec import layout
+from sparkform.writers import converge
+from sparkform.writers.converge import plan
 
 # The owner's pair as inventory/spark.py shipped it: what the tests read instead of that file.
 SERVED_PAIR = Path(__file__).resolve().parents[1] / "fixtures" / "inventories" / "served_pair.py"

@@ -21,12 +21,12 @@ from typing import Any
 
 from standins import NOT_FOUND, PROBE_ANSWERS, Reply, Request, StubEngine, json_reply
 
-from sparkform.build.render import render_host
+from sparkform.domain.engine import Span
+from sparkform.domain.rendered import RenderedFile
+from sparkform.domain.schema import HostConfig
 from sparkform.host import ALERT_MESSAGE_ID
 from sparkform.rules.inventory import load_host
-from sparkform.spec.engine import Span
-from sparkform.spec.rendered import RenderedFile
-from sparkform.spec.schema import HostConfig
+from sparkform.writers.render import render_host
 
 # What every launch path (the unit, the env file, the launch script) hands the engine: its cache
 # folders, and the compile caps a host gets by default (compile_caps.as_env()).

@@ -20,14 +20,14 @@ import pytest
 from pyinfra.api import StringCommand
 from script_box import put
 
-from sparkform.build.programs import code_files, program_files
 from sparkform.deploy.operations.checkpoints import _fetch
+from sparkform.domain.layout import COMPLETE_MARKER
+from sparkform.domain.schema import HostConfig
 from sparkform.host import checkpoint
 from sparkform.rules.inventory import load_host
 from sparkform.sandbox.fakehub import FakeHub
 from sparkform.sandbox.models import TINY_MODELS, cached_checkpoint
-from sparkform.spec.layout import COMPLETE_MARKER
-from sparkform.spec.schema import HostConfig
+from sparkform.writers.programs import code_files, program_files
 
 QWEN = "sparkform-test/tiny-qwen3"  # two weight shards
 SHARD = "model-00001-of-00002.safetensors"

@@ -26,8 +26,8 @@ import sparkform.host as host_package
 from sparkform import cli
 from sparkform.commands import rebuild as rebuild_command
 from sparkform.commands import ssh
+from sparkform.domain import package_data
 from sparkform.rules.inventory import raw_inventory
-from sparkform.spec import package_data
 
 REPO = Path(__file__).resolve().parents[2]
 INVENTORIES = REPO / "tests" / "fixtures" / "inventories"

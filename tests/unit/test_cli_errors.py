@@ -18,8 +18,8 @@ from samples import SERVED_PAIR
 from test_cli import CONSOLE_SCRIPT, clean_env, sparkform
 
 from sparkform.commands import ssh
-from sparkform.spec import exits
-from sparkform.spec.exits import exit_code_table
+from sparkform.domain import exits
+from sparkform.domain.exits import exit_code_table
 
 REPO = SERVED_PAIR.parents[3]
 

@@ -7,12 +7,12 @@ import dataclasses
 
 from samples import CPU_PAIR, DRIVER_580, converged
 
-from sparkform.build import converge
-from sparkform.build.converge import plan
+from sparkform.domain import layout
 from sparkform.readers.kept import KeptSettings, Rollback
 from sparkform.readers.snapshot import CheckpointFolder, RemoteFile, Snapshot
 from sparkform.rules.inventory import load_host
-from sparkform.spec import layout
+from sparkform.writers import converge
+from sparkform.writers.converge import plan
 
 DRIVER_590 = ["kernel=6.1.0", "driver=590.10.01", "gpu_arch=12.1"]
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 from local_deploy import FAST_COMMIT, local_inventory, publish
 
-from sparkform.build import converge
-from sparkform.build.programs import host_source
-from sparkform.build.render import render_host
+from sparkform.domain.shapes import SHARED_USERS
 from sparkform.host import ROOT_PYTHON
 from sparkform.rules.inventory import load_inventory
-from sparkform.spec.shapes import SHARED_USERS
+from sparkform.writers import converge
+from sparkform.writers.programs import host_source
+from sparkform.writers.render import render_host
 
 ROOT = Path(__file__).resolve().parents[2]
 PYINFRA = Path(sys.executable).with_name("pyinfra")

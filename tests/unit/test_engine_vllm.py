@@ -13,19 +13,19 @@ from pyinfra.api import FileUploadCommand
 from samples import CPU_PAIR, converged
 
 from sparkform import cli
-from sparkform.build import converge
-from sparkform.build.converge import plan, snapshot_request
-from sparkform.build.programs import checkpoint_fetch
-from sparkform.build.render import engine_args, render_host
 from sparkform.deploy.operations import venv
 from sparkform.deploy.operations.files import replaced_file
+from sparkform.domain import layout
+from sparkform.domain.engine import Engine
+from sparkform.domain.schema import HostConfig
 from sparkform.readers.kept import KeptSettings
 from sparkform.readers.snapshot import Snapshot
 from sparkform.rules.inventory import load_host
 from sparkform.sandbox import wheelhouse
-from sparkform.spec import layout
-from sparkform.spec.engine import Engine
-from sparkform.spec.schema import HostConfig
+from sparkform.writers import converge
+from sparkform.writers.converge import plan, snapshot_request
+from sparkform.writers.programs import checkpoint_fetch
+from sparkform.writers.render import engine_args, render_host
 
 
 def host_data(lock: Path, **fast: object) -> dict:

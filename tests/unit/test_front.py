@@ -23,14 +23,8 @@ from pathlib import Path
 import pytest
 from standins import Reply, Request, StubEngine, json_reply
 
-from sparkform.build.converge import front_certificate, secrets, tls_files
-from sparkform.build.render import render_host
-from sparkform.host.front import passes
-from sparkform.readers.snapshot import Snapshot
-from sparkform.rules.front_tls import FrontCertificate, make_self_signed
-from sparkform.rules.inventory import load_host
-from sparkform.spec.engine import GENERATE_ROUTES
-from sparkform.spec.layout import (
+from sparkform.domain.engine import GENERATE_ROUTES
+from sparkform.domain.layout import (
     FRONT_ACCESS_LOG,
     FRONT_CONFIG,
     FRONT_DROP_IN,
@@ -38,8 +32,14 @@ from sparkform.spec.layout import (
     FRONT_PID_FILE,
     FRONT_USER,
 )
-from sparkform.spec.model import InventoryError
-from sparkform.spec.schema import HostConfig
+from sparkform.domain.model import InventoryError
+from sparkform.domain.schema import HostConfig
+from sparkform.host.front import passes
+from sparkform.readers.snapshot import Snapshot
+from sparkform.rules.front_tls import FrontCertificate, make_self_signed
+from sparkform.rules.inventory import load_host
+from sparkform.writers.converge import front_certificate, secrets, tls_files
+from sparkform.writers.render import render_host
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 NJS_MODULE = "/usr/lib/nginx/modules/ngx_http_js_module.so"  # Debian's libnginx-mod-http-js

@@ -15,14 +15,14 @@ import pytest
 from test_operations import run
 from test_snapshot_fact import read_under
 
-from sparkform.build.converge import plan
 from sparkform.deploy.facts.snapshot import HostSnapshot
 from sparkform.deploy.operations import front
+from sparkform.domain.model import InventoryError
 from sparkform.readers.remote import SECTION
 from sparkform.readers.snapshot import RemoteFile, Snapshot
 from sparkform.rules.front_tls import RENEW_BEFORE_DAYS, fingerprint, leaf, make_self_signed, names_of
 from sparkform.rules.inventory import load_host
-from sparkform.spec.model import InventoryError
+from sparkform.writers.converge import plan
 
 NOW = datetime.datetime(2026, 12, 4, tzinfo=datetime.UTC)
 KEY = "sf-test-key-0123456789abcdef"

@@ -18,10 +18,10 @@ import pytest
 from script_box import Journal, cpu_host_under, put
 from standins import HANG, NOT_FOUND, PROBE_ANSWERS, Reply, Request, StubEngine, json_reply, recording_command
 
-from sparkform.build.render import render_host
 from sparkform.host import outages, watchdog
 from sparkform.rules.inventory import load_host
 from sparkform.sandbox.alerts import make_server, read_alerts
+from sparkform.writers.render import render_host
 
 WEBHOOK_SECRET = "sf-webhook-token-0123456789"
 

@@ -7,9 +7,9 @@ import subprocess
 import sys
 import time
 
-from sparkform.build.programs import host_lock_command, host_locked, host_source
+from sparkform.domain.schema import HostConfig
 from sparkform.host import ROOT_PYTHON, hostlock
-from sparkform.spec.schema import HostConfig
+from sparkform.writers.programs import host_lock_command, host_locked, host_source
 
 SOURCE = host_source("hostlock")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from samples import SPARK_VERSIONS as SPARK
 
+from sparkform.domain.layout import record_path
 from sparkform.readers.hostrecord import (
     LIVE_VERSIONS_COMMAND,
     Drift,
@@ -25,7 +26,6 @@ from sparkform.readers.hostrecord import (
     last_cold_starts,
     parse_live_versions,
 )
-from sparkform.spec.layout import record_path
 
 CAPTURED = Path(__file__).resolve().parent.parent / "fixtures" / "captured"
 BANNER = (CAPTURED / "nvidia-smi-gb10.txt").read_text()

@@ -10,9 +10,9 @@ import pytest
 
 from sparkform.cli import main
 from sparkform.commands.hub import HubError, resolve_pins, resolve_revision
+from sparkform.domain.model import InventoryError
 from sparkform.rules.inventory import load_host
 from sparkform.sandbox.fakehub import FakeHub
-from sparkform.spec.model import InventoryError
 
 REPO = "org/model"
 

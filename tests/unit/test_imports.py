@@ -65,7 +65,7 @@ def test_no_import_cycle_inside_the_project():
     modules = project_modules()
     graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
     assert {
-        "sparkform.spec.model",
+        "sparkform.domain.model",
         "sparkform.rules.bootchain",
         "sparkform.rules.validate",
         "sparkform.rules.planner",
@@ -86,23 +86,23 @@ def test_no_two_test_modules_share_a_name():
 # --- the rooms of the package, in order ---------------------------------------------------------
 
 # Each floor imports only the floors below it and its own room. The pure core is the middle five:
-# what a host is (spec), what it prints read back (readers), the rules over a whole host (rules),
-# what the commands show (reports), what lands on it (build). Below them the programs that run on
+# what a host is (domain), what it prints read back (readers), the rules over a whole host (rules),
+# what the commands show (reports), what lands on it (writers). Below them the programs that run on
 # a host, standard library only; above them what connects: the commands, then the deploy (pyinfra),
 # the sandbox and the verify suite (testinfra), then the entry points: the command line's and the
 # one an inventory file imports.
 FLOORS = (
     ("host",),
-    ("spec",),
+    ("domain",),
     ("readers",),
     ("rules",),
     ("reports",),
-    ("build",),
+    ("writers",),
     ("commands",),
     ("deploy", "sandbox", "verify"),
     ("cli", "inventory"),
 )
-CORE_ROOMS = ("spec", "readers", "rules", "reports", "build")
+CORE_ROOMS = ("domain", "readers", "rules", "reports", "writers")
 # What a module of the pure core must never import, at module level or in a function: whatever
 # spawns a process or opens a connection.
 CONNECTS_OR_SPAWNS = (
@@ -153,11 +153,11 @@ def test_the_floor_check_fails_on_a_planted_upward_import(tmp_path):
     modules = project_modules()
     graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
     planted = tmp_path / "planted.py"
-    planted.write_text(modules["sparkform.spec.schema"].read_text() + "\nfrom sparkform.reports import status\n")
-    graph["sparkform.spec.schema"] = imports_of(planted, modules) - {"sparkform.spec.schema"}
-    assert upward_imports(graph) == ["sparkform.spec.schema -> sparkform.reports.status"]
-    graph["sparkform.spec.schema"] |= {"sparkform.sandbox.nspawn"}
-    assert "sparkform.spec.schema -> sparkform.sandbox.nspawn" in upward_imports(graph)
+    planted.write_text(modules["sparkform.domain.schema"].read_text() + "\nfrom sparkform.reports import status\n")
+    graph["sparkform.domain.schema"] = imports_of(planted, modules) - {"sparkform.domain.schema"}
+    assert upward_imports(graph) == ["sparkform.domain.schema -> sparkform.reports.status"]
+    graph["sparkform.domain.schema"] |= {"sparkform.sandbox.nspawn"}
+    assert "sparkform.domain.schema -> sparkform.sandbox.nspawn" in upward_imports(graph)
 
 
 def outside_imports(path: Path) -> set[str]:
@@ -197,10 +197,10 @@ def test_the_pure_core_imports_nothing_that_connects_or_spawns():
     graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
     core = pure_core(modules)
     assert {
-        "sparkform.spec.schema",
+        "sparkform.domain.schema",
         "sparkform.rules.validate",
         "sparkform.rules.planner",
-        "sparkform.build.render",
+        "sparkform.writers.render",
         "sparkform.readers.parsers",
         "sparkform.reports.status",
     } <= set(core)

@@ -15,9 +15,9 @@ import pytest
 
 from sparkform import cli
 from sparkform.commands import init
+from sparkform.domain.engine import Measured
+from sparkform.domain.model import Host
 from sparkform.rules.inventory import DEFAULT_INVENTORY, load_inventory, planning, raw_inventory
-from sparkform.spec.engine import Measured
-from sparkform.spec.model import Host
 
 SHIPPED = init.shipped_defaults()
 SPARK_VARIABLES = ("SPARK_HOST", "SPARK_USER", "SPARK_HF_TOKEN_FILE", "SPARK_LISTEN_ADDRESS", "SPARK_API_KEY_FILE")

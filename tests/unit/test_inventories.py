@@ -11,9 +11,9 @@ import pytest
 from samples import SERVED_PAIR
 from script_box import CAPS
 
+from sparkform.domain.locks import CPU_EXCLUDED, LOCKS
 from sparkform.rules.inventory import load_inventory
 from sparkform.sandbox import network, registry, stage, wheelhouse
-from sparkform.spec.locks import CPU_EXCLUDED, LOCKS
 
 INVENTORY = Path(__file__).resolve().parents[2] / "inventory"
 SUITE_PAIR = INVENTORY.parent / "tests" / "integration" / "sandbox_pair.py"

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from script_box import CACHE_VARS, CAPS, INTERNAL_OFFSET, Box
 
-from sparkform.build.render import engine_args, engine_environment
+from sparkform.writers.render import engine_args, engine_environment
 
 
 def test_launch_execs_the_engine_with_the_caps_whatever_the_callers_env(make_box):

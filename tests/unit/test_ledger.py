@@ -18,12 +18,12 @@ from script_box import cpu_host_under, put
 from standins import recording_command
 
 from sparkform import cli
-from sparkform.build.render import render_host
+from sparkform.domain.layout import KV_LEDGER_ROWS
 from sparkform.readers.parsers import parse_kv_pool, parse_vllm_version
 from sparkform.reports import ledger
 from sparkform.rules.inventory import load_host, load_inventory
 from sparkform.sandbox import models
-from sparkform.spec.layout import KV_LEDGER_ROWS
+from sparkform.writers.render import render_host
 
 REPO = Path(__file__).resolve().parents[2]
 CAPTURED = REPO / "tests" / "fixtures" / "captured"

@@ -25,12 +25,12 @@ from venv_build import run_build_commands
 
 from sparkform import cli
 from sparkform.deploy.operations import venv
+from sparkform.domain import layout
+from sparkform.domain.locks import CPU_EXCLUDED, LOCKS, TARGETS, lock_name, lock_problems, read_lock
+from sparkform.domain.schema import HostConfig
 from sparkform.readers.snapshot import Snapshot
 from sparkform.rules.inventory import load_host, load_inventory
 from sparkform.sandbox import wheelhouse
-from sparkform.spec import layout
-from sparkform.spec.locks import CPU_EXCLUDED, LOCKS, TARGETS, lock_name, lock_problems, read_lock
-from sparkform.spec.schema import HostConfig
 
 INVENTORY = Path(__file__).resolve().parents[2] / "inventory"
 SHIPPED = sorted(LOCKS.glob("*.txt"))

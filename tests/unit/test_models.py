@@ -13,6 +13,7 @@ import pytest
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
+from sparkform.domain.modelconfig import geometry
 from sparkform.sandbox.models import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,
@@ -22,7 +23,6 @@ from sparkform.sandbox.models import (
     cached_checkpoint,
     tensor_shapes,
 )
-from sparkform.spec.modelconfig import geometry
 
 KINDS = sorted(SPECS)
 REPO = Path(__file__).resolve().parents[2]

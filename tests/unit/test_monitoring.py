@@ -20,17 +20,17 @@ from script_box import put
 from test_guard import Guard, GuardedEngine
 from test_rebuild_parts import KEY, SHOW_ACTIVE, VERSIONS
 
-from sparkform.build import converge, monitoring
-from sparkform.build.programs import code_files
-from sparkform.build.render import render_host
 from sparkform.cli import main
+from sparkform.domain import layout
+from sparkform.domain.schema import Monitoring
 from sparkform.host.alerts import ENGINE_EVENTS, HOST_EVENTS
 from sparkform.readers.hostrecord import EngineRecord, HostRecord
 from sparkform.readers.snapshot import Snapshot
 from sparkform.rules.inventory import load_host, load_inventory
 from sparkform.sandbox import stage
-from sparkform.spec import layout
-from sparkform.spec.schema import Monitoring
+from sparkform.writers import converge, monitoring
+from sparkform.writers.programs import code_files
+from sparkform.writers.render import render_host
 
 ROOT = Path(__file__).resolve().parents[2]
 MONITORED = ROOT / "tests" / "fixtures" / "inventories" / "monitored.py"
@@ -418,7 +418,7 @@ def test_the_guard_keeps_alerting_when_its_textfile_cannot_be_written(tmp_path):
 
 
 def test_monitoring_settings_are_validated():
-    from sparkform.spec.model import InventoryError
+    from sparkform.domain.model import InventoryError
 
     base = {"engines": [{"name": "a", "port": 8012, "checkpoint": {"repo": "o/a", "revision": "main"}}]}
     for monitoring_data, field in (

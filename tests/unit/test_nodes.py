@@ -21,15 +21,15 @@ from typing import Any
 import pytest
 
 from sparkform import cli
-from sparkform.build import render
 from sparkform.commands.fields import field_table
+from sparkform.domain import layout, modelconfig
+from sparkform.domain.engine import Span
+from sparkform.domain.locks import LOCKS
+from sparkform.domain.model import Host
+from sparkform.domain.schema import HostConfig
 from sparkform.rules import inventory as inventory_module
 from sparkform.rules import nodes, planner
-from sparkform.spec import layout, modelconfig
-from sparkform.spec.engine import Span
-from sparkform.spec.locks import LOCKS
-from sparkform.spec.model import Host
-from sparkform.spec.schema import HostConfig
+from sparkform.writers import render
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_CONFIGS = REPO / "tests" / "fixtures" / "model_configs"

@@ -23,8 +23,6 @@ from pyinfra.facts.files import FindFiles
 from samples import engine_state
 from suite_hygiene import temp_folder
 
-from sparkform.build import converge
-from sparkform.build.services import service_units
 from sparkform.deploy import operations
 from sparkform.deploy.converge import SERVICE_OPERATIONS
 from sparkform.deploy.operations import (
@@ -40,13 +38,15 @@ from sparkform.deploy.operations import (
     system,
     venv,
 )
+from sparkform.domain import layout
+from sparkform.domain.layout import cache_keys_dir, record_path
 from sparkform.readers.hostrecord import EngineRecord, HostRecord, HostVersions
 from sparkform.readers.kept import KeptSettings
 from sparkform.readers.parsers import EngineState
 from sparkform.readers.snapshot import CheckpointFolder, RemoteFile, Snapshot
 from sparkform.rules.inventory import load_host
-from sparkform.spec import layout
-from sparkform.spec.layout import cache_keys_dir, record_path
+from sparkform.writers import converge
+from sparkform.writers.services import service_units
 
 HOST_DATA = {
     "device": "cpu",

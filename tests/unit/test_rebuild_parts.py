@@ -8,14 +8,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from sparkform.build.converge import planned_record
-from sparkform.build.render import render_host
 from sparkform.commands.rebuild import start_table
 from sparkform.readers.hostrecord import EngineRecord, HostRecord, HostVersions, cache_key, engine_cache_keys
 from sparkform.readers.parsers import EngineState
 from sparkform.readers.snapshot import Snapshot
 from sparkform.rules.bootchain import holes as boot_chain_holes
 from sparkform.rules.inventory import load_host
+from sparkform.writers.converge import planned_record
+from sparkform.writers.render import render_host
 
 VERSIONS = HostVersions(kernel="6.11", driver="580.95.05", cuda="13.0", gpu_arch="12.1", vllm="vllm-0.27.1")
 KEY = cache_key(VERSIONS)

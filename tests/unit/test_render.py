@@ -29,12 +29,12 @@ from samples import SERVED_PAIR
 from script_box import CACHE_VARS, CAPS
 
 import sparkform.host as host_package
-from sparkform.build.programs import PROGRAMS, checkpoint_fetch, code_files, min_available_kib
-from sparkform.build.render import engine_args, render_host
+from sparkform.domain.layout import ENGINES_TARGET, GUARD_UNIT, ROOT_PYTHON, SCRUB_TIMER, record_dir
+from sparkform.domain.rendered import RenderedFile
+from sparkform.domain.schema import HostConfig, Scrub
 from sparkform.rules.inventory import load_host, load_inventory
-from sparkform.spec.layout import ENGINES_TARGET, GUARD_UNIT, ROOT_PYTHON, SCRUB_TIMER, record_dir
-from sparkform.spec.rendered import RenderedFile
-from sparkform.spec.schema import HostConfig, Scrub
+from sparkform.writers.programs import PROGRAMS, checkpoint_fetch, code_files, min_available_kib
+from sparkform.writers.render import engine_args, render_host
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "fixtures" / "golden" / "spark.local"
@@ -915,7 +915,7 @@ def test_env_file_and_profile_keep_a_hostile_value_literal_in_bash(monkeypatch, 
 
 
 def test_unit_words_escape_what_systemd_would_expand(monkeypatch):
-    from sparkform.build.render import systemd_escaped, systemd_word
+    from sparkform.writers.render import systemd_escaped, systemd_word
 
     assert systemd_word("/usr/local/lib/sparkform") == "/usr/local/lib/sparkform"  # plain: as it is
     # In a command line %h is a specifier, $HOME a variable, ; a command separator, " a quote:

@@ -19,17 +19,17 @@ from script_box import Journal
 from standins import recording_command
 
 from sparkform import cli
-from sparkform.build import converge
-from sparkform.build.render import render_host
 from sparkform.commands.rollback import chosen, rollback_command
 from sparkform.deploy.facts.snapshot import HostSnapshot
 from sparkform.deploy.operations import engines
+from sparkform.domain.layout import COMPLETE_MARKER, UNIT_DIR, kept_root
 from sparkform.host.systemd import WHY_LINE_CHARS
 from sparkform.readers.kept import KeptSettings, settings_digest
 from sparkform.readers.snapshot import Snapshot
 from sparkform.rules import bootchain
 from sparkform.rules.inventory import load_host
-from sparkform.spec.layout import COMPLETE_MARKER, UNIT_DIR, kept_root
+from sparkform.writers import converge
+from sparkform.writers.render import render_host
 
 # A failed start's journal: a line that says why (among lines that do not), too long for one line.
 JOURNAL = (

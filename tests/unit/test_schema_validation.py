@@ -15,13 +15,13 @@ import pytest
 from samples import SERVED_PAIR
 from script_box import CAPS
 
+from sparkform.domain.locks import LOCKS, lock_id
+from sparkform.domain.model import InventoryError, Problem
+from sparkform.domain.schema import HostConfig
+from sparkform.domain.shapes import KNOWN_QUANTIZATIONS
 from sparkform.rules import inventory as inventory_module
 from sparkform.rules.bootchain import edges, start_order
 from sparkform.rules.inventory import load_host
-from sparkform.spec.locks import LOCKS, lock_id
-from sparkform.spec.model import InventoryError, Problem
-from sparkform.spec.schema import HostConfig
-from sparkform.spec.shapes import KNOWN_QUANTIZATIONS
 
 Mutator = Callable[[dict[str, Any]], None]
 MODEL_CONFIGS = SERVED_PAIR.parents[1] / "model_configs"  # where make_host resolves relative paths

@@ -16,13 +16,13 @@ import pytest
 from script_box import Journal, put
 from standins import recording_command
 
-from sparkform.build.programs import program_files
-from sparkform.build.render import render_host
+from sparkform.domain.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
 from sparkform.host import scrub
 from sparkform.rules.inventory import load_host
 from sparkform.sandbox.fakehub import FakeHub
 from sparkform.sandbox.models import TINY_MODELS, cached_checkpoint
-from sparkform.spec.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
+from sparkform.writers.programs import program_files
+from sparkform.writers.render import render_host
 
 QWEN, LLAMA = "sparkform-test/tiny-qwen3", "sparkform-test/tiny-llama"
 SHARD = "model-00001-of-00002.safetensors"  # of QWEN's checkpoint

@@ -14,11 +14,11 @@ from samples import SPARK_VERSIONS
 
 from sparkform.deploy.facts import checkpoint_scan
 from sparkform.deploy.facts.snapshot import HostSnapshot, checkpoint_scan_command
+from sparkform.domain.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
 from sparkform.readers.kept import KeptSettings, Rollback
 from sparkform.readers.parsers import SYSTEMCTL_SHOW_PROPERTIES
 from sparkform.readers.remote import SECTION
 from sparkform.readers.snapshot import CheckpointFolder, RemoteFile
-from sparkform.spec.layout import CHECKPOINT_MANIFEST, COMPLETE_MARKER
 
 # Every section the command gathers, in its order.
 SECTIONS = (

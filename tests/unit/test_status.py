@@ -16,11 +16,11 @@ import pytest
 from samples import SERVED_PAIR
 
 from sparkform import cli
+from sparkform.domain.schema_sections import FrontTLS
 from sparkform.readers.remote import LINK, SECTION
 from sparkform.reports import status, status_schema
 from sparkform.reports.status_table import format_status
 from sparkform.rules.front_tls import make_self_signed
-from sparkform.spec.schema_sections import FrontTLS
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA_DOC = REPO / "docs" / "status.md"

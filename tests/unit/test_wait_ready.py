@@ -17,7 +17,7 @@ import time
 import pytest
 from suite_hygiene import temp_folder
 
-from sparkform.spec.layout import unit_path
+from sparkform.domain.layout import unit_path
 
 
 def test_wait_ready_succeeds_when_every_name_is_served(make_box, servers):

@@ -14,6 +14,15 @@ from typing import Any
 
 from pyinfra.api import FactBase
 
+from sparkform.domain.layout import (
+    CHECKPOINT_MANIFEST,
+    COMPLETE_MARKER,
+    KEPT_PREVIOUS,
+    KEPT_RECORD,
+    NGINX_MAIN_CONFIG,
+    ROLLBACK_RECORD,
+)
+from sparkform.domain.shapes import COMMIT_ID
 from sparkform.readers.hostrecord import (
     CACHE_KEY_PATTERN,
     ENGINE_NAME_PATTERN,
@@ -28,15 +37,6 @@ from sparkform.readers.readback import REPO_AT, named_lines, pins, pins_command,
 from sparkform.readers.remote import plain_file, plain_files, section, split_sections
 from sparkform.readers.snapshot import CheckpointFolder, RemoteFile, Snapshot
 from sparkform.rules.front_tls import read_back, read_command
-from sparkform.spec.layout import (
-    CHECKPOINT_MANIFEST,
-    COMPLETE_MARKER,
-    KEPT_PREVIOUS,
-    KEPT_RECORD,
-    NGINX_MAIN_CONFIG,
-    ROLLBACK_RECORD,
-)
-from sparkform.spec.shapes import COMMIT_ID
 
 # What sparkform writes into the files it reads back; anything else was written by someone else.
 STAMP = re.compile(r"[A-Za-z0-9._+=@ -]{0,200}")  # venv pins, digests of what nginx and the guard loaded

@@ -1,1 +1,1 @@
-"""pyinfra operations, one module per concern: thin over a validated host (sparkform.spec.model.Host)."""
+"""pyinfra operations, one module per concern: thin over a validated host (sparkform.domain.model.Host)."""

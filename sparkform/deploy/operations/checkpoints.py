@@ -8,15 +8,15 @@ import shlex
 from pyinfra import host
 from pyinfra.api import operation
 
-from sparkform.build.converge import checkpoint_complete, kept_checkpoints
-from sparkform.build.programs import checkpoint_fetch
 from sparkform.deploy.operations.files import replaced_file
 from sparkform.deploy.operations.progress import PROGRESS_EVERY_S, ProgressCommand
 from sparkform.deploy.operations.venv import own_pattern
+from sparkform.domain.engine import Engine
+from sparkform.domain.layout import COMPLETE_MARKER
+from sparkform.domain.schema import HostConfig
 from sparkform.readers.snapshot import Snapshot
-from sparkform.spec.engine import Engine
-from sparkform.spec.layout import COMPLETE_MARKER
-from sparkform.spec.schema import HostConfig
+from sparkform.writers.converge import checkpoint_complete, kept_checkpoints
+from sparkform.writers.programs import checkpoint_fetch
 
 
 @operation()

@@ -7,13 +7,13 @@ import shlex
 from pyinfra import host
 from pyinfra.api import operation
 
-from sparkform.build.converge import starts
 from sparkform.deploy.operations.progress import ProgressCommand, printf_line, start_format, ticking
+from sparkform.domain.engine import Engine
+from sparkform.domain.layout import KEPT_FILES, KEPT_PREVIOUS, KEPT_RECORD, ROOT_PYTHON
 from sparkform.host.systemd import FAILURE_REASON_PATTERN, JOURNAL_LINES, WHY_LINE_CHARS
 from sparkform.readers.kept import KeptSettings
 from sparkform.readers.parsers import EngineState
-from sparkform.spec.engine import Engine
-from sparkform.spec.layout import KEPT_FILES, KEPT_PREVIOUS, KEPT_RECORD, ROOT_PYTHON
+from sparkform.writers.converge import starts
 
 # The journal on stdin, why a start failed on stdout.
 WHY_LINES_FILTER = f"grep -E '{FAILURE_REASON_PATTERN}' | cut -c1-{WHY_LINE_CHARS} | tail -n {JOURNAL_LINES}"

@@ -10,8 +10,8 @@ from pyinfra.api import FileUploadCommand, operation
 from pyinfra.facts.files import FileContents
 from pyinfra.operations.util.files import generate_color_diff
 
-from sparkform.build.converge import differs
 from sparkform.readers.snapshot import RemoteFile
+from sparkform.writers.converge import differs
 
 
 def replaced_file(path: str, line: str, mode: str = "644") -> str:

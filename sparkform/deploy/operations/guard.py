@@ -8,8 +8,8 @@ from pyinfra import host
 from pyinfra.api import operation
 
 from sparkform.deploy.operations.files import replaced_file
+from sparkform.domain.layout import ROOT_PYTHON
 from sparkform.readers.parsers import EngineState
-from sparkform.spec.layout import ROOT_PYTHON
 
 
 @operation()

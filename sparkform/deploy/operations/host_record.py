@@ -7,10 +7,10 @@ import shlex
 from pyinfra import host
 from pyinfra.api import operation
 
+from sparkform.domain.layout import ROOT_PYTHON
+from sparkform.domain.schema import HostConfig
 from sparkform.readers.hostrecord import HostRecord
 from sparkform.readers.snapshot import RemoteFile
-from sparkform.spec.layout import ROOT_PYTHON
-from sparkform.spec.schema import HostConfig
 
 
 @operation()
@@ -28,7 +28,7 @@ def host_recorded(
     run reports the same drift.
 
     + config: the host's validated configuration
-    + planned: the record as planned (sparkform.build.converge.planned_record)
+    + planned: the record as planned (sparkform.writers.converge.planned_record)
     + current: the record on the host (None: none, or unreadable)
     + started: engine name -> whether its start in this run rebuilt its JIT caches (cold)
     + textfile: the record's metrics on the host (monitoring.record_textfile; None: absent)

@@ -23,9 +23,9 @@ from typing import NoReturn
 
 from pyinfra import host, logger
 
-from sparkform.build.programs import host_lock_command, run_by
+from sparkform.domain.schema import HostConfig
 from sparkform.host.hostlock import EXIT_REFUSED, HOLDER_LINE
-from sparkform.spec.schema import HostConfig
+from sparkform.writers.programs import host_lock_command, run_by
 
 BEAT_S = 20  # well inside the holder's HOLDER_SILENCE_S
 EXIT_CUT = 130

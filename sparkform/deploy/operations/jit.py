@@ -8,13 +8,13 @@ import shlex
 from pyinfra import host
 from pyinfra.api import operation
 
-from sparkform.build.converge import caches_aside
 from sparkform.deploy.operations.files import replaced_file
+from sparkform.domain.engine import Engine
+from sparkform.domain.layout import cache_keys_dir
+from sparkform.domain.schema import HostConfig
 from sparkform.readers.hostrecord import STALE_MARK
 from sparkform.readers.snapshot import Snapshot
-from sparkform.spec.engine import Engine
-from sparkform.spec.layout import cache_keys_dir
-from sparkform.spec.schema import HostConfig
+from sparkform.writers.converge import caches_aside
 
 
 @operation()

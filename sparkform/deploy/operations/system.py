@@ -7,8 +7,8 @@ import shlex
 from pyinfra import host
 from pyinfra.api import OperationError, operation
 
-from sparkform.build.converge import Folder
 from sparkform.readers.snapshot import Snapshot
+from sparkform.writers.converge import Folder
 
 
 @operation()

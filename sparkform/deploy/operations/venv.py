@@ -11,10 +11,10 @@ from pyinfra.facts.files import FindFiles
 
 from sparkform.deploy.operations.files import replaced_file
 from sparkform.deploy.operations.progress import ProgressCommand, printf_line, ticking
+from sparkform.domain.layout import venv_install_log, venv_lock, venv_marker
+from sparkform.domain.locks import VllmPin, read_lock
+from sparkform.domain.schema import HostConfig
 from sparkform.readers.snapshot import Snapshot
-from sparkform.spec.layout import venv_install_log, venv_lock, venv_marker
-from sparkform.spec.locks import VllmPin, read_lock
-from sparkform.spec.schema import HostConfig
 
 
 def own_pattern(text: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkform.spec.schema import HostConfig
+from sparkform.domain.schema import HostConfig
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,9 @@ from collections.abc import Mapping
 
 import jinja2
 
-from sparkform.build.programs import checkpoint_fetch, guard_files, min_available_kib, program_files  # noqa: F401  (the names tests and tasks take from here)
-from sparkform.host.front_keys import NO_CLIENT
-from sparkform.host.kvlog import SETTING_FLAGS
-from sparkform.rules import bootchain
-from sparkform.spec import layout
-from sparkform.spec.engine import API_ROUTES, Engine, pooling_flags
-from sparkform.spec.layout import (
+from sparkform.domain import layout
+from sparkform.domain.engine import API_ROUTES, Engine, pooling_flags
+from sparkform.domain.layout import (
     COMPLETE_MARKER,
     ENGINES_TARGET,
     FRONT_CONFIG,
@@ -36,10 +32,14 @@ from sparkform.spec.layout import (
     record_dir,
     unit_path,
 )
-from sparkform.spec.package_data import TEMPLATES
-from sparkform.spec.rendered import RenderedFile
-from sparkform.spec.schema import HostConfig
-from sparkform.spec.shapes import CONTROL_CHARACTERS, NAME_PATTERN
+from sparkform.domain.package_data import TEMPLATES
+from sparkform.domain.rendered import RenderedFile
+from sparkform.domain.schema import HostConfig
+from sparkform.domain.shapes import CONTROL_CHARACTERS, NAME_PATTERN
+from sparkform.host.front_keys import NO_CLIENT
+from sparkform.host.kvlog import SETTING_FLAGS
+from sparkform.rules import bootchain
+from sparkform.writers.programs import checkpoint_fetch, guard_files, min_available_kib, program_files  # noqa: F401  (the names tests and tasks take from here)
 
 _env = jinja2.Environment(
     loader=jinja2.FileSystemLoader(TEMPLATES),
@@ -112,7 +112,7 @@ def prerequisite_packages(device: str) -> list[str]:
     return packages + ["libnuma1"] if device == "cpu" else packages
 
 
-# The front's allow-list is each engine's `routes` (sparkform.spec.engine.KIND_ROUTES, narrowed by its
+# The front's allow-list is each engine's `routes` (sparkform.domain.engine.KIND_ROUTES, narrowed by its
 # front_routes). Every other path (vLLM's /invocations, /generative_scoring, /scale_elastic_ep,
 # /docs, ...) gets 404.
 # Routes vLLM answers without asking for its own --api-key (it guards only /v1, /v2, /inference

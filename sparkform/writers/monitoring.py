@@ -14,10 +14,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparkform.build.render import bracketed, template
-from sparkform.spec import layout
-from sparkform.spec.model import Host, InventoryError, Problem
-from sparkform.spec.schema import HostConfig
+from sparkform.domain import layout
+from sparkform.domain.model import Host, InventoryError, Problem
+from sparkform.domain.schema import HostConfig
+from sparkform.writers.render import bracketed, template
 
 SCRAPE_FILE = "prometheus-scrape.yml"
 RULES_FILE = "sparkform-alerts.yml"

@@ -10,13 +10,13 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sparkform.build.programs import guard_files
-from sparkform.build.render import node_exporter_files
+from sparkform.domain import layout
+from sparkform.domain.schema import HostConfig
 from sparkform.readers.parsers import EngineState
 from sparkform.readers.snapshot import Snapshot
 from sparkform.rules.front_tls import FrontCertificate
-from sparkform.spec import layout
-from sparkform.spec.schema import HostConfig
+from sparkform.writers.programs import guard_files
+from sparkform.writers.render import node_exporter_files
 
 # Bumped when the front's stamp changes form: a host with the old one reloads nginx once and gets
 # the new (2: root's only, where 1 was world-readable).

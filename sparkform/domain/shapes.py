@@ -11,7 +11,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict
 
-from sparkform.spec.vllm_versions import TAKES
+from sparkform.domain.vllm_versions import TAKES
 
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
 HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")  # a host of the inventory, as an engine's nodes name it
@@ -33,7 +33,7 @@ REQUEST_BYTES_PER_TOKEN = 16
 IMAGE_REQUEST_MIB = 64
 
 # Quantization methods and KV cache dtypes some vLLM takes: every version whose code was read
-# (sparkform.spec.vllm_versions; the host's own version is checked against its row), and what older
+# (sparkform.domain.vllm_versions; the host's own version is checked against its row), and what older
 # versions took. An unknown string only fails later, at engine start ("Unknown quantization method").
 KNOWN_QUANTIZATIONS = frozenset().union(
     *(known.quantizations for known in TAKES.values()), {"hqq", "ipex", "petit_nvfp4", "ptpc_fp8", "tpu_int8"}

@@ -15,6 +15,22 @@ from collections.abc import Mapping
 from importlib import resources
 from typing import cast
 
+from sparkform.domain.engine import Engine
+from sparkform.domain.layout import (
+    ENGINES_TARGET,
+    FRONT_ACCESS_LOG,
+    FRONT_UNIT,
+    GUARD_UNIT,
+    KV_LEDGER_ROWS,
+    RECOVER_UNIT,
+    kept_root,
+    record_dir,
+    unit_path,
+)
+from sparkform.domain.model import Host
+from sparkform.domain.modelconfig import GIB
+from sparkform.domain.rendered import RenderedFile
+from sparkform.domain.schema import HostConfig
 from sparkform.host import (
     ROOT_PYTHON,
     AwaitedRanks,
@@ -30,22 +46,6 @@ from sparkform.host import (
     ServedCheckpoint,
 )
 from sparkform.reports import ledger
-from sparkform.spec.engine import Engine
-from sparkform.spec.layout import (
-    ENGINES_TARGET,
-    FRONT_ACCESS_LOG,
-    FRONT_UNIT,
-    GUARD_UNIT,
-    KV_LEDGER_ROWS,
-    RECOVER_UNIT,
-    kept_root,
-    record_dir,
-    unit_path,
-)
-from sparkform.spec.model import Host
-from sparkform.spec.modelconfig import GIB
-from sparkform.spec.rendered import RenderedFile
-from sparkform.spec.schema import HostConfig
 
 # How long a rank this host runs for a head elsewhere may take from its start to its connection to
 # the head's master port (importing vLLM; tens of seconds on the sandbox's two cores) before the

@@ -1,5 +1,5 @@
 """The inventory's nested sections (compile_caps, monitoring, scrub, front_tls) and the address
-check they share with the host's own fields (sparkform.spec.schema)."""
+check they share with the host's own fields (sparkform.domain.schema)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import ipaddress
 
 from pydantic import Field, field_validator, model_validator
 
-from sparkform.spec.layout import FRONT_TEXTFILE, GPU_TEXTFILE, GUARD_TEXTFILE, RECORD_TEXTFILE
-from sparkform.spec.shapes import HOST_NAME, StrictModel, checked_calendar, checked_managed_folder
+from sparkform.domain.layout import FRONT_TEXTFILE, GPU_TEXTFILE, GUARD_TEXTFILE, RECORD_TEXTFILE
+from sparkform.domain.shapes import HOST_NAME, StrictModel, checked_calendar, checked_managed_folder
 
 
 class CompileCaps(StrictModel):

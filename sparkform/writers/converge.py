@@ -15,9 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from sparkform.build.programs import module_folders
-from sparkform.build.render import monitoring_packages, prerequisite_packages, render_host
-from sparkform.build.services import ServiceStep, service_digests, service_steps, service_units
+from sparkform.domain import layout
+from sparkform.domain.engine import Engine
+from sparkform.domain.model import Problem
+from sparkform.domain.rendered import RenderedFile, Secret
+from sparkform.domain.schema import HostConfig
 from sparkform.host.front_keys import clients_snippet
 from sparkform.readers import hostrecord
 from sparkform.readers.hostrecord import EngineRecord, HostRecord, HostVersions
@@ -26,11 +28,9 @@ from sparkform.readers.parsers import EngineState
 from sparkform.readers.snapshot import RemoteFile, Snapshot
 from sparkform.rules import bootchain
 from sparkform.rules.front_tls import FrontCertificate, front_certificate, tls_files, tls_paths
-from sparkform.spec import layout
-from sparkform.spec.engine import Engine
-from sparkform.spec.model import Problem
-from sparkform.spec.rendered import RenderedFile, Secret
-from sparkform.spec.schema import HostConfig
+from sparkform.writers.programs import module_folders
+from sparkform.writers.render import monitoring_packages, prerequisite_packages, render_host
+from sparkform.writers.services import ServiceStep, service_digests, service_steps, service_units
 
 
 def sha256(content: str) -> str:

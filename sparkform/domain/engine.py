@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from sparkform.spec.layout import engine_unit
-from sparkform.spec.shapes import (
+from sparkform.domain.layout import engine_unit
+from sparkform.domain.shapes import (
     CONTROL_CHARACTERS,
     HOST_NAME,
     IMAGE_REQUEST_MIB,
@@ -28,7 +28,7 @@ from sparkform.spec.shapes import (
     checked_path,
     owned_flag,
 )
-from sparkform.spec.vllm_versions import version_tuple
+from sparkform.domain.vllm_versions import version_tuple
 
 # What an engine serves (`kind`): a generator (completions, chat), or a pooling model run by vLLM's
 # pooling runner: an embedder, or a cross-encoder that scores and reranks (`score` and `rerank`

@@ -15,7 +15,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparkform.spec.package_data import LOCKS
+from sparkform.domain.package_data import LOCKS
 
 PIN = re.compile(r"(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)==(?P<version>[A-Za-z0-9.+!_-]+)")
 HASH = re.compile(r"--hash=sha256:[0-9a-f]{64}")
