@@ -71,9 +71,13 @@ sandbox-down: $(VENV)/.sandbox
 # one of them, longest first (tests/chains.py); the log ends with the 20 slowest tests and the
 # time per module (tests/suite_clock.py). `make test TEST_WORKERS=0` runs it in one process.
 # Three on 2 cores: four was slower (engine starts and venv installs are CPU-bound and contend).
+# At most TEST_SANDBOXES sandboxes are up at once (the pair's two count; each holds 1-3 GiB): the
+# log's "memory" section prints the run's peak, which stays under 12 GiB so that a developer's own
+# sandbox fits beside it (tests/suite_memory.py).
 TEST_WORKERS ?= 3
+TEST_SANDBOXES ?= 4
 test: system-deps venv lint
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20
+	SPARKFORM_TEST_SANDBOXES=$(TEST_SANDBOXES) $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20
 
 # ruff's lint rules and format, then mypy over every Python file that ships (the package with its
 # host programs, the deploy file, the shipped inventories, bench/): a finding fails `make test`

@@ -7,8 +7,8 @@ and converged), printing each round's figure.
                                           (default 10: past the start limit's burst of 3), every
                                           other round q38 first; prints the seconds until both
                                           serve again, each round (~1 min a round here)
-  bench/repeat.py pair-reboots [ROUNDS]   the two-host pair: a reboot of the worker, then of the
-                                          head, ROUNDS times (default 3; ~4 min a round)
+  bench/repeat.py pair-reboots [ROUNDS]   the two-host pair: a reboot of the head, ROUNDS times
+                                          (default 3; ~2 min a round)
 
 Exit codes: 0 every round passed; 1 a round failed (pytest's output says which); 2 bad usage.
 """
@@ -33,7 +33,7 @@ REPEATS = {
     "pair-reboots": (
         "SPARKFORM_PAIR_REBOOTS",
         3,
-        "tests/integration/test_pair.py::test_a_reboot_of_either_host_brings_the_pair_back",
+        "tests/integration/test_pair.py::test_a_reboot_of_the_head_brings_the_pair_back",
     ),
 }
 

@@ -23,6 +23,7 @@ from chains import ChainScheduler
 from suite_clock import SuiteClock
 from suite_figures import SuiteFigures
 from suite_hygiene import TEMP_PREFIX, MachineState, clear_leftovers, hold_run_lock, temp_folder
+from suite_memory import MemoryPeak, available_gib
 
 from sparkform.domain.model import Host, InventoryError, Problem
 from sparkform.rules.inventory import load_host, raw_inventory
@@ -45,8 +46,9 @@ def served_pair() -> dict[str, Any]:
 
 def pytest_configure(config):
     """The run's machinery (in the controller, before any xdist worker starts): the remains of a
-    killed earlier run cleared, the time per module, the figures tests measured and the machine's
-    state watched (suite_clock, suite_figures, suite_hygiene), and xdist's work units made chains (chains.py).
+    killed earlier run cleared, the time per module, the figures tests measured, the machine's
+    state and the memory the run holds watched (suite_clock, suite_figures, suite_hygiene,
+    suite_memory), and xdist's work units made chains (chains.py).
 
     The served pair (and inventory/spark.py) serves the LAN and so names an API key file, and pins the Spark's host
     key: give it both for the session, unless the caller set them (xdist's workers inherit them)."""
@@ -58,6 +60,7 @@ def pytest_configure(config):
         config.pluginmanager.register(SuiteClock(), "sparkform-suite-clock")
         config.pluginmanager.register(SuiteFigures(), "sparkform-suite-figures")
         config.pluginmanager.register(MachineState(), "sparkform-machine-state")
+        config.pluginmanager.register(MemoryPeak(), "sparkform-memory-peak")
         if config.pluginmanager.hasplugin("xdist"):
             config.pluginmanager.register(ChainScheduler(), "sparkform-chains")
     if "SPARK_API_KEY_FILE" not in os.environ:
@@ -70,6 +73,22 @@ def pytest_configure(config):
         path = temp_folder("known-hosts") / "known_hosts"
         path.write_text("spark.local ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKtestkeytestkeytestkeytestkeytestkeytest\n")
         os.environ["SPARK_KNOWN_HOSTS"] = str(path)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failure says how loaded the machine was at that moment: a wait that ran out under load
+    reads differently from one that ran out on a quiet machine."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        load = " ".join(f"{value:.1f}" for value in os.getloadavg())
+        report.sections.append(
+            (
+                "machine at the failure",
+                f"load average {load} on {os.cpu_count()} cores; MemAvailable {available_gib():.1f} GiB",
+            )
+        )
 
 
 def pytest_unconfigure(config):

@@ -5,6 +5,10 @@ A test's setup includes the fixtures it is the first to need: for an integration
 test that is the sandbox's boot and its converge, so the `setup` column is the module's sandbox
 setup. Under xdist the controller gets every worker's reports; `worker` says where a module ran,
 and the modules of one worker add up to about the run's wall time.
+
+Each integration module declares its budget, CI_MINUTES (tests/chains.py orders the work by it):
+a module over its budget by a third gets a warning under the table, naming it, so a new test's
+cost shows in the change that adds it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import pytest
+from chains import INTEGRATION, declared
 
 
 @dataclass
@@ -60,14 +65,35 @@ def table(modules: dict[str, ModuleTime], wall_s: float) -> list[str]:
     return lines
 
 
+OVER_BUDGET = 4 / 3  # a module this far over its CI_MINUTES is named
+
+
+def over_budget(
+    modules: dict[str, ModuleTime], budget_of=lambda module: declared(module).get("CI_MINUTES")
+) -> list[str]:
+    """A warning per module whose time passed its declared CI_MINUTES by a third."""
+    warnings = []
+    for name, entry in sorted(modules.items()):
+        budget = budget_of(name)
+        if isinstance(budget, (int, float)) and entry.total > budget * 60 * OVER_BUDGET:
+            warnings.append(
+                f"WARNING: {name} took {entry.total / 60:.1f} min, over its budget of {budget} min"
+                f" (CI_MINUTES) by more than a third: make it cheaper, or raise its budget in the same change"
+            )
+    return warnings
+
+
 class SuiteClock:
     """Adds up every report's duration by module and phase; prints the table last."""
 
     def __init__(self) -> None:
         self.modules: dict[str, ModuleTime] = defaultdict(ModuleTime)
+        self.live: dict[str, float] = defaultdict(float)  # each live test's seconds, its setups included
         self.started = time.monotonic()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.nodeid.startswith(INTEGRATION):
+            self.live[report.nodeid] += report.duration
         entry = self.modules[module_of(report.nodeid)]
         entry.tests.add(report.nodeid)
         entry.seconds[report.when] += report.duration
@@ -77,6 +103,12 @@ class SuiteClock:
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if not self.modules:
             return
+        if self.live:
+            terminalreporter.section("what each live test cost (s, setup and teardown included)")
+            for nodeid, seconds in sorted(self.live.items(), key=lambda item: -item[1]):
+                terminalreporter.write_line(f"{seconds:7.0f}  {nodeid.removeprefix(INTEGRATION)}")
         terminalreporter.section("time per test module (setup: fixtures, an integration module's sandbox)")
         for line in table(self.modules, time.monotonic() - self.started):
             terminalreporter.write_line(line)
+        for line in over_budget(self.modules):
+            terminalreporter.write_line(line, yellow=True)

@@ -25,6 +25,7 @@ from chains import longest_first
 from deploy_helpers import CONVERGED, SANDBOX_INVENTORY, mark_converged, pyinfra
 from steady_memory import moving_memory, still_memory
 from suite_hygiene import sandbox_name
+from suite_memory import sandbox_slots
 from venv_image import venv_image
 
 from sparkform.sandbox import machine, stage
@@ -41,13 +42,14 @@ def pytest_collection_modifyitems(items):
 def fresh_sandbox(with_venv: bool):
     """A fresh sandbox, with the vLLM venv in place or not, taken down afterwards."""
     name = sandbox_name()
-    with moving_memory():
-        sandbox = stage.up(name, layers=[venv_image()] if with_venv else [])
-    try:
-        yield sandbox
-    finally:
+    with sandbox_slots():
         with moving_memory():
-            stage.down(name)
+            sandbox = stage.up(name, layers=[venv_image()] if with_venv else [])
+        try:
+            yield sandbox
+        finally:
+            with moving_memory():
+                stage.down(name)
 
 
 @pytest.fixture(autouse=True)

@@ -129,14 +129,13 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 1.0):
 
 def both_serving_after_boot(box: machine.Sandbox, timeout: float = 600) -> None:
     """Wait until both engines are active after a reboot; fail at once if one fails."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def both_active() -> bool:
         states = ssh(box, f"systemctl is-active {' '.join(UNITS)} || true").stdout.split()
-        if states == ["active", "active"]:
-            return
         assert "failed" not in states, ssh(box, "journalctl -b -u vllm-q38 -u vllm-nemotron -n 60 --no-pager").stdout
-        time.sleep(2)
-    raise AssertionError(f"engines not both active {timeout:.0f} s after the reboot: {states}")
+        return states == ["active", "active"]
+
+    wait_for(both_active, timeout, "both engines active after the reboot", 2)
 
 
 def serving(box: machine.Sandbox, unit: str) -> bool:

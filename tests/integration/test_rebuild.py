@@ -187,7 +187,7 @@ def test_two_deploys_a_second_apart_run_in_turn_and_the_last_one_wins(box, tmp_p
             stderr=subprocess.STDOUT,
             text=True,
         )
-        time.sleep(1)
+        time.sleep(1)  # the subject: a second deploy started a second after the first, not a wait
     outputs = {n: run.communicate(timeout=1800)[0] for n, run in runs.items()}
     assert {n: run.returncode for n, run in runs.items()} == {2: 0, 3: 0}, outputs
     waited = [n for n, out in outputs.items() if "another run holds this host: pyinfra " in out]

@@ -19,7 +19,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from deploy_helpers import wait_for
 from suite_hygiene import sandbox_name
+from suite_memory import sandbox_slots
 
 from sparkform import cli
 from sparkform.sandbox import machine, network, nspawn, registry, stage, system
@@ -45,15 +47,17 @@ def rootfs() -> Path:
 def make_sandbox(rootfs: Path) -> Iterator[Callable[..., Sandbox]]:
     """Brings sandboxes up under unique names; takes every one down after the test."""
     made: list[str] = []
+    with contextlib.ExitStack() as slots:
 
-    def _make(**kwargs: object) -> Sandbox:
-        name = sandbox_name()
-        made.append(name)
-        return machine.up(name, extra_packages=STAGE_PACKAGES, **kwargs)
+        def _make(**kwargs: object) -> Sandbox:
+            slots.enter_context(sandbox_slots())
+            name = sandbox_name()
+            made.append(name)
+            return machine.up(name, extra_packages=STAGE_PACKAGES, **kwargs)
 
-    yield _make
-    for name in made:
-        machine.down(name)
+        yield _make
+        for name in made:
+            machine.down(name)
 
 
 def ssh(sandbox: Sandbox, command: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -176,8 +180,9 @@ def test_down_leaves_nothing(make_sandbox: Callable[..., Sandbox]) -> None:
 def test_down_after_nspawn_was_killed_leaves_nothing(make_sandbox: Callable[..., Sandbox]) -> None:
     sandbox = make_sandbox()
     found = traces(sandbox)
-    os.kill(machine.status(sandbox.name)["pid"], signal.SIGKILL)
-    time.sleep(0.2)
+    pid = machine.status(sandbox.name)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not Path(f"/proc/{pid}").exists(), 30, "systemd-nspawn gone after SIGKILL")
     assert machine.status(sandbox.name)["up"] is False
     machine.down(sandbox.name)
     assert leftovers(found) == []
@@ -239,11 +244,10 @@ def jumbo_ping(sender: Sandbox, receiver: Sandbox, address: str) -> str:
     listen = shlex.join(["python3", "-c", LISTEN, address, str(ECHO_PORT)])
     ssh(receiver, f"systemd-run --collect --unit=cable-echo {listen}")
     send = shlex.join(["python3", "-c", SEND, address, str(ECHO_PORT), str(JUMBO_PAYLOAD)])
-    for _ in range(5):  # the listener may not be bound yet
-        answer = ssh(sender, send, check=False)
-        if answer.returncode == 0:
-            return answer.stdout.strip()
-    return answer.stderr.strip()
+    bound = f"ss -Hlun 'sport = :{ECHO_PORT}'"
+    wait_for(lambda: ssh(receiver, bound).stdout.strip(), 30, f"the echo listening on {address}:{ECHO_PORT}")
+    answer = ssh(sender, send, check=False)
+    return answer.stdout.strip() if answer.returncode == 0 else answer.stderr.strip()
 
 
 def cable_seen_in(sandbox: Sandbox) -> tuple[str, str, str]:

@@ -63,10 +63,11 @@ CI_MINUTES = 28  # wall time in CI, its sandbox setups included (the table at th
 PORTS = {"vllm-nemotron.service": 8012, "vllm-q38.service": 8011}
 NAMES = {"vllm-nemotron.service": "nemotron", "vllm-q38.service": "q38"}
 RESTART_S = 5  # the sandbox inventory's restart_s
-# Both engines killed at once, this many times in a row: the suite's two are one of each kind (both
-# together, then q38 first so nemotron finds it loading). bench/repeat.py double-crash repeats it past the
-# start limit's burst (3), which alone used to leave an engine failed at the fourth: ten rounds.
-DOUBLE_CRASHES = int(os.environ.get("SPARKFORM_DOUBLE_CRASHES", "2"))
+# Both engines killed at once, this many times in a row: the suite's one is the field notes' double
+# crash. bench/repeat.py double-crash repeats it past the start limit's burst (3), which alone used
+# to leave an engine failed at the fourth: ten rounds, every other one q38 first so that nemotron
+# finds it loading.
+DOUBLE_CRASHES = int(os.environ.get("SPARKFORM_DOUBLE_CRASHES", "1"))
 # The sandbox's watchdog: K failed probes, rounds an interval apart, each at most a deadline.
 WATCHDOG = load_inventory(SANDBOX_INVENTORY)[0].config
 K, INTERVAL, DEADLINE = WATCHDOG.watchdog_failures, WATCHDOG.watchdog_interval_s, WATCHDOG.watchdog_deadline_s
@@ -94,15 +95,16 @@ def answers(box, unit: str) -> bool:
 def both_serve_again(box, timeout: float, since: str) -> float:
     """Seconds until both units are active and answer; fails at once if one failed."""
     started = time.monotonic()
-    while time.monotonic() - started < timeout:
+
+    def both_answer() -> bool:
         states = ssh(box, f"systemctl is-active {' '.join(UNITS)} || true").stdout.split()
         assert "failed" not in states, ssh(
             box, f"journalctl -u vllm-q38 -u vllm-nemotron --since @{since} --no-pager -o cat | tail -n 60"
         ).stdout
-        if states == ["active", "active"] and all(answers(box, unit) for unit in UNITS):
-            return time.monotonic() - started
-        time.sleep(1)
-    raise AssertionError(f"the pair was not serving again {timeout:.0f} s later: {states}")
+        return states == ["active", "active"] and all(answers(box, unit) for unit in UNITS)
+
+    wait_for(both_answer, timeout, "both engines active and answering")
+    return time.monotonic() - started
 
 
 def start_seconds(box) -> dict[str, float]:
@@ -207,8 +209,8 @@ def test_both_engine_cores_killed_at_once_repeatedly_serve_again_each_time(box):
     journal = ssh(box, f"journalctl -u vllm-q38 -u vllm-nemotron --since @{since} --no-pager -o cat").stdout
     print(f"\n{DOUBLE_CRASHES} double crashes: both serving again after {', '.join(f'{t:.0f}' for t in took)} s")
     assert "gives up its turn" not in journal and "Start request repeated too quickly" not in journal
-    # nemotron waited for q38 instead of failing a start beside it.
-    assert "sparkform-launch: nemotron waits for engine q38, which is loading" in journal, journal[-3000:]
+    if DOUBLE_CRASHES > 1:  # a q38-first round ran: nemotron waited for q38 instead of failing a start beside it
+        assert "sparkform-launch: nemotron waits for engine q38, which is loading" in journal, journal[-3000:]
     assert not [a for a in alerts(box)[since_alerts:] if a["event"] == "failed"]
     # Each restart took the engines target down (it is Requisite= of them, so it started no engine
     # beside a stopping one, which spent a start limit once): with both serving it is reached again.

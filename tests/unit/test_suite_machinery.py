@@ -7,14 +7,18 @@ from __future__ import annotations
 import fcntl
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import suite_hygiene
-from suite_clock import ModuleTime, table
+import suite_memory
+from chains import declared
+from suite_clock import ModuleTime, over_budget, table
 from suite_figures import SuiteFigures
 from suite_hygiene import SANDBOX_NAME, changes, entries, leftover_sandboxes, sandbox_name
+from suite_memory import MemoryPeak
 
 from sparkform.sandbox import registry
 
@@ -154,3 +158,69 @@ def test_the_figures_tests_record_are_printed_in_order_once_each():
     reporter = SimpleNamespace(section=lambda title: written.append(f"== {title}"), write_line=written.append)
     figures.pytest_terminal_summary(reporter)
     assert written == ["== figures the tests measured", "a: 1", "b: 2"]
+
+
+def test_a_module_over_its_budget_by_a_third_is_named_and_one_within_it_is_not():
+    modules = {
+        name: ModuleTime() for name in ("tests/integration/slow.py", "tests/integration/fine.py", "tests/unit/x.py")
+    }
+    modules["tests/integration/slow.py"].seconds["call"] = 10 * 60 * 4 / 3 + 1
+    modules["tests/integration/fine.py"].seconds["call"] = 10 * 60 * 4 / 3 - 1
+    modules["tests/unit/x.py"].seconds["call"] = 3600
+    budgets = {"tests/integration/slow.py": 10, "tests/integration/fine.py": 10}
+    (warning,) = over_budget(modules, budget_of=budgets.get)
+    assert warning.startswith("WARNING: tests/integration/slow.py took 13.3 min, over its budget of 10 min")
+
+
+def test_every_integration_module_declares_a_budget_the_warning_reads():
+    modules = sorted(Path(__file__).resolve().parents[1].glob("integration/test_*.py"))
+    assert modules
+    for module in modules:
+        assert isinstance(declared(f"tests/integration/{module.name}").get("CI_MINUTES"), (int, float)), module.name
+
+
+def test_the_memory_peak_is_the_lowest_mem_available_below_the_start():
+    readings = iter([20.0, 18.5, 9.0, 15.0])
+    peak = MemoryPeak(sample=lambda: next(readings, 15.0), interval_s=0.01)
+    while peak.lowest_gib > 9.0:
+        peak._stop.wait(0.01)
+    peak._stop.set()
+    assert peak.peak_gib == 11.0
+    assert peak.lines()[0].startswith("peak memory of the suite: 11.0 GiB (MemAvailable 20.0 GiB at the start")
+    over = MemoryPeak(sample=iter([20.0, 5.0]).__next__, interval_s=3600)
+    over.lowest_gib = 5.0
+    over._stop.set()
+    assert "WARNING: over the suite's 12 GiB" in over.lines()[1]
+
+
+def test_sandbox_slots_let_at_most_their_number_up_at_once(tmp_path, monkeypatch):
+    """A second holder of the only slot waits until the first lets it go; a demand larger than
+    the slots is refused."""
+    monkeypatch.setattr(suite_memory, "SLOT", tmp_path / "slot.{}")
+    monkeypatch.setattr(suite_memory, "SLOT_POLL_S", 0.01)
+    order = []
+    first_in = threading.Event()
+    release = threading.Event()
+
+    def holder(name, wait_for=None):
+        with suite_memory.sandbox_slots(1, slots=1):
+            order.append(f"{name} in")
+            first_in.set()
+            if wait_for:
+                wait_for.wait(10)
+            order.append(f"{name} out")
+
+    first = threading.Thread(target=holder, args=("first", release))
+    first.start()
+    first_in.wait(10)
+    second = threading.Thread(target=holder, args=("second",))
+    second.start()
+    second.join(0.2)
+    assert order == ["first in"]  # the second waits while the first holds the slot
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert order == ["first in", "first out", "second in", "second out"]
+    with pytest.raises(ValueError, match="2 sandboxes at once"):
+        with suite_memory.sandbox_slots(2, slots=1):
+            pass
