@@ -68,12 +68,13 @@ sandbox-down: $(VENV)/.sandbox
 	$(SPARKFORM) sandbox down
 
 # TEST_WORKERS xdist workers, each integration module (or chain of modules sharing a sandbox) on
-# one of them, longest first (tests/chains.py); the log ends with the 20 slowest tests and the
-# time per module (tests/suite_clock.py). `make test TEST_WORKERS=0` runs it in one process.
+# one of them, longest first (tests/chains.py); the log ends with the 20 slowest tests, what each
+# live test cost, the time per module against its budget (tests/suite_clock.py) and the memory the
+# run held. `make test TEST_WORKERS=0` runs it in one process.
 # Three on 2 cores: four was slower (engine starts and venv installs are CPU-bound and contend).
-# At most TEST_SANDBOXES sandboxes are up at once (the pair's two count; each holds 1-3 GiB): the
-# log's "memory" section prints the run's peak, which stays under 12 GiB so that a developer's own
-# sandbox fits beside it (tests/suite_memory.py).
+# At most TEST_SANDBOXES sandboxes with engines are up at once (the pair's two count; each holds
+# 1-3 GiB): the log's "memory" section prints the run's peak, which stays under 12 GiB so that a
+# developer's own sandbox fits beside it (tests/suite_memory.py).
 TEST_WORKERS ?= 3
 TEST_SANDBOXES ?= 4
 test: system-deps venv lint

@@ -4,9 +4,11 @@
   and prints, last, the suite's peak: how far below its value at the start MemAvailable went
   (every sandbox, engine, xdist worker and tool the run started, page cache it cannot drop
   included), with a warning past BUDGET_GIB, so a developer's own sandbox fits beside a run.
-- `sandbox_slots(n)`: held while n sandboxes of this run are up; at most SANDBOXES (the setting
-  SPARKFORM_TEST_SANDBOXES, `make test TEST_SANDBOXES=N`) are up at once across the xdist
-  workers, and a worker that wants one more waits for another's to go down.
+- `sandbox_slots(n)`: held while n sandboxes that run engines are up (a module's, the shared
+  one, the pair's two); at most SANDBOXES (the setting SPARKFORM_TEST_SANDBOXES, `make test
+  TEST_SANDBOXES=N`) are up at once across the xdist workers, and a worker that wants one more
+  waits for another's to go down. The bare sandboxes of tests/integration/test_sandbox_host.py
+  (systemd and sshd, tens of MiB each, for seconds) take none.
 """
 
 from __future__ import annotations

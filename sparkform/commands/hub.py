@@ -11,9 +11,6 @@ from __future__ import annotations
 import urllib.parse
 from pathlib import Path
 
-from huggingface_hub import HfApi
-from huggingface_hub.errors import HfHubHTTPError
-
 from sparkform.domain.engine import Engine
 from sparkform.domain.model import InventoryError, Problem
 from sparkform.domain.schema import HostConfig
@@ -30,6 +27,11 @@ def resolve_revision(endpoint: str, repo: str, revision: str, token: str | None 
     """The commit id `revision` (a branch, tag or commit) names in `repo`, asked through
     huggingface_hub (its proxies, retries and typed errors; without a token file, its token
     store). The token goes in a header, never in a message."""
+    # Imported here: every command's parser imports this module, and only a resolve asks the hub
+    # (huggingface_hub and its HTTP stack take a sixth of a second to import).
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
     url = f"{endpoint.rstrip('/')}/api/models/{repo}/revision/{urllib.parse.quote(revision, safe='')}"
     try:
         commit = HfApi(endpoint=endpoint, token=token).model_info(repo, revision=revision).sha

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 from deploy_helpers import wait_for
 from suite_hygiene import sandbox_name
-from suite_memory import sandbox_slots
 
 from sparkform import cli
 from sparkform.sandbox import machine, network, nspawn, registry, stage, system
@@ -30,7 +29,7 @@ from sparkform.sandbox.rootfs import BASE_PACKAGES, apt_mirror, build_rootfs, ro
 from sparkform.sandbox.system import SandboxError
 
 # The rootfs the rehearsal stage boots (sparkform.sandbox.stage): one build serves both suites.
-CI_MINUTES = 1  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
+CI_MINUTES = 2  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 STAGE_PACKAGES = stage.STAGE_PACKAGES
 
 
@@ -47,17 +46,15 @@ def rootfs() -> Path:
 def make_sandbox(rootfs: Path) -> Iterator[Callable[..., Sandbox]]:
     """Brings sandboxes up under unique names; takes every one down after the test."""
     made: list[str] = []
-    with contextlib.ExitStack() as slots:
 
-        def _make(**kwargs: object) -> Sandbox:
-            slots.enter_context(sandbox_slots())
-            name = sandbox_name()
-            made.append(name)
-            return machine.up(name, extra_packages=STAGE_PACKAGES, **kwargs)
+    def _make(**kwargs: object) -> Sandbox:
+        name = sandbox_name()
+        made.append(name)
+        return machine.up(name, extra_packages=STAGE_PACKAGES, **kwargs)
 
-        yield _make
-        for name in made:
-            machine.down(name)
+    yield _make
+    for name in made:
+        machine.down(name)
 
 
 def ssh(sandbox: Sandbox, command: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -5,6 +5,7 @@ SPARKFORM_INVENTORY names the inventory for every command."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import socket
@@ -160,13 +161,15 @@ def test_ctrl_c_in_a_real_terminal_leaves_no_traceback(tmp_path, command, silent
             assert time.monotonic() < deadline, "the command started no ssh within 30 s"
             time.sleep(0.05)
         subprocess.run([*tmux, "send-keys", "-t", session, "C-c"], check=True)
+        # Until the shell printed the command's status on a line of its own (the typed line has
+        # "exit=$?" in it too: waiting for "exit=" alone once read the screen before the command ended).
         deadline, screen = time.monotonic() + 30, ""
-        while "exit=" not in screen and time.monotonic() < deadline:
-            time.sleep(0.5)
+        while not re.search(r"^exit=\d+$", screen, re.M) and time.monotonic() < deadline:
+            time.sleep(0.2)
             screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True)
-    assert "exit=130" in screen, screen
+    assert re.search(r"^exit=130$", screen, re.M), screen
     assert "Traceback" not in screen and "KeyboardInterrupt" not in screen, screen
 
 

@@ -354,10 +354,10 @@ def test_the_watchdog_leaves_a_busy_engine_whose_counters_move(guard):
 
 
 def test_the_watchdog_leaves_an_engine_that_is_not_started(guard):
-    box, (hands, _) = guard(modes=("hung", "ok"), **FAST_WATCHDOG)
+    box, (hands, eyes) = guard(modes=("hung", "ok"), **FAST_WATCHDOG)
     box.set_state("vllm-hands.service", "activating")  # its start: the readiness helper's business
     box.watch()
-    time.sleep(4)
+    box.wait(lambda: len(eyes.probes) >= 4, 20, "four rounds (the serving engine's probes)")
     assert hands.probes == [] and not any("kill" in call for call in box.calls_made())
 
 
@@ -389,17 +389,22 @@ def test_memory_guard_stops_lower_priority_engine_and_restarts_even_failed(guard
 
 
 def test_engines_target_restarts_once_every_engine_serves_only_if_enabled(guard):
-    box, _ = guard(**FAST_WATCHDOG)
+    box, (hands, _) = guard(**FAST_WATCHDOG)
     target = "sparkform-engines.target"
     start = f"systemctl start --no-block {target}"
+
+    def rounds(count: int) -> None:  # the guard's rounds, counted by its probes of hands
+        seen = len(hands.probes)
+        box.wait(lambda: len(hands.probes) >= seen + count, 20, f"{count} more rounds")
+
     box.set_state(target, "inactive")  # an engine's restart took it down (it is Requisite= of them)
     box.set_state(f"{target}.enabled", "disabled")
     box.watch()
-    time.sleep(3)  # three rounds: every engine serves, but nobody enabled the target
+    rounds(3)  # every engine serves, but nobody enabled the target
     assert start not in box.calls_made()
     box.set_state("vllm-eyes.service", "activating")  # eyes starts again meanwhile
     box.set_state(f"{target}.enabled", "enabled")
-    time.sleep(3)
+    rounds(3)
     assert start not in box.calls_made()
     box.set_state("vllm-eyes.service", "active")
     box.wait(lambda: start in box.calls_made(), 15, "the target started again")
