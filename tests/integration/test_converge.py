@@ -243,8 +243,11 @@ def test_with_the_key_a_chat_and_a_streamed_chat_pass(box):
     with urllib.request.urlopen(request, timeout=300) as response:
         assert response.headers["Content-Type"].startswith("text/event-stream")
         events = [line.strip() for line in response if line.startswith(b"data: ")]
-    assert events[-1] == b"data: [DONE]" and len(events) > 200, events[-3:]  # an event per token, and [DONE]
-    assert all(json.loads(event.removeprefix(b"data: "))["object"] == "chat.completion.chunk" for event in events[:-1])
+    assert events[-1] == b"data: [DONE]", events[-3:]
+    chunks = [json.loads(event.removeprefix(b"data: ")) for event in events[:-1]]
+    assert {chunk["object"] for chunk in chunks} == {"chat.completion.chunk"}
+    # Its 200 tokens in many events (the detokenizer joins some tokens into one), the last one cut at the length.
+    assert len(chunks) > 100 and chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
 
 
 def test_one_base_url_serves_every_model_to_openai_and_anthropic_clients(box):
