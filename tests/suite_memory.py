@@ -64,11 +64,14 @@ class MemoryPeak:
             )
         return lines
 
-    def pytest_unconfigure(self, config) -> None:
+    def stop(self) -> None:
         self._stop.set()
 
+    def pytest_unconfigure(self, config) -> None:
+        self.stop()
+
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        self._stop.set()
+        self.stop()
         terminalreporter.section("memory")
         for line in self.lines():
             terminalreporter.write_line(line)

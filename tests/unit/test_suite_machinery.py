@@ -179,17 +179,31 @@ def test_every_integration_module_declares_a_budget_the_warning_reads():
         assert isinstance(declared(f"tests/integration/{module.name}").get("CI_MINUTES"), (int, float)), module.name
 
 
+def sampled(*readings: float) -> tuple[MemoryPeak, threading.Event]:
+    """A MemoryPeak over these MemAvailable readings, the last repeated; the event is set once
+    the sampler took them all."""
+    left, taken = list(readings), threading.Event()
+
+    def sample() -> float:
+        if len(left) == 1:
+            taken.set()
+            return left[0]
+        return left.pop(0)
+
+    return MemoryPeak(sample=sample, interval_s=0.01), taken
+
+
 def test_the_memory_peak_is_the_lowest_mem_available_below_the_start():
-    readings = iter([20.0, 18.5, 9.0, 15.0])
-    peak = MemoryPeak(sample=lambda: next(readings, 15.0), interval_s=0.01)
-    while peak.lowest_gib > 9.0:
-        peak._stop.wait(0.01)
-    peak._stop.set()
+    peak, taken = sampled(20.0, 18.5, 9.0, 15.0)
+    assert taken.wait(10), "the sampler stopped sampling"
+    peak.stop()
     assert peak.peak_gib == 11.0
     assert peak.lines()[0].startswith("peak memory of the suite: 11.0 GiB (MemAvailable 20.0 GiB at the start")
-    over = MemoryPeak(sample=iter([20.0, 5.0]).__next__, interval_s=3600)
-    over.lowest_gib = 5.0
-    over._stop.set()
+    assert len(peak.lines()) == 1  # within the budget: no warning
+    over, taken = sampled(20.0, 5.0)
+    assert taken.wait(10), "the sampler stopped sampling"
+    over.stop()
+    assert over.peak_gib == 15.0
     assert "WARNING: over the suite's 12 GiB" in over.lines()[1]
 
 
