@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 import pytest
 from chains import longest_first
-from deploy_helpers import CONVERGED, SANDBOX_INVENTORY, mark_converged, pyinfra
+from deploy_helpers import CONVERGED, SANDBOX_INVENTORY, edited_inventory, mark_converged, pyinfra
 from steady_memory import moving_memory, still_memory
 from suite_hygiene import sandbox_name
 from suite_memory import sandbox_slots
@@ -88,6 +89,27 @@ def box(request):
             yield sandbox
         finally:
             os.environ.pop("SPARKFORM_SANDBOX", None)
+
+
+@pytest.fixture
+def deployed(tmp_path, box):
+    """deployed(**changes) deploys the sandbox inventory with edited_inventory's changes and returns
+    its path; the sandbox inventory is deployed again at the test's end, passed or failed, so the
+    module's next test meets the box converged (a failed test once left the guard's memory floors
+    deployed, and the four tests after it failed on them)."""
+    edits = []
+
+    def deploy(**changes) -> Path:
+        inventory = edited_inventory(tmp_path, **changes)
+        edits.append(inventory)
+        result = pyinfra(inventory, "-y")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return inventory
+
+    yield deploy
+    if edits:
+        result = pyinfra(SANDBOX_INVENTORY, "-y")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 @pytest.fixture

@@ -144,17 +144,25 @@ def test_a_reboot_of_the_head_brings_the_pair_back(pair):
     for round_ in range(REBOOT_ROUNDS):
         took = time.monotonic()
         since = time.time()
+        rank_pid = unit_properties(worker, UNIT, "MainPID")["MainPID"]
         machine.reboot(head.name)
         serves_again(head, "the head's reboot")
+        assert unit_properties(worker, UNIT, "MainPID")["MainPID"] not in (rank_pid, "0")
         # A rank whose head went mostly waits forever (the guard on the worker restarts it: a
         # head-lost alert, its own test in tests/unit/test_guard.py); on loaded cores it sometimes
-        # ends by itself first and systemd restarts it. One of the two, told.
+        # ends by itself first and systemd restarts it. Which of the two is told, not asserted: the
+        # behaviour is a new rank serving with the new head, and CI once (load 24) found a new rank
+        # with neither line in either journal.
         # The guard's whole journal: an alert the journal socket refused is on its stderr.
         alerts = ssh(worker, f"journalctl -o cat --since @{int(since)} -u {layout.GUARD_UNIT}").stdout
         rank_log = ssh(worker, f"journalctl -o cat --since @{int(since)} -u {UNIT}").stdout
-        by_guard = f"{UNIT} (a rank of {ENGINE} for its head at 10.234." in alerts
-        assert by_guard or "Scheduled restart job" in rank_log, rank_log[-3000:]
+        if f"{UNIT} (a rank of {ENGINE} for its head at 10.234." in alerts:
+            restarted_by = "the guard"
+        elif "Scheduled restart job" in rank_log:
+            restarted_by = "systemd, after it ended"
+        else:
+            restarted_by = "a way neither journal told"
         print(
             f"\nround {round_ + 1}: the head's reboot and the pair serving again in {time.monotonic() - took:.0f} s "
-            f"(the rank restarted by {'the guard' if by_guard else 'systemd, after it ended'})"
+            f"(the rank restarted by {restarted_by})"
         )
