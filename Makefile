@@ -75,10 +75,14 @@ sandbox-down: $(VENV)/.sandbox
 # At most TEST_SANDBOXES sandboxes with engines are up at once (the pair's two count; each holds
 # 1-3 GiB): the log's "memory" section prints the run's peak, which stays under 12 GiB so that a
 # developer's own sandbox fits beside it (tests/suite_memory.py).
+# The run's temporary folders are its own (--basetemp), removed at its end: pytest keeps only the
+# newest three of /tmp/pytest-of-USER, so another pytest started meanwhile (a developer's unit
+# tests) would delete the folders holding this run's ssh sockets.
 TEST_WORKERS ?= 3
 TEST_SANDBOXES ?= 4
 test: system-deps venv lint
-	SPARKFORM_TEST_SANDBOXES=$(TEST_SANDBOXES) $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20
+	basetemp="$$(mktemp -d -t sparkform-suite-XXXXXX)" && trap 'rm -rf "$$basetemp"' EXIT && \
+	SPARKFORM_TEST_SANDBOXES=$(TEST_SANDBOXES) $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20 --basetemp "$$basetemp"
 
 # ruff's lint rules and format, then mypy over every Python file that ships (the package with its
 # host programs, the deploy file, the shipped inventories, bench/): a finding fails `make test`

@@ -24,6 +24,7 @@ from sparkform.domain.shapes import (
     REVISION_PATTERN,
     SERVED_NAME_PATTERN,
     VERSION_PATTERN,
+    PortNumber,
     StrictModel,
     checked_path,
     owned_flag,
@@ -151,7 +152,7 @@ class Measured(StrictModel):
 class Engine(StrictModel):
     name: str = Field(..., pattern=NAME_PATTERN)
     """Engine name; the unit is `vllm-<name>.service` (required)."""
-    port: int = Field(..., ge=1024, le=65535)
+    port: PortNumber = Field(..., ge=1024, le=65535)
     """Port of the OpenAI-compatible server (required)."""
     checkpoint: Checkpoint = Field(...)
     """What to serve: repo, pinned revision, include patterns (required)."""
@@ -172,7 +173,7 @@ class Engine(StrictModel):
     """Hosts of the inventory this engine spans, tensor-parallel with one rank per host (a Spark's one GPU), the
     first the head (rank 0, serves the API); give every node the same engine table (the group's data). Empty: this
     host alone (docs/two-sparks.md)."""
-    master_port: int = Field(29501, ge=1024, le=65535)
+    master_port: PortNumber = Field(29501, ge=1024, le=65535)
     """Port on the head's `node_address` where the ranks of a spanning engine meet (`--master-port`); free on every
     node."""
     served_names: list[str] = Field(default_factory=list)

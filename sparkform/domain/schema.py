@@ -30,6 +30,7 @@ from sparkform.domain.shapes import (
     SHARED_USERS,
     URL_PATTERN,
     VERSION_PATTERN,
+    PortNumber,
     StrictModel,
     checked_managed_folder,
     checked_path,
@@ -85,9 +86,10 @@ class HostConfig(StrictModel):
     listen_address: str = Field("127.0.0.1")
     """Address the front (nginx) listens on, at each engine's port: 127.0.0.1 keeps the models on the host; a LAN
     address or 0.0.0.0 serves the LAN and needs api_key_file."""
-    front_port: int | None = Field(8000, ge=1, le=65535)
+    front_port: PortNumber | None = Field(8000, ge=1024, le=65535)
     """The front's combined port on listen_address, beside each engine's own: a request's `model` picks the engine
-    that serves that name, and /v1/models lists every name (docs/clients.md); None: the engines' own ports only."""
+    that serves that name, and /v1/models lists every name (docs/clients.md); None: the engines' own ports only. Not a
+    well-known port (below 1024), nor one another service of the host takes."""
     open_lan_api_without_key: bool = Field(False)
     """True lets a non-loopback listen_address serve without an API key: anyone on the LAN runs the models. Only on
     purpose."""

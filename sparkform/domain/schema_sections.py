@@ -8,7 +8,7 @@ import ipaddress
 from pydantic import Field, field_validator, model_validator
 
 from sparkform.domain.layout import FRONT_TEXTFILE, GPU_TEXTFILE, GUARD_TEXTFILE, RECORD_TEXTFILE
-from sparkform.domain.shapes import HOST_NAME, StrictModel, checked_calendar, checked_managed_folder
+from sparkform.domain.shapes import HOST_NAME, PortNumber, StrictModel, checked_calendar, checked_managed_folder
 
 
 class CompileCaps(StrictModel):
@@ -44,7 +44,7 @@ class Monitoring(StrictModel):
     listen_address: str = Field("127.0.0.1")
     """Address node_exporter listens on (its --web.listen-address); a LAN address or 0.0.0.0 lets `metrics_allow`
     scrape it from the LAN (its unit allows loopback and `metrics_allow` only)."""
-    port: int = Field(9100, ge=1, le=65535)
+    port: PortNumber = Field(9100, ge=1, le=65535)
     """node_exporter's port (Debian's default 9100)."""
     textfile_dir: str = Field("/var/lib/prometheus/node-exporter")
     """node_exporter's textfile collector folder (Debian's default); root's, 0755; sparkform writes sparkform.prom,

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import posixpath
 import re
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 from sparkform.domain.vllm_versions import TAKES
 
@@ -31,6 +32,16 @@ DEFAULT_CLIENT = "default"
 # Request body room per token of the window (JSON-escaped text), and for images on top.
 REQUEST_BYTES_PER_TOKEN = 16
 IMAGE_REQUEST_MIB = 64
+
+
+def _not_a_bool(value: object) -> object:
+    if isinstance(value, bool):  # True is 1 to Python, and pydantic takes it as one
+        raise ValueError("a port is a number, not true or false")
+    return value
+
+
+# A TCP port: a number (digits in a string too, as before), never a bool.
+PortNumber = Annotated[int, BeforeValidator(_not_a_bool)]
 
 # Quantization methods and KV cache dtypes some vLLM takes: every version whose code was read
 # (sparkform.domain.vllm_versions; the host's own version is checked against its row), and what older

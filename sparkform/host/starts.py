@@ -13,6 +13,7 @@ to judge."""
 
 import os
 import re
+import stat
 
 STOPPED_S = 10
 PROGRESS_CPU_SHARE = 0.1
@@ -65,13 +66,18 @@ class StartJudge:
 
 def launch_state(lock_dir, engine):
     """What the engine's launch said of itself ("waiting OTHER", "loading"; "" unknown). The
-    engine user writes that file: read without following a link, bounded, by pattern."""
+    engine user writes that file: read without following a link, a plain file only (a FIFO there
+    would block or fail the read), bounded, by pattern."""
     try:
         fd = os.open(os.path.join(lock_dir, f"{engine}.state"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return ""
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
         text = os.read(fd, 64).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
     finally:
         os.close(fd)
     return text if LAUNCH_STATE.fullmatch(text) else ""

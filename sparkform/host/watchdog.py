@@ -17,6 +17,8 @@ from sparkform.host.systemd import active_state, journal_cursor, systemctl, unit
 
 # Counters that move whenever an engine works on a request (prefill or decode).
 PROGRESS_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+# A probe's answer is a token, a small vector or one document's score: far less than this.
+PROBE_ANSWER_BYTES = 4 * 2**20
 
 
 def probe(engine: GuardEngine, deadline_s):
@@ -30,10 +32,23 @@ def probe(engine: GuardEngine, deadline_s):
     )
     try:
         with urllib.request.urlopen(request, timeout=deadline_s) as response:
-            answer = json.load(response).get(spec["answer"]) if response.status == 200 else None
-    except (OSError, ValueError, AttributeError):
+            body = response.read(PROBE_ANSWER_BYTES + 1) if response.status == 200 else b""
+    except OSError:
         return False
-    return isinstance(answer, list) and bool(answer)
+    return isinstance(answer := probe_answer(body, spec["answer"]), list) and bool(answer)
+
+
+def probe_answer(body: bytes, field):
+    """`field` of the JSON object `body` (None for anything else). The engine, the process that
+    parses untrusted prompts, wrote it, and root reads it: bounded in size, its nesting bounded by
+    the decoder (RecursionError), a value of another type is no answer."""
+    if len(body) > PROBE_ANSWER_BYTES:
+        return None
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return value.get(field) if isinstance(value, dict) else None
 
 
 def progress(engine: GuardEngine, deadline_s):

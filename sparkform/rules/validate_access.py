@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from sparkform.domain.model import Host, Problem
+from sparkform.domain.schema import HostConfig
 from sparkform.domain.shapes import API_KEY_MAX_LENGTH, API_KEY_MIN_LENGTH, API_KEY_PATTERN, DEFAULT_CLIENT
 from sparkform.rules.front_tls import BadCertificate, owners_certificate
 
@@ -200,6 +201,19 @@ def api_key_shape(host: str, field_name: str, path: str, key: str) -> list[Probl
     ]
 
 
+def ports_taken(cfg: HostConfig) -> dict[int, str]:
+    """The host's ports other than the combined front's -> who takes each."""
+    taken = {}
+    for engine in cfg.engines:
+        taken[cfg.internal_port(engine)] = f"engine {engine.name} binds it (its port + internal_port_offset)"
+        if engine.nodes:
+            taken[engine.master_port] = f"the ranks of engine {engine.name} meet on it (its master_port)"
+        taken[engine.port] = f"engine {engine.name} listens on it"
+    if cfg.monitoring.enabled:
+        taken[cfg.monitoring.port] = "node_exporter listens on it (monitoring.port)"
+    return taken
+
+
 def front(host: Host) -> list[Problem]:
     """The front listens on each engine's port and on front_port; the engine binds port + offset on
     loopback."""
@@ -228,16 +242,14 @@ def front(host: Host) -> list[Problem]:
             )
         )
     public = {engine.port: engine.name for engine in cfg.engines}
-    internals = {cfg.internal_port(engine): engine.name for engine in cfg.engines}
-    taken = None if cfg.front_port is None else public.get(cfg.front_port) or internals.get(cfg.front_port)
-    if cfg.front_port is not None and taken:
+    taken = cfg.front_port is not None and ports_taken(cfg).get(cfg.front_port)
+    if taken:
         problems.append(
             Problem(
                 host.name,
                 "front_port",
                 cfg.front_port,
-                f"engine {taken} "
-                + ("listens on it" if cfg.front_port in public else "binds it (its port + internal_port_offset)"),
+                f"{taken}: two services cannot listen on one port",
                 "give the combined front a port of its own (default 8000), or front_port: null for none",
             )
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import getpass
+import http.client
 import json
 import os
 import re
@@ -288,6 +289,63 @@ def test_only_the_api_routes_pass_and_only_with_the_key(tmp_path, stubs, front):
     # Each port fronts its own engine.
     assert server.status(config.engines[1].port, "/v1/models", key=KEY)[0] == 200
     assert eyes.paths()[-1] == "/v1/models" and hands.paths().count("/v1/models") == 1
+
+
+def test_the_engine_gets_the_route_nginx_matched_never_the_raw_path(tmp_path, stubs, front):
+    """vLLM serves /metrics for every path under it: a front that matched the normalised path and
+    forwarded the raw one let `/metrics/../health` reach the metrics with no key. The engine gets the
+    route that matched, on its own port and on the combined one."""
+    hands, _ = stubs
+    config = front_config(tmp_path, stubs, metrics_allow=["127.0.0.1"])
+    server = front(config)
+    server.start([e.port for e in config.engines] + [config.front_port])
+    own, combined = config.engines[0].port, config.front_port
+    for port, raw, key, body, route in (
+        (own, "/metrics/../health", None, None, "/health"),
+        (own, "/%6detrics/../health", None, None, "/health"),
+        (own, "/metrics/../v1/models", KEY, None, "/v1/models"),
+        (own, "/metrics/a/../../v1//chat/completions", KEY, chat("hands"), "/v1/chat/completions"),
+        (own, "/v1/models/../../metrics", None, None, "/metrics"),
+        (combined, "/metrics/../v1/chat/completions", KEY, chat("hands"), "/v1/chat/completions"),
+        # The query passes as sent.
+        (combined, "/%6detrics/../tokenize?add_special_tokens=0", KEY, chat("hands"), "/tokenize?add_special_tokens=0"),
+    ):
+        hands.requests.clear()
+        status, answer, _ = server.status(port, raw, key=key, body=body)
+        assert status == 200 and json.loads(answer)["path"] == route, (raw, answer)
+        assert hands.paths() == [route], raw
+
+
+def test_health_takes_get_and_head_and_passes_no_body(tmp_path, stubs, front):
+    hands, _ = stubs
+    config = front_config(tmp_path, stubs)
+    server = front(config)
+    server.start([e.port for e in config.engines])
+    port = config.engines[0].port
+    hands.requests.clear()
+    for method in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS"):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        connection.request(method, "/health", body=b"{}", headers={"Content-Type": "application/json"})
+        answer = connection.getresponse()
+        assert answer.status == 405, method
+        assert json.loads(answer.read())["error"]["type"] == "method_not_allowed"
+        connection.close()
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    connection.request("GET", "/health", body=b"x" * 1000, headers={"Content-Type": "text/plain"})
+    assert connection.getresponse().status == 200
+    connection.close()
+    assert [(r["method"], r["path"], r["body"]) for r in hands.requests] == [("GET", "/health", b"")]
+
+
+def test_every_refusal_is_a_json_error(tmp_path, stubs, front):
+    config = front_config(tmp_path, stubs)
+    server = front(config)
+    server.start([e.port for e in config.engines] + [config.front_port])
+    for port in (config.engines[0].port, config.front_port):
+        for path in ("/invocations", "/v1/load_lora_adapter", "/collective_rpc", "/v1/responses/abc"):
+            status, body, headers = server.status(port, path, key=KEY, body=b"{}")
+            assert status == 404 and headers["Content-Type"] == "application/json", (port, path)
+            assert json.loads(body)["error"]["type"] == "not_found"
 
 
 def chat(model: object) -> bytes:

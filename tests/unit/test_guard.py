@@ -7,6 +7,7 @@ tests/integration/test_watchful.py)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 from script_box import Journal, cpu_host_under, put
 from standins import HANG, NOT_FOUND, PROBE_ANSWERS, Reply, Request, StubEngine, json_reply, recording_command
 
-from sparkform.host import outages, watchdog
+from sparkform.host import outages, starts, watchdog
 from sparkform.rules.inventory import load_host
 from sparkform.sandbox.alerts import make_server, read_alerts
 from sparkform.writers.render import render_host
@@ -565,3 +566,53 @@ def test_front_passing_nothing_to_a_serving_engine_alerts_down_and_up(guard):
     front.mode = "ok"
     box.wait(lambda: len(box.webhook_alerts()) == 2, 30, "the front-recovered alert")
     assert box.webhook_alerts()[1]["event"] == "front-recovered"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 100_000 + b"]" * 100_000,  # nested past the decoder's bound: RecursionError
+        b'{"choices": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        json.dumps({"choices": [{"text": "x" * watchdog.PROBE_ANSWER_BYTES}]}).encode(),  # over the bound
+        b'["choices"]',
+        b'{"choices": "pong"}',
+    ],
+    ids=["nested", "nested-answer", "oversized", "a-list", "not-a-list"],
+)
+def test_a_hostile_probe_answer_fails_the_probe_never_the_guard(body):
+    """Root's guard reads what the engine, the process that parses untrusted prompts, answers: a
+    deeply nested answer once raised a RecursionError that ended the engine's watchdog thread, and
+    a 256 MB one took the guard from 22 to 790 MiB."""
+    engine = StubEngine(lambda request: Reply(body=body))
+    try:
+        spec = {"route": "/v1/completions", "body": {"prompt": "ping", "max_tokens": 1}, "answer": "choices"}
+        assert watchdog.probe({"port": engine.port, "probe": spec}, 10) is False
+        # The same engine's fair answer passes: the probe itself is not what fails.
+        engine.answer = lambda request: json_reply(PROBE_ANSWERS["/v1/completions"])
+        assert watchdog.probe({"port": engine.port, "probe": spec}, 10) is True
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("kind", ["fifo-with-a-writer", "fifo", "folder", "link"])
+def test_a_launch_state_that_is_no_plain_file_reads_as_unknown(kind, tmp_path):
+    """The engine user writes its launch state; root's guard reads it. A FIFO there once killed a
+    guard thread (a read that would block fails with EAGAIN); a link is never followed."""
+    state = tmp_path / "q38.state"
+    held = None
+    if kind.startswith("fifo"):
+        os.mkfifo(state)
+        if kind == "fifo-with-a-writer":
+            held = os.open(state, os.O_RDWR | os.O_NONBLOCK)  # a writer that never writes
+    elif kind == "folder":
+        state.mkdir()
+    else:
+        (tmp_path / "elsewhere").write_text("loading\n")
+        state.symlink_to(tmp_path / "elsewhere")
+    try:
+        assert starts.launch_state(str(tmp_path), "q38") == ""
+    finally:
+        if held is not None:
+            os.close(held)
+    (tmp_path / "nemotron.state").write_text("loading\n")
+    assert starts.launch_state(str(tmp_path), "nemotron") == "loading"

@@ -743,10 +743,20 @@ def test_each_client_key_is_checked_alone_and_no_two_clients_share_a_key(seed_da
 
 
 def test_the_combined_port_is_a_port_of_its_own(seed_data, make_host, problems_of):
-    for port, taken in ((8012, "engine nemotron listens on it"), (18011, "engine q38 binds it")):
+    seed_data["monitoring"] = {"enabled": True}
+    for port, taken in (
+        (8012, "engine nemotron listens on it"),
+        (18011, "engine q38 binds it"),
+        (9100, "node_exporter listens on it (monitoring.port)"),
+    ):
         seed_data["front_port"] = port
         (problem,) = problems_for("front_port", problems_of(seed_data, name="spark-test"))
         assert taken in problem.message and "front_port: null" in problem.fix
+    # A well-known port (ssh's, nginx's default) and a bool (True is 1 to Python) are no front port.
+    for port in (22, 80, True, False):
+        seed_data["front_port"] = port
+        (problem,) = problems_for("front_port", problems_of(seed_data, name="spark-test"))
+        assert problem.value == port, problem
     seed_data["front_port"] = None
     assert make_host(seed_data).config.front_port is None
 
