@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from sparkform.domain import layout
@@ -95,16 +95,21 @@ def self_signed_names(node: str | None, listen_address: str, extra: list[str]) -
     return list(dict.fromkeys([*names, *extra, *LOCAL_NAMES]))
 
 
-def _general_name(name: str) -> x509.GeneralName:
+def general_name(name: str, subtree: bool = False) -> x509.GeneralName:
+    """A DNS name or an IP address; as a name constraint's `subtree`, an address is the network
+    of that one address (/32, /128)."""
     try:
-        return x509.IPAddress(ipaddress.ip_address(name))
+        address = ipaddress.ip_address(name)
     except ValueError:
         return x509.DNSName(name)
+    return x509.IPAddress(ipaddress.ip_network(address) if subtree else address)
 
 
 def make_self_signed(names: list[str], now: datetime.datetime) -> FrontCertificate:
     """A new P-256 key and a certificate for `names` signed by it, valid SELF_SIGNED_DAYS: its own
-    authority (CA:TRUE, so a client can trust this one certificate and nothing else)."""
+    authority (CA:TRUE, so a client can trust this one certificate and nothing else), constrained to
+    `names`: a client that trusts it trusts nothing its key signs for another name, should the key
+    leak."""
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0][:64])])
     public = key.public_key()
@@ -116,8 +121,9 @@ def make_self_signed(names: list[str], now: datetime.datetime) -> FrontCertifica
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=SELF_SIGNED_DAYS))
-        .add_extension(x509.SubjectAlternativeName([_general_name(n) for n in names]), critical=False)
+        .add_extension(x509.SubjectAlternativeName([general_name(n) for n in names]), critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.NameConstraints([general_name(n, subtree=True) for n in names], None), critical=True)
         .add_extension(
             x509.KeyUsage(
                 digital_signature=True,
@@ -160,10 +166,37 @@ def keeps(pem: str | None, names: list[str], now: datetime.datetime) -> bool:
     )
 
 
+# What Debian's nginx loads (OpenSSL 3 at its default security level 2): keys of at least these
+# bits, and no MD5 or SHA-1 signature on a certificate that another signed ("ee key too small",
+# "ca key too small", "ca md too weak" at nginx's reload, after the deploy changed the host).
+MIN_KEY_BITS = {"RSA": 2048, "EC": 224}
+WEAK_SIGNATURE_HASHES = ("md5", "sha1")
+
+
+def nginx_refuses(certificates: list[x509.Certificate]) -> str | None:
+    """Why nginx would refuse to load this chain (the server's certificate first), or None."""
+    for position, certificate in enumerate(certificates):
+        which = "the certificate" if position == 0 else f"certificate {position + 1} of the chain"
+        public = certificate.public_key()
+        for cls, name in ((rsa.RSAPublicKey, "RSA"), (ec.EllipticCurvePublicKey, "EC")):
+            if isinstance(public, cls) and public.key_size < MIN_KEY_BITS[name]:
+                return (
+                    f"{which} has a {public.key_size}-bit {name} key; nginx (OpenSSL at security level 2) loads "
+                    f"{MIN_KEY_BITS[name]} bits and more"
+                )
+        algorithm = certificate.signature_hash_algorithm
+        if certificate.issuer != certificate.subject and algorithm and algorithm.name in WEAK_SIGNATURE_HASHES:
+            return f"{which} is signed with {algorithm.name.upper()}, which nginx (OpenSSL at security level 2) refuses"
+    return None
+
+
 def owners_certificate(cert_pem: str, key_pem: str) -> FrontCertificate:
-    """The owner's certificate and key, checked: the key must be the certificate's, and the
-    certificate must not have ended. BadCertificate says what is wrong."""
+    """The owner's certificate and key, checked: the key must be the certificate's, nginx must be
+    able to load the chain, and the certificate must not have ended. BadCertificate says what is
+    wrong."""
     certificate = leaf(cert_pem)
+    if why := nginx_refuses(x509.load_pem_x509_certificates(cert_pem.encode())):
+        raise BadCertificate(why)
     try:
         key = serialization.load_pem_private_key(key_pem.encode(), password=None)
     except (ValueError, TypeError) as err:

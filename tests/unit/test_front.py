@@ -531,6 +531,33 @@ def test_over_tls_a_trusting_client_is_served_and_plain_http_is_refused(tmp_path
     assert subprocess.run(["bash", "-c", wrong_pin], capture_output=True, text=True).returncode == 90  # pin mismatch
 
 
+def test_tls_1_2_offers_aead_suites_only_and_no_session_tickets(tmp_path, stubs, front):
+    config = front_config(tmp_path, stubs, front_tls={"enabled": True})
+    server = front(config)
+    server.start([e.port for e in config.engines])
+
+    def handshake(ciphers: str | None, version: ssl.TLSVersion = ssl.TLSVersion.TLSv1_2) -> tuple[str, bool]:
+        """(the suite agreed on, whether the front gave a session ticket) of a client offering `ciphers`."""
+        context = ssl.create_default_context(cafile=config.paths.front_certificate)
+        context.minimum_version = context.maximum_version = version
+        if ciphers:
+            context.set_ciphers(ciphers)
+        with socket.create_connection(("127.0.0.1", config.engines[0].port), timeout=10) as raw:
+            with context.wrap_socket(raw, server_hostname="localhost") as tls:
+                tls.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+                tls.recv(1)  # the ticket, if any, comes after the handshake
+                cipher, session = tls.cipher(), tls.session
+                assert cipher and session
+                return cipher[0], session.has_ticket
+
+    for cbc in ("ECDHE-ECDSA-AES128-SHA", "ECDHE-ECDSA-AES256-SHA", "ECDHE-ECDSA-AES128-SHA256"):
+        with pytest.raises(ssl.SSLError):
+            handshake(cbc)
+    assert handshake("ECDHE-ECDSA-AES128-GCM-SHA256") == ("ECDHE-ECDSA-AES128-GCM-SHA256", False)
+    assert handshake("ECDHE-ECDSA-CHACHA20-POLY1305") == ("ECDHE-ECDSA-CHACHA20-POLY1305", False)
+    assert handshake(None, ssl.TLSVersion.TLSv1_3)[0].startswith("TLS_")
+
+
 def test_an_address_over_its_rate_gets_429_keyless_ones_are_refused_first(tmp_path, stubs, front):
     config = front_config(tmp_path, stubs, front_address_rate=1)  # bursts of 2 pass at once
     server = front(config)

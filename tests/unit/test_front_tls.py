@@ -12,6 +12,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from test_operations import run
 from test_snapshot_fact import read_under
 
@@ -20,7 +24,15 @@ from sparkform.deploy.operations import front
 from sparkform.domain.model import InventoryError
 from sparkform.readers.remote import SECTION
 from sparkform.readers.snapshot import RemoteFile, Snapshot
-from sparkform.rules.front_tls import RENEW_BEFORE_DAYS, fingerprint, leaf, make_self_signed, names_of
+from sparkform.rules.front_tls import (
+    LOCAL_NAMES,
+    RENEW_BEFORE_DAYS,
+    fingerprint,
+    general_name,
+    leaf,
+    make_self_signed,
+    names_of,
+)
 from sparkform.rules.inventory import load_host
 from sparkform.writers.converge import plan
 
@@ -131,6 +143,42 @@ def test_the_fingerprint_is_the_one_openssl_prints(tmp_path):
     assert printed.strip().split("=", 1)[1] == fingerprint(made.pem)
 
 
+def test_the_self_signed_certificate_vouches_for_its_own_names_only(tmp_path):
+    """A client trusts the self-signed certificate as its own authority: its key, should it leak,
+    must sign nothing a client takes for another name (name constraints, as openssl checks them)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    made = make_self_signed(["spark.lan", "192.168.1.20", *LOCAL_NAMES], NOW)
+    (tmp_path / "front.pem").write_text(made.pem)
+    assert made.key_pem
+    key = serialization.load_pem_private_key(made.key_pem.encode(), password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    issuer = leaf(made.pem).subject
+    for name, vouched in (("spark.lan", True), ("192.168.1.20", True), ("bank.example", False), ("10.0.0.1", False)):
+        signed = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "signed by the front's key")]))
+            .issuer_name(issuer)
+            .public_key(ec.generate_private_key(ec.SECP256R1()).public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(NOW)
+            .not_valid_after(NOW + datetime.timedelta(days=30))
+            .add_extension(x509.SubjectAlternativeName([general_name(name)]), critical=False)
+            .sign(key, hashes.SHA256())
+        )
+        (tmp_path / "signed.pem").write_bytes(signed.public_bytes(serialization.Encoding.PEM))
+        at = str(int((NOW + datetime.timedelta(days=1)).timestamp()))
+        checked = subprocess.run(
+            ["openssl", "verify", "-attime", at, "-CAfile", "front.pem", "signed.pem"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
+        assert (checked.returncode == 0) is vouched, (name, checked.stdout, checked.stderr)
+        if not vouched:
+            assert "permitted subtree violation" in checked.stdout + checked.stderr, checked.stdout + checked.stderr
+
+
 def owners_files(tmp_path: Path, certificate: str, key: str, key_mode: int = 0o600) -> dict:
     (tmp_path / "front.pem").write_text(certificate)
     (tmp_path / "front.key").write_text(key)
@@ -170,6 +218,93 @@ def test_the_owners_files_are_checked_before_any_connection(tmp_path, case, fiel
         load_host("spark.lan", data, tmp_path)
     lines = [str(problem) for problem in err.value.problems]
     assert [line for line in lines if field in line and why in line and "spark.lan" in line], lines
+
+
+def openssl(folder: Path, *args: str) -> None:
+    subprocess.run(["openssl", *args], cwd=folder, capture_output=True, check=True)
+
+
+def owners_pair(folder: Path, case: str) -> tuple[str, str]:
+    """(certificate chain, key) of the case, made by the openssl command line (cryptography signs
+    nothing with SHA-1 any more): `KIND-BITS` keys, self-signed or signed by a CA whose certificate
+    follows."""
+    leaf_key, ca_bits, digest = {
+        "rsa-1024": ("rsa:1024", None, "sha256"),
+        "ec-192": ("ec:prime192v1", None, "sha256"),
+        "sha1-signed-by-a-ca": ("rsa:2048", 2048, "sha1"),
+        "a-1024-ca-in-the-chain": ("rsa:2048", 1024, "sha256"),
+        "rsa-2048": ("rsa:2048", None, "sha256"),
+        "sha1-self-signed": ("rsa:2048", None, "sha1"),
+        "ec-256-signed-by-a-ca": ("ec:prime256v1", 2048, "sha256"),
+    }[case]
+    kind, _, size = leaf_key.partition(":")
+    if kind == "rsa":
+        openssl(folder, "genpkey", "-algorithm", "RSA", "-pkeyopt", f"rsa_keygen_bits:{size}", "-out", "leaf.key")
+    else:
+        openssl(folder, "genpkey", "-algorithm", "EC", "-pkeyopt", f"ec_paramgen_curve:{size}", "-out", "leaf.key")
+    subject = ("-subj", "/CN=spark.example", "-days", "3650", f"-{digest}")
+    if ca_bits is None:
+        openssl(folder, "req", "-x509", "-new", "-key", "leaf.key", *subject, "-out", "chain.pem")
+    else:
+        openssl(folder, "genpkey", "-algorithm", "RSA", "-pkeyopt", f"rsa_keygen_bits:{ca_bits}", "-out", "ca.key")
+        openssl(
+            folder, "req", "-x509", "-new", "-key", "ca.key", "-subj", "/CN=owner CA", "-days", "3650", "-out", "ca.pem"
+        )
+        openssl(folder, "req", "-new", "-key", "leaf.key", "-subj", "/CN=spark.example", "-out", "leaf.csr")
+        openssl(folder, "x509", "-req", "-in", "leaf.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-set_serial", "2",
+                "-days", "3650", f"-{digest}", "-out", "leaf.pem")  # fmt: skip
+        (folder / "chain.pem").write_text((folder / "leaf.pem").read_text() + (folder / "ca.pem").read_text())
+    return (folder / "chain.pem").read_text(), (folder / "leaf.key").read_text()
+
+
+def nginx_loads(folder: Path, certificate: str, key: str) -> bool:
+    """Whether Debian's nginx takes the pair (`nginx -t` of a server that serves it)."""
+    (folder / "nginx-cert.pem").write_text(certificate)
+    (folder / "nginx-key.pem").write_text(key)
+    (folder / "nginx.conf").write_text(
+        f"pid {folder}/nginx.pid;\nerror_log {folder}/error.log;\nevents {{}}\n"
+        f"http {{ server {{ listen 127.0.0.1:1 ssl; ssl_certificate {folder}/nginx-cert.pem; "
+        f"ssl_certificate_key {folder}/nginx-key.pem; }} }}\n"
+    )
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    return (
+        subprocess.run(
+            [nginx, "-t", "-p", str(folder), "-c", str(folder / "nginx.conf")], capture_output=True
+        ).returncode
+        == 0
+    )
+
+
+@pytest.mark.parametrize(
+    "case, why",
+    [
+        ("rsa-1024", "the certificate has a 1024-bit RSA key"),
+        ("ec-192", "the certificate has a 192-bit EC key"),
+        ("sha1-signed-by-a-ca", "the certificate is signed with SHA1"),
+        ("a-1024-ca-in-the-chain", "certificate 2 of the chain has a 1024-bit RSA key"),
+        ("rsa-2048", None),
+        ("sha1-self-signed", None),  # a root's own signature is not checked
+        ("ec-256-signed-by-a-ca", None),
+    ],
+)
+def test_the_owners_certificate_is_one_nginx_loads(tmp_path, case, why):
+    """An owner's RSA-1024 certificate passed the checks, then nginx refused it at the reload,
+    after the deploy had changed the host: the checks now refuse what nginx refuses."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    made = tmp_path / "made"
+    made.mkdir()
+    certificate, key = owners_pair(made, case)
+    if shutil.which("nginx") or Path("/usr/sbin/nginx").exists():
+        assert nginx_loads(made, certificate, key) is (why is None), "the rule is not nginx's"
+    data = host_data(tmp_path, **owners_files(tmp_path, certificate, key))
+    if why is None:
+        assert load_host("spark.lan", data, tmp_path).config.front_tls.cert_file
+        return
+    with pytest.raises(InventoryError) as err:
+        load_host("spark.lan", data, tmp_path)
+    lines = [str(problem) for problem in err.value.problems]
+    assert [line for line in lines if "front_tls.cert_file" in line and why in line and "spark.lan" in line], lines
 
 
 def test_cert_file_without_key_file_is_refused(tmp_path):
