@@ -110,6 +110,12 @@ class HostConfig(StrictModel):
     one address needs one per stream)."""
     front_address_rate: int = Field(200, ge=1)
     """Requests a second from one client address on the front's ports (bursts of twice that pass); more get 429."""
+    front_large_bodies: int = Field(16, ge=1)
+    """Requests of 10 MB and more (or of a length not told: chunked) in progress at once on the combined port, from all
+    clients; more get 429. The combined port holds each in memory (its router reads the model from the body), up to
+    the largest engine's request limit."""
+    front_address_large_bodies: int = Field(4, ge=1)
+    """The same, from one client address."""
     # The ranks' network, for an engine that spans hosts (engines[].nodes): per host, so group data can hold what the
     # pair shares (the interface, the HCAs) and host data what differs (the address).
     node_interface: str | None = Field(None)

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from standins import Reply, Request, StubEngine, json_reply
+from standins import HANG, Reply, Request, StubEngine, json_reply
 
 from sparkform.domain.engine import GENERATE_ROUTES
 from sparkform.domain.layout import (
@@ -567,6 +567,72 @@ def test_an_address_over_its_rate_gets_429_keyless_ones_are_refused_first(tmp_pa
     assert statuses[0] == 200 and 429 in statuses, statuses
     # A request without the key is answered 401 before the limits count it: it costs nothing.
     assert {server.status(port, "/v1/models")[0] for _ in range(8)} == {401}
+
+
+def test_large_bodies_on_the_combined_port_are_bounded_per_address_and_in_all(tmp_path, front):
+    """The combined port holds each body in memory (its router reads the model from it): one keyed
+    client could make it hold hundreds of the largest engine's limit at once. Requests of 10 MB and
+    more, or chunked, are bounded: here 2 per address and 3 in all; small ones pass meanwhile."""
+    large = 11 * 10**6
+
+    def holds_large_ones(request: Request) -> Reply:
+        return HANG if len(request["body"]) >= large else echo_path(request)
+
+    hands, eyes = StubEngine(holds_large_ones), StubEngine(echo_path)
+    held: list[socket.socket] = []
+    try:
+        config = front_config(
+            tmp_path,
+            [hands, eyes],
+            {"hands": {"max_request_mib": 16}},
+            front_address_large_bodies=2,
+            front_large_bodies=3,
+        )
+        server = front(config)
+        server.start([e.port for e in config.engines] + [config.front_port])
+        body = json.dumps({"model": "hands", "prompt": "x" * large}).encode()
+
+        def opened(source: str, head: bytes) -> socket.socket:
+            connection = socket.create_connection(
+                ("127.0.0.1", config.front_port), timeout=10, source_address=(source, 0)
+            )
+            connection.sendall(head)
+            return connection
+
+        def sent_whole(source: str) -> None:
+            """A large request the engine takes and holds: counted from its headers to its end."""
+            before = len(hands.requests)
+            held.append(opened(source, request_head(len(body)) + body))
+            deadline = time.monotonic() + 30
+            while len(hands.requests) == before:  # the engine got it: the front counted it long before
+                assert time.monotonic() < deadline, "the large request did not reach the engine"
+                time.sleep(0.05)
+
+        def status_of_head(source: str, head: bytes) -> int:
+            """The status the front answers a request's head with, before any of its body."""
+            with opened(source, head) as connection:
+                return int(connection.recv(64).split()[1])
+
+        def request_head(length: int | None) -> bytes:
+            framing = f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
+            return (
+                f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                f"Content-Type: application/json\r\n{framing}\r\n\r\n"
+            ).encode()
+
+        sent_whole("127.0.0.1")
+        sent_whole("127.0.0.1")
+        assert status_of_head("127.0.0.1", request_head(len(body))) == 429
+        assert status_of_head("127.0.0.1", request_head(None)) == 429  # chunked: its length is not told
+        assert server.status(config.front_port, "/v1/completions", key=KEY, body=chat("hands"))[0] == 200
+        sent_whole("127.0.0.2")  # another address: its own two, and the third in all
+        assert status_of_head("127.0.0.3", request_head(len(body))) == 429
+        assert server.status(config.front_port, "/v1/completions", key=KEY, body=chat("hands"))[0] == 200
+    finally:
+        for connection in held:
+            connection.close()
+        hands.close()
+        eyes.close()
 
 
 @pytest.mark.parametrize("combined", [False, True], ids=["own-port", "combined-port"])
