@@ -229,6 +229,13 @@ def front(tmp_path):
         item.stop()
 
 
+def started(front, config: HostConfig, combined: bool = False) -> Front:
+    """The front of `config`, answering on each engine's port (and the combined one)."""
+    server = front(config)
+    server.start([e.port for e in config.engines] + ([config.front_port] if combined else []))
+    return server
+
+
 @pytest.mark.parametrize(
     "host",
     [
@@ -256,8 +263,7 @@ def test_nginx_t_catches_a_broken_front(tmp_path, stubs, front):
 def test_only_the_api_routes_pass_and_only_with_the_key(tmp_path, stubs, front):
     hands, eyes = stubs
     config = front_config(tmp_path, stubs)
-    server = front(config)
-    server.start([e.port for e in config.engines])
+    server = started(front, config)
     port = config.engines[0].port
     for path in (
         "/invocations",
@@ -297,8 +303,7 @@ def test_the_engine_gets_the_route_nginx_matched_never_the_raw_path(tmp_path, st
     route that matched, on its own port and on the combined one."""
     hands, _ = stubs
     config = front_config(tmp_path, stubs, metrics_allow=["127.0.0.1"])
-    server = front(config)
-    server.start([e.port for e in config.engines] + [config.front_port])
+    server = started(front, config, combined=True)
     own, combined = config.engines[0].port, config.front_port
     for port, raw, key, body, route in (
         (own, "/metrics/../health", None, None, "/health"),
@@ -319,8 +324,7 @@ def test_the_engine_gets_the_route_nginx_matched_never_the_raw_path(tmp_path, st
 def test_health_takes_get_and_head_and_passes_no_body(tmp_path, stubs, front):
     hands, _ = stubs
     config = front_config(tmp_path, stubs)
-    server = front(config)
-    server.start([e.port for e in config.engines])
+    started(front, config)
     port = config.engines[0].port
     hands.requests.clear()
     for method in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS"):
@@ -339,8 +343,7 @@ def test_health_takes_get_and_head_and_passes_no_body(tmp_path, stubs, front):
 
 def test_every_refusal_is_a_json_error(tmp_path, stubs, front):
     config = front_config(tmp_path, stubs)
-    server = front(config)
-    server.start([e.port for e in config.engines] + [config.front_port])
+    server = started(front, config, combined=True)
     for port in (config.engines[0].port, config.front_port):
         for path in ("/invocations", "/v1/load_lora_adapter", "/collective_rpc", "/v1/responses/abc"):
             status, body, headers = server.status(port, path, key=KEY, body=b"{}")
@@ -356,8 +359,7 @@ def test_combined_port_sends_each_request_to_the_engine_serving_its_model(tmp_pa
     hands, eyes = stubs
     fields = {"hands": {"served_names": ["hands", "hands-vision"]}, "eyes": {"front_routes": ["/v1/chat/completions"]}}
     config = front_config(tmp_path, stubs, fields)
-    server = front(config)
-    server.start([e.port for e in config.engines] + [config.front_port])
+    server = started(front, config, combined=True)
     port = config.front_port
     hands.requests.clear()  # the start's /health
     eyes.requests.clear()
@@ -405,8 +407,7 @@ def test_an_embedding_engine_gets_its_pooling_routes_and_no_generator_s(tmp_path
     one; a generator's routes are 404 there, and the generator beside it gets no /v1/embeddings."""
     hands, eyes = stubs
     config = front_config(tmp_path, stubs, {"eyes": {"kind": "embed"}})
-    server = front(config)
-    server.start([e.port for e in config.engines] + [config.front_port])
+    server = started(front, config, combined=True)
     embedding = json.dumps({"model": "eyes", "input": "hi"}).encode()
     for port in (config.front_port, config.engines[1].port):
         status, body, _ = server.status(port, "/v1/embeddings", key=KEY, body=embedding)
@@ -424,8 +425,7 @@ def test_an_embedding_engine_gets_its_pooling_routes_and_no_generator_s(tmp_path
 def test_a_reranker_gets_score_and_rerank_by_model_on_the_combined_port(tmp_path, stubs, front):
     hands, eyes = stubs
     config = front_config(tmp_path, stubs, {"eyes": {"kind": "rerank"}})
-    server = front(config)
-    server.start([e.port for e in config.engines] + [config.front_port])
+    server = started(front, config, combined=True)
     rerank = json.dumps({"model": "eyes", "query": "a", "documents": ["b"]}).encode()
     for path in ("/rerank", "/v1/rerank", "/v2/rerank", "/score", "/v1/score"):
         status, body, _ = server.status(config.front_port, path, key=KEY, body=rerank)
@@ -443,16 +443,15 @@ def test_front_routes_outside_the_engines_kind_are_refused_by_name(tmp_path, stu
 def test_combined_port_limits_bodies_per_model_and_names_a_down_engine(tmp_path, stubs, front):
     config = front_config(tmp_path, stubs, {"hands": {"max_request_mib": 1}, "eyes": {"max_request_mib": 2}})
     stubs[1].close()  # eyes' engine is down
-    server = front(config)
-    server.start([e.port for e in config.engines] + [config.front_port])
+    server = started(front, config, combined=True)
     padded = json.dumps({"model": "hands", "pad": " " * (2**20 + 10)}).encode()
     status, body, _ = server.status(config.front_port, "/v1/completions", key=KEY, body=padded)
     assert status == 413 and "over model 'hands''s limit (1048576 bytes)" in json.loads(body)["error"]["message"]
     assert server.status(config.front_port, "/v1/completions", key=KEY, body=b" " * (2 * 2**20 + 1))[0] == 413
-    started = time.monotonic()
+    asked = time.monotonic()
     status, body, headers = server.status(config.front_port, "/v1/completions", key=KEY, body=chat("eyes"))
     assert status == 503 and "engine eyes is not serving" in json.loads(body)["error"]["message"]
-    assert headers.get("Retry-After") == "10" and time.monotonic() - started < 1
+    assert headers.get("Retry-After") == "10" and time.monotonic() - asked < 1
     assert server.status(config.front_port, "/v1/completions", key=KEY, body=chat("hands"))[0] == 200
 
 
@@ -463,8 +462,7 @@ def test_each_client_has_own_key_and_log_name_removing_one_refuses_only_it(tmp_p
         (tmp_path / name).chmod(0o600)
     clients = {"alice": str(tmp_path / "alice"), "bob": str(tmp_path / "bob")}
     config = front_config(tmp_path, stubs, api_keys=clients)
-    server = front(config)
-    server.start([e.port for e in config.engines] + [config.front_port])
+    server = started(front, config, combined=True)
     hands = config.engines[0].port
     for name, key in keys.items():
         assert server.status(hands, "/v1/models", key=key)[0] == 200, name
@@ -501,8 +499,7 @@ def tls_status(port: int, path: str, certificate: str, key: str | None = KEY) ->
 def test_over_tls_a_trusting_client_is_served_and_plain_http_is_refused(tmp_path, stubs, front):
     hands, _ = stubs
     config = front_config(tmp_path, stubs, front_tls={"enabled": True})
-    server = front(config)
-    server.start([e.port for e in config.engines] + [config.front_port])
+    server = started(front, config, combined=True)
     hands.requests.clear()
     certificate = config.paths.front_certificate
     for port in (config.engines[0].port, config.front_port):
@@ -533,8 +530,7 @@ def test_over_tls_a_trusting_client_is_served_and_plain_http_is_refused(tmp_path
 
 def test_tls_1_2_offers_aead_suites_only_and_no_session_tickets(tmp_path, stubs, front):
     config = front_config(tmp_path, stubs, front_tls={"enabled": True})
-    server = front(config)
-    server.start([e.port for e in config.engines])
+    started(front, config)
 
     def handshake(ciphers: str | None, version: ssl.TLSVersion = ssl.TLSVersion.TLSv1_2) -> tuple[str, bool]:
         """(the suite agreed on, whether the front gave a session ticket) of a client offering `ciphers`."""
@@ -560,8 +556,7 @@ def test_tls_1_2_offers_aead_suites_only_and_no_session_tickets(tmp_path, stubs,
 
 def test_an_address_over_its_rate_gets_429_keyless_ones_are_refused_first(tmp_path, stubs, front):
     config = front_config(tmp_path, stubs, front_address_rate=1)  # bursts of 2 pass at once
-    server = front(config)
-    server.start([e.port for e in config.engines])
+    server = started(front, config)
     port = config.engines[0].port
     statuses = [server.status(port, "/v1/models", key=KEY)[0] for _ in range(8)]
     assert statuses[0] == 200 and 429 in statuses, statuses
@@ -588,8 +583,7 @@ def test_large_bodies_on_the_combined_port_are_bounded_per_address_and_in_all(tm
             front_address_large_bodies=2,
             front_large_bodies=3,
         )
-        server = front(config)
-        server.start([e.port for e in config.engines] + [config.front_port])
+        server = started(front, config, combined=True)
         body = json.dumps({"model": "hands", "prompt": "x" * large}).encode()
 
         def opened(source: str, head: bytes) -> socket.socket:
@@ -638,8 +632,7 @@ def test_large_bodies_on_the_combined_port_are_bounded_per_address_and_in_all(tm
 @pytest.mark.parametrize("combined", [False, True], ids=["own-port", "combined-port"])
 def test_streamed_events_pass_as_they_come(tmp_path, stubs, front, combined):
     config = front_config(tmp_path, stubs)
-    server = front(config)
-    server.start([e.port for e in config.engines] + [config.front_port])
+    started(front, config, combined=True)
     request = urllib.request.Request(
         f"http://127.0.0.1:{config.front_port if combined else config.engines[0].port}/v1/chat/completions",
         data=b'{"model": "hands", "stream": true}',
@@ -661,8 +654,7 @@ def test_bodies_over_the_window_refused_and_a_stopped_engine_is_503(tmp_path, st
     config = front_config(tmp_path, stubs)
     hands, eyes = config.engines
     stubs[0].close()  # hands' engine is down (starting, restarting or stopped)
-    server = front(config)
-    server.start([e.port for e in config.engines])
+    server = started(front, config)
     limit = eyes.request_limit_mib * 2**20
     assert server.status(eyes.port, "/v1/completions", key=KEY, body=b" " * (limit + 1))[0] == 413
     assert server.status(eyes.port, "/v1/completions", key=KEY, body=b" " * (limit - 1024))[0] == 200
@@ -675,8 +667,7 @@ def test_bodies_over_the_window_refused_and_a_stopped_engine_is_503(tmp_path, st
 @pytest.mark.parametrize("allowed, expected", [(["127.0.0.1"], 200), (["10.0.0.0/8", "::1"], 403), ([], 403)])
 def test_metrics_only_to_the_allowed_addresses(allowed, expected, tmp_path, stubs, front):
     config = front_config(tmp_path, stubs, metrics_allow=allowed)
-    server = front(config)
-    server.start([e.port for e in config.engines])
+    server = started(front, config)
     assert server.status(config.engines[0].port, "/metrics")[0] == expected
 
 
@@ -786,8 +777,7 @@ def test_nginx_never_logs_the_key_even_with_its_error_log_at_info(header, tmp_pa
     """nginx.conf here logs at info, as an owner might set it; the front's servers keep their own
     error log at notice, where no header line is quoted (the check can fail: see its control)."""
     config = front_config(tmp_path, stubs)
-    server = front(config)
-    server.start([e.port for e in config.engines])
+    server = started(front, config)
 
     def raw_request() -> None:
         with socket.create_connection(("127.0.0.1", config.engines[0].port), timeout=5) as sock:
