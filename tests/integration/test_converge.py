@@ -212,6 +212,15 @@ def test_outside_the_host_nothing_answers_without_the_key(box):
             assert call(box, port, path, key=key + "x", body=body)[0] == 401, (port, path)
             assert call(box, port, path, key=key.swapcase(), body=body)[0] == 401, (port, path)
         assert call(box, port, "/v1/anything")[0] == 401
+        # A path nginx normalises onto a route it passes reaches that route, never the raw path:
+        # vLLM serves its metrics for any path under /metrics (a raw /metrics/../health got them).
+        for path, with_key in (
+            ("/metrics/../health", None),
+            ("/%6detrics/../health", None),
+            ("/metrics/../v1/models", key),
+        ):
+            answer = call(box, port, path, key=with_key)
+            assert b"vllm:" not in answer[1], (port, path, answer[0], answer[1][:300])
     for engine in PORTS:
         assert call(box, engine, "/health")[0] == 200
         # The engine itself listens on loopback only.
