@@ -110,12 +110,11 @@ def start_seconds(box) -> dict[str, float]:
     """How long each engine's last start took, as systemd measured it (start to active)."""
     result = {}
     for unit in UNITS:
-        props = unit_properties(
-            box, unit, "ActiveState", "ExecMainStartTimestampMonotonic", "ActiveEnterTimestampMonotonic"
-        )
+        props = unit_properties(box, unit, "ExecMainStartTimestampMonotonic", "ActiveEnterTimestampMonotonic")
         took = (int(props["ActiveEnterTimestampMonotonic"]) - int(props["ExecMainStartTimestampMonotonic"])) / 1e6
-        # A unit in a start (or failed) has no last start to measure: the difference is negative.
-        assert props["ActiveState"] == "active" and took >= 0, f"{unit} is not served as the test needs: {props}"
+        # Once a new start began (a restart after a kill), the last one is no longer there to read:
+        # the difference is negative. A test reads the times before it kills.
+        assert took >= 0, f"{unit} is in a start: its last start's time is gone ({props})"
         result[unit] = took
     return result
 
@@ -159,6 +158,7 @@ def test_status_shows_the_pair_serving_and_counts_a_crash_and_its_downtime(box):
     before = {name: e["restarts"] for name, e in engines.items()}
 
     since, since_text = now(box), ssh(box, "date '+%Y-%m-%d %H:%M:%S'").stdout.strip()
+    back_within = RESTART_S + sum(start_seconds(box).values()) + 60
     ssh(box, f"kill -9 {engine_core(box, 'vllm-q38.service')}")
 
     def down() -> dict | None:
@@ -167,7 +167,7 @@ def test_status_shows_the_pair_serving_and_counts_a_crash_and_its_downtime(box):
 
     host = wait_for(down, 60, "status exiting 1 while q38 is down")
     assert [e["name"] for e in host["engines"] if not e["serving"]] == ["q38"], host
-    both_serve_again(box, RESTART_S + sum(start_seconds(box).values()) + 60, since)
+    both_serve_again(box, back_within, since)
     code, host = status_of(box)
     assert code == 0, host
     after = {e["name"]: e["restarts"] for e in host["engines"]}
@@ -481,8 +481,8 @@ def take_memory_outside_the_engines(box, until_gib: float) -> None:
 def test_outside_memory_use_stops_the_lower_priority_engine_until_freed(box, deployed):
     available = mem_available_gib(box)
     # Floors 1.5 and 2 GiB under what is free now. The memory taken then leaves MemAvailable
-    # 1.5 GiB under the critical floor, as read when it is taken: the deploy between the two moves
-    # it (CI once saw the machine's memory rise more than a fixed 3 GiB's margin).
+    # 1 GiB under the critical floor, as read when it is taken (about 3 GiB): the deploy between the
+    # two moves it (CI once saw the machine's memory rise past a fixed 3 GiB's margin).
     critical = round(available - 2, 2)
     deployed(
         host_changes={
@@ -492,7 +492,7 @@ def test_outside_memory_use_stops_the_lower_priority_engine_until_freed(box, dep
         }
     )
     before, since_alerts = main_pids(box), len(alerts(box))
-    take_memory_outside_the_engines(box, until_gib=critical - 1.5)
+    take_memory_outside_the_engines(box, until_gib=critical - 1)
     try:
         wait_for(
             lambda: unit_properties(box, "vllm-q38.service", "ActiveState")["ActiveState"] == "inactive",
@@ -596,9 +596,9 @@ def test_each_served_start_is_a_ledger_row_of_its_output_that_plan_uses(box, tmp
     before = ledger_rows()
     for name in NAMES.values():  # the converge's starts (and any restart since) each left a row
         assert any(row["engine"] == name for row in before), before
-    since = now(box)
+    since, back_within = now(box), RESTART_S + sum(start_seconds(box).values()) + 60
     ssh(box, f"kill -9 {main_pids(box)['vllm-q38.service']}")  # systemd starts it again (Restart=always)
-    both_serve_again(box, RESTART_S + sum(start_seconds(box).values()) + 60, since)
+    both_serve_again(box, back_within, since)
     assert len(journal_times(box, "sparkform-wait-ready: port .* serves", ("vllm-q38.service",), since)) == 1
 
     rows = ledger_rows()  # written by the start itself (ExecStartPost=), before the unit was active
