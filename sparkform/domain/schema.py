@@ -111,9 +111,8 @@ class HostConfig(StrictModel):
     front_address_rate: int = Field(200, ge=1)
     """Requests a second from one client address on the front's ports (bursts of twice that pass); more get 429."""
     front_large_bodies: int = Field(16, ge=1)
-    """Requests of 10 MB and more (or of a length not told: chunked) in progress at once on the combined port, from all
-    clients; more get 429. The combined port holds each in memory (its router reads the model from the body), up to
-    the largest engine's request limit."""
+    """Requests of 10 MB and more (or chunked) in progress at once on the combined port, which holds each body in
+    memory (its router reads the model there); more get 429."""
     front_address_large_bodies: int = Field(4, ge=1)
     """The same, from one client address."""
     # The ranks' network, for an engine that spans hosts (engines[].nodes): per host, so group data can hold what the
@@ -292,21 +291,16 @@ class HostConfig(StrictModel):
             try:
                 networks.append(str(ipaddress.ip_network(value, strict=True)))
             except ValueError:
-                raise ValueError(
-                    f"{value!r} is not an address or a network (e.g. 192.168.1.5 or 192.168.1.0/24)"
-                ) from None
+                raise ValueError(f"{value!r} is not an address or a network (e.g. 192.168.1.5, 10.0.0.0/8)") from None
         return networks
 
     @model_validator(mode="before")
     @classmethod
     def _drop_connector_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {
-                key: value
-                for key, value in data.items()
-                if key not in PYINFRA_KEYS and not key.startswith(PYINFRA_KEY_PREFIXES)
-            }
-        return data
+        if not isinstance(data, dict):
+            return data
+        connector = {key for key in data if key in PYINFRA_KEYS or key.startswith(PYINFRA_KEY_PREFIXES)}
+        return {key: value for key, value in data.items() if key not in connector}
 
     def pin(self, engine: Engine | None = None) -> VllmPin:
         """The vLLM `engine` runs (None: the host's own, which also runs the tools: fetch, GPU report)."""
