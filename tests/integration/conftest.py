@@ -95,8 +95,7 @@ def box(request):
 def deployed(tmp_path, box):
     """deployed(**changes) deploys the sandbox inventory with edited_inventory's changes and returns
     its path; the sandbox inventory is deployed again at the test's end, passed or failed, so the
-    module's next test meets the box converged (a failed test once left the guard's memory floors
-    deployed, and the four tests after it failed on them)."""
+    module's next test meets the box converged, not the edit a failed test left deployed."""
     edits = []
 
     def deploy(**changes) -> Path:

@@ -482,8 +482,7 @@ def test_outside_memory_use_stops_the_lower_priority_engine_until_freed(box, dep
     available = mem_available_gib(box)
     # Floors 1.5 and 2 GiB under what is free now. The memory taken then leaves MemAvailable
     # 1.5 GiB under the critical floor, as read when it is taken (about 3.5 GiB): the deploy between
-    # the two moves it (CI once saw the machine's memory rise past a fixed 3 GiB's margin). With a
-    # 0.5 GiB margin the guard once did not act within 60 s (load 1.4, cause not found).
+    # the two moves it by GiBs, and a margin of 0.5 GiB has left the guard idle for 60 s.
     critical = round(available - 2, 2)
     deployed(
         host_changes={

@@ -299,7 +299,7 @@ def test_only_the_api_routes_pass_and_only_with_the_key(tmp_path, stubs, front):
 
 def test_the_engine_gets_the_route_nginx_matched_never_the_raw_path(tmp_path, stubs, front):
     """vLLM serves /metrics for every path under it: a front that matched the normalised path and
-    forwarded the raw one let `/metrics/../health` reach the metrics with no key. The engine gets the
+    forwarded the raw one would let `/metrics/../health` reach the metrics with no key. The engine gets the
     route that matched, on its own port and on the combined one."""
     hands, _ = stubs
     config = front_config(tmp_path, stubs, metrics_allow=["127.0.0.1"])

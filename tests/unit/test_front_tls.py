@@ -288,8 +288,8 @@ def nginx_loads(folder: Path, certificate: str, key: str) -> bool:
     ],
 )
 def test_the_owners_certificate_is_one_nginx_loads(tmp_path, case, why):
-    """An owner's RSA-1024 certificate passed the checks, then nginx refused it at the reload,
-    after the deploy had changed the host: the checks now refuse what nginx refuses."""
+    """A certificate nginx refuses fails only at its reload, after the deploy changed the host:
+    the inventory's checks refuse what nginx refuses, and take what it loads."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     made = tmp_path / "made"

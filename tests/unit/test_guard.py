@@ -581,8 +581,8 @@ def test_front_passing_nothing_to_a_serving_engine_alerts_down_and_up(guard):
 )
 def test_a_hostile_probe_answer_fails_the_probe_never_the_guard(body):
     """Root's guard reads what the engine, the process that parses untrusted prompts, answers: a
-    deeply nested answer once raised a RecursionError that ended the engine's watchdog thread, and
-    a 256 MB one took the guard from 22 to 790 MiB."""
+    deeply nested answer raising a RecursionError would end the engine's watchdog thread, and
+    an unbounded one would take the guard's memory."""
     engine = StubEngine(lambda request: Reply(body=body))
     try:
         spec = {"route": "/v1/completions", "body": {"prompt": "ping", "max_tokens": 1}, "answer": "choices"}
@@ -596,8 +596,8 @@ def test_a_hostile_probe_answer_fails_the_probe_never_the_guard(body):
 
 @pytest.mark.parametrize("kind", ["fifo-with-a-writer", "fifo", "folder", "link"])
 def test_a_launch_state_that_is_no_plain_file_reads_as_unknown(kind, tmp_path):
-    """The engine user writes its launch state; root's guard reads it. A FIFO there once killed a
-    guard thread (a read that would block fails with EAGAIN); a link is never followed."""
+    """The engine user writes its launch state; root's guard reads it. A FIFO there fails a read
+    that would block (EAGAIN), which must not end a guard thread; a link is never followed."""
     state = tmp_path / "q38.state"
     held = None
     if kind.startswith("fifo"):
