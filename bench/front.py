@@ -5,24 +5,26 @@
 
 Needs a converged sandbox (`make sandbox`; SPARKFORM_SANDBOX picks another). On the host itself
 (so no network stands between client and front), one client sends, in turn, a one-token chat
-completion and a streamed one (8 tokens) to three places: the engine's own internal port on
-loopback, the front's port of that engine, and the combined port (front_port), the three
+completion and a streamed one (8 tokens) to three places: the engine's own unix socket, the
+front's port of that engine, and the combined port (front_port), the three
 interleaved request by request so a slow moment of the machine falls on all three alike. Prints,
 per place and kind, the median and p99 of the time to the whole answer and, for the streamed
 one, of the time to its first event; then what each port of the front adds at the median over
-the engine's own port. Exit code 0, or 1 when a request failed.
+the engine's own socket. Exit code 0, or 1 when a request failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import inspect
 import json
 import os
+import socket
 import statistics
 import sys
 import time
-import urllib.request
+import urllib.parse
 from pathlib import Path
 
 from sparkform.domain.schema import HostConfig
@@ -34,23 +36,34 @@ sys.path.append(str(Path(__file__).resolve().parent.parent / "tests" / "integrat
 from deploy_helpers import SANDBOX_INVENTORY, ssh  # noqa: E402
 
 
-def timed(url: str, body: dict, key: str | None) -> list[float | None]:
-    """[s to the first line of the answer, s to its end] of one request. Runs on the host by its
-    source (the system's python3, standard library only)."""
+def timed(place: list[str | None], body: dict, key: str | None) -> list[float | None]:
+    """[s to the first line of the answer, s to its end] of one request to `place`, [a unix
+    socket to connect to or None, the URL]. Runs on the host by its source (the system's
+    python3, standard library only)."""
+    socket_path, url = place[0], str(place[1])
+    parts = urllib.parse.urlsplit(url)
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     started = time.perf_counter()
+    connection = http.client.HTTPConnection(parts.hostname or "localhost", parts.port, timeout=60)
+    if socket_path:  # http.client sends on a socket it already holds
+        connection.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.sock.settimeout(60)
+        connection.sock.connect(socket_path)
+    connection.request("POST", parts.path, json.dumps(body), headers)
+    response = connection.getresponse()
+    if response.status != 200:
+        raise OSError(f"{url} answered {response.status}")
     first = None
-    with urllib.request.urlopen(request, timeout=60) as response:
-        for _ in response:
-            first = first or time.perf_counter() - started
+    for _ in response:
+        first = first or time.perf_counter() - started
+    connection.close()
     return [first, time.perf_counter() - started]
 
 
-def on_the_host(places: dict[str, str], bodies: dict[str, dict], key: str, requests: int) -> str:
+def on_the_host(places: dict[str, list[str | None]], bodies: dict[str, dict], key: str, requests: int) -> str:
     """The program the host runs: every place and kind in turn, `requests` rounds; JSON out,
     {place: {kind: [[first, end], ...]}}. The key goes in the program on stdin, never in argv."""
-    return f"""import json, time, urllib.request
+    return f"""import http.client, json, socket, time, urllib.parse
 {inspect.getsource(timed)}
 places, bodies, key = {places!r}, {bodies!r}, {key!r}
 times = {{place: {{kind: [] for kind in bodies}} for place in places}}
@@ -65,14 +78,15 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98] if len(values) > 1 else values[0]
 
 
-def requests_to(config: HostConfig, engine_name: str) -> tuple[dict[str, str], dict[str, dict]]:
-    """The three places (URL each) the bench sends to for the engine, and its two kinds of request (body each)."""
+def requests_to(config: HostConfig, engine_name: str) -> tuple[dict[str, list[str | None]], dict[str, dict]]:
+    """The three places the bench sends to for the engine ([unix socket or None, URL] each), and
+    its two kinds of request (body each)."""
     engine = next(e for e in config.engines if e.name == engine_name)
     front = config.front_local_address
-    places = {
-        "engine": f"http://127.0.0.1:{config.internal_port(engine)}/v1/chat/completions",
-        "own port": f"http://{front}:{engine.port}/v1/chat/completions",
-        "combined": f"http://{front}:{config.front_port}/v1/chat/completions",
+    places: dict[str, list[str | None]] = {
+        "engine": [config.engine_socket(engine), "http://localhost/v1/chat/completions"],
+        "own port": [None, f"http://{front}:{engine.port}/v1/chat/completions"],
+        "combined": [None, f"http://{front}:{config.front_port}/v1/chat/completions"],
     }
     chat = {"model": engine.names[0], "messages": [{"role": "user", "content": "hi"}]}
     bodies = {"one token": chat | {"max_tokens": 1}, "streamed": chat | {"max_tokens": 8, "stream": True}}

@@ -1,7 +1,7 @@
 """`sparkform bench INVENTORY`: the pair measured on its host, each engine alone while the others
 idle, then all at once with the same settings (sparkform/reports/bench.py: the generator, the figures).
 
-Runs over SSH on the host, as the engine user, against each engine's internal port: nothing of
+Runs over SSH on the host, as the engine user, against each engine's own socket: nothing of
 the API key is needed, and the LAN is not in the figures. Appends the result to the host's bench
 ledger (root's record folder) and prints it with the ledger's history; `--plot FILE.png` draws
 both. The phases of a host run one after the other; every phase stops after --timeout seconds.
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkform.commands import hostpins, ssh
-from sparkform.domain.layout import record_dir
+from sparkform.domain.layout import engine_curl, record_dir
 from sparkform.domain.model import Host
 from sparkform.readers.parsers import parse_prometheus
 from sparkform.readers.remote import plain_file, section, split_sections
@@ -61,7 +61,7 @@ def busy_command(host: Host) -> str:
     return " ; ".join(
         section(
             engine.name,
-            f"curl -sS -m 5 http://127.0.0.1:{host.config.internal_port(engine)}/metrics | grep -E {pattern}",
+            f"curl -sS -m 5 {engine_curl(host.config.engine_socket(engine), '/metrics')} | grep -E {pattern}",
         )
         for engine in host.config.enabled_engines
     )

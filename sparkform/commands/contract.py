@@ -4,7 +4,7 @@ request contract of the vLLM version it serves (sparkform/reports/contract.py).
 Every request runs as curl on the host over SSH, as the verify suite's do: the OpenAI routes
 through the front with the API key (read on the host from the front's root-only snippet and
 handed to curl on a pipe, never in an argv or a log), /tokenize and /version on the engine's
-own port (the front passes neither). Request bodies go to curl on stdin.
+own socket (the front passes neither). Request bodies go to curl on stdin.
 
 Exit codes: 0 every check passed (or was skipped, with its reason); 1 a check failed; 2 the
 inventory is invalid, or --host/--engine names none of it; 3 a host or an engine did not answer
@@ -25,6 +25,7 @@ from typing import Any
 from sparkform.commands import ssh
 from sparkform.commands.status import positive_seconds
 from sparkform.domain.engine import Engine
+from sparkform.domain.layout import engine_curl
 from sparkform.domain.schema import HostConfig
 from sparkform.reports.contract import Finding, NoAnswer, Reply, Request, contract_table, major_minor
 from sparkform.reports.contract_requests import check_engine
@@ -56,11 +57,12 @@ def key_header(snippet: str) -> str:
     )
 
 
-def url(config: HostConfig, engine: Engine, request: Request) -> str:
-    """Where the request goes from the host: the front, or the engine's own port on loopback."""
+def target(config: HostConfig, engine: Engine, request: Request) -> str:
+    """curl's arguments for where the request goes from the host: the front, or the engine's own
+    socket."""
     if request.front:
-        return config.front_url(engine.port, request.path)
-    return f"http://127.0.0.1:{config.internal_port(engine)}{request.path}"
+        return shlex.quote(config.front_url(engine.port, request.path))
+    return engine_curl(config.engine_socket(engine), request.path)
 
 
 def curl_script(config: HostConfig, engine: Engine, request: Request, timeout_s: float) -> str:
@@ -73,7 +75,7 @@ def curl_script(config: HostConfig, engine: Engine, request: Request, timeout_s:
         key_header(config.paths.front_key) if request.front and config.front_keyed else "",
         config.front_curl_tls if request.front else "",
         "-H 'Content-Type: application/json' --data-binary @-" if request.body is not None else "",
-        shlex.quote(url(config, engine, request)),
+        target(config, engine, request),
     ]
     return " ".join(word for word in words if word)
 
@@ -111,8 +113,12 @@ class HostAsker:
         if result.returncode == 255:
             raise NoAnswer(f"{request.path}: the host does not answer over SSH ({ssh.failure(result)})")
         why = CURL_FAILURES.get(result.returncode, f"curl exit {result.returncode}")
-        where = "the front" if request.front else "the engine's own port"
-        raise NoAnswer(f"{request.path} on {where} ({url(self.config, self.engine, request)}): {why}")
+        where = (
+            f"the front ({self.config.front_url(self.engine.port, request.path)})"
+            if request.front
+            else f"the engine's own socket ({self.config.engine_socket(self.engine)})"
+        )
+        raise NoAnswer(f"{request.path} on {where}: {why}")
 
 
 def ssh_asker(ssh_config: Path, host: str, config: HostConfig, engine: Engine, timeout_s: float) -> HostAsker:
@@ -120,7 +126,7 @@ def ssh_asker(ssh_config: Path, host: str, config: HostConfig, engine: Engine, t
 
 
 def live_version(ask: HostAsker) -> str:
-    """The vLLM version the engine serves (/version on its own port), checked before use."""
+    """The vLLM version the engine serves (/version on its own socket), checked before use."""
     reply = ask(Request("/version", front=False))
     body = reply.json() if reply.status == 200 else None
     version = body.get("version") if isinstance(body, dict) else None

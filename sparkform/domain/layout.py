@@ -10,6 +10,7 @@ names the host programs define themselves (sparkform.host), so the schema can na
 from __future__ import annotations
 
 import posixpath
+import shlex
 from dataclasses import dataclass
 
 from sparkform.host import RETRY_UNIT_PREFIX, ROOT_PYTHON, SETTINGS_SUFFIX
@@ -101,6 +102,27 @@ def engine_unit(engine_name: str) -> str:
 def engine_identifier(engine_name: str) -> str:
     """The engine's name in the journal (SyslogIdentifier=): its unit without `.service`."""
     return engine_unit(engine_name).removesuffix(".service")
+
+
+# Each engine serves its API on a unix socket in a folder of its own (no TCP port), inside the
+# host's socket_dir: the folder is its user's, group FRONT_USER, setgid, mode 2750 (systemd-tmpfiles
+# makes it at boot), so only root, the front and that engine's user reach the socket, and nobody
+# else can put one there.
+ENGINE_SOCKETS_TMPFILES = "/etc/tmpfiles.d/sparkform-engines.conf"
+
+
+def engine_socket_dir(socket_dir: str, engine_name: str) -> str:
+    return f"{socket_dir}/{engine_name}"
+
+
+def engine_socket(socket_dir: str, engine_name: str) -> str:
+    """The unix socket engine `engine_name`'s API serves on (vLLM's --uds)."""
+    return f"{engine_socket_dir(socket_dir, engine_name)}/api.sock"
+
+
+def engine_curl(socket: str, path: str) -> str:
+    """curl's arguments that reach `path` of an engine itself, on its `socket` (as root)."""
+    return f"--unix-socket {shlex.quote(socket)} {shlex.quote('http://localhost' + path)}"
 
 
 def recover_unit(engine_name: str) -> str:

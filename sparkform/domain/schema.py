@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from sparkform.domain import locks
+from sparkform.domain import layout, locks
 from sparkform.domain.engine import Engine, Span
 from sparkform.domain.layout import HostPaths
 from sparkform.domain.locks import VllmPin
@@ -31,6 +31,7 @@ from sparkform.domain.shapes import (
     URL_PATTERN,
     VERSION_PATTERN,
     PortNumber,
+    SocketFolder,
     StrictModel,
     checked_managed_folder,
     checked_path,
@@ -78,6 +79,8 @@ class HostConfig(StrictModel):
     """The checkpoint scrub, on by default (weekly, 200 MiB/s): the `scrub.*` fields."""
     cache_root: str = Field("/var/cache/sparkform")
     """Persistent per-engine JIT caches (vLLM, FlashInfer, Triton, CuTe DSL)."""
+    socket_dir: SocketFolder = Field("/run/sparkform-engines", max_length=64, validate_default=True)
+    """The engines' unix sockets, in a folder each (made at every boot); short: a socket's path fits in 107 bytes."""
     lib_dir: str = Field("/usr/local/lib/sparkform")
     """Launch script and readiness helper."""
     config_dir: str = Field("/etc/sparkform")
@@ -93,8 +96,6 @@ class HostConfig(StrictModel):
     open_lan_api_without_key: bool = Field(False)
     """True lets a non-loopback listen_address serve without an API key: anyone on the LAN runs the models. Only on
     purpose."""
-    internal_port_offset: int = Field(10000, ge=1, le=64511)
-    """Each engine binds 127.0.0.1 on port + this offset; only the front and the readiness helper use it."""
     metrics_allow: list[str] = Field(default_factory=list)
     """Addresses or networks (CIDR) that may scrape: each engine's /metrics through the front (everyone else: 403), and
     node_exporter when `monitoring` is on."""
@@ -311,8 +312,7 @@ class HostConfig(StrictModel):
 
     @property
     def pins(self) -> list[VllmPin]:
-        """Every venv this host needs, each once: the host's own first (the tools run from it), then the enabled
-        engines' in order."""
+        """Every venv this host needs, once each: the host's own first (the tools run from it), then its engines'."""
         return list(dict.fromkeys([self.pin(), *(self.pin(engine) for engine in self.enabled_engines)]))
 
     @property
@@ -402,9 +402,9 @@ class HostConfig(StrictModel):
         cannot), whatever name its certificate holds."""
         return f"--insecure --pinnedpubkey {shlex.quote(self.paths.front_public_key)}" if self.front_tls_on else ""
 
-    def internal_port(self, engine: Engine) -> int:
-        """The port the engine itself binds on 127.0.0.1, behind the front."""
-        return engine.port + self.internal_port_offset
+    def engine_socket(self, engine: Engine) -> str:
+        """The unix socket the engine itself serves on, behind the front (no TCP port)."""
+        return layout.engine_socket(self.socket_dir, engine.name)
 
     def memory_limits(self, engine: Engine) -> tuple[float, float]:
         """(MemoryHigh, MemoryMax) of the engine's unit, GiB: its own, else the host's."""

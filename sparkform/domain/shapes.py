@@ -10,7 +10,7 @@ import posixpath
 import re
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
 
 from sparkform.domain.vllm_versions import TAKES
 
@@ -80,7 +80,7 @@ URL_PATTERN = r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?$"
 # flag -> why it is refused. vLLM's parser maps `_` to `-` and argparse takes unambiguous
 # abbreviations, so every spelling is compared after both.
 _BOUND_BEHIND_THE_FRONT = (
-    "sparkform's: the engine binds 127.0.0.1 on its internal port behind the front; set listen_address and port instead"
+    "sparkform's: the engine serves on a unix socket of its own behind the front; set listen_address and port instead"
 )
 OWNED_FLAGS = {
     "--host": _BOUND_BEHIND_THE_FRONT,
@@ -157,6 +157,19 @@ def checked_managed_folder(value: str) -> str:
             "/var/lib/sparkform"
         )
     return value
+
+
+def checked_socket_folder(value: str) -> str:
+    """The folder of the engines' socket folders: a safe path, under /run or a folder of its own."""
+    if value in SYSTEM_FOLDERS or checked_path(value).startswith(tuple(r for r in VOLATILE_ROOTS if r != "/run/")):
+        raise ValueError(
+            f"{value!r} is a system folder (or lies in /proc, /sys, /dev or /boot): the deploy sets the owner "
+            "and mode of the engines' socket folders in it; give it a folder of its own, e.g. /run/sparkform-engines"
+        )
+    return value
+
+
+SocketFolder = Annotated[str, AfterValidator(checked_socket_folder)]
 
 
 def owned_flag(arg: str) -> str | None:

@@ -87,7 +87,7 @@ class AwaitedRanks(TypedDict):
 class GuardEngine(TypedDict):
     name: str
     unit: str
-    port: int  # internal: the engine's own API, behind the front
+    socket: str  # the unix socket of the engine's own API, behind the front
     names: list[str]  # the names it serves under (no program reads them yet)
     probe: EngineProbe
     priority: int

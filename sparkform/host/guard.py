@@ -7,7 +7,7 @@ file beside it, sparkform-guard.json (rendered from the inventory).
                          (sparkform.host.watchdog): a start is watched for progress from the
                          engine's exec on (a stopped process or no progress for start_stall_s
                          fails it); an engine that systemd counts as started gets a one-token
-                         completion with a deadline on its internal port; after K failures in a
+                         completion with a deadline on its socket; after K failures in a
                          row with no progress in the engine's own /metrics (a long prefill is
                          progress, a hang is not; slow probes on a starved machine are not
                          evidence) the unit's whole cgroup is killed and systemd starts it again.

@@ -78,12 +78,12 @@ def cmd_stopped(config: GuardSettings, engine: GuardEngine, tell, environ=os.env
     invocation = environ.get("INVOCATION_ID", "")
     lines = invocation_journal(engine["unit"], invocation, JOURNAL_BYTES, LINE_CHARS) if invocation else []
     cgroup = unit_cgroup(engine["unit"])  # ExecStopPost= still runs in it
-    held = strangers(engine["port"], cgroup) if cgroup else []
+    held = strangers(engine["socket"], cgroup) if cgroup else []
     why = why_stopped(
         environ.get("SERVICE_RESULT", ""), environ.get("EXIT_CODE", ""), environ.get("EXIT_STATUS", ""), lines
     )
     if held:
-        why += f"; its port 127.0.0.1:{engine['port']} is held by {'; '.join(held)}"
+        why += f"; its socket {engine['socket']} is held by {'; '.join(held)}"
     marker = read_json(kill_marker(config, name), None)
     if marker is not None:
         os.unlink(kill_marker(config, name))

@@ -1,18 +1,16 @@
 """What the guard reads about a unit's processes, from the cgroup tree and /proc: which processes
 it has, whether one is stopped (SIGSTOP, a debugger), how much CPU time they used, and whose
-socket listens on a port. Every value comes from the kernel; the texts an engine can shape (a
+socket listens on an engine's unix socket. Every value comes from the kernel; the texts an engine can shape (a
 process name, its command line) are only quoted, bounded, in messages."""
 
 import os
 import re
-import subprocess
+import socket
+import struct
 
 from sparkform.host.systemd import systemctl
 
 CGROUP_PATTERN = re.compile(r"/[A-Za-z0-9_.@:\\/-]{0,300}")
-# One listener as `ss -Hltne --cgroup` prints it: its address, uid, inode and the cgroup it was made in.
-# (Root's sockets have no uid field.)
-LISTENER = re.compile(r"\S+\s+\d+\s+\d+\s+\S+\s+\S+\s+(uid:(?P<uid>\d+)\s)?.*?cgroup:(?P<cgroup>/\S*)")
 SHOWN_CHARS = 200
 
 
@@ -106,37 +104,24 @@ def describe(pid, proc="/proc"):
     return f"{pid} ({shown(' '.join(w.decode('utf-8', 'replace') for w in words if w))})"
 
 
-def listeners(port):
-    """[(uid, cgroup)] of the TCP sockets listening on `port`, any address (sock_diag: the
-    kernel's own record of the cgroup that made each socket, so no process's files are read)."""
-    try:
-        result = subprocess.run(
-            ["ss", "-Hltne", "--cgroup", f"sport = :{int(port)}"], capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
+def listener(path, timeout_s=2.0):
+    """(pid, uid) of the process that listens on the unix socket `path`, as the kernel recorded
+    them when it called listen() (SO_PEERCRED); None when nothing listens there."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        client.settimeout(timeout_s)
+        try:
+            client.connect(path)
+            pid, uid, _ = struct.unpack("3i", client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        except OSError:
+            return None
+    return pid, uid
+
+
+def strangers(path, cgroup, proc="/proc"):
+    """Who listens on the unix socket `path` from outside the unit's `cgroup`: one line (uid and
+    process), or none when the unit (or nobody) does."""
+    found = listener(path)
+    if found is None or found[0] in cgroup_pids(cgroup):
         return []
-    return parse_listeners(result.stdout)
-
-
-def parse_listeners(text):
-    """[(uid, cgroup)] of `ss -Hltne --cgroup`'s lines; a line of another shape is left out."""
-    found = []
-    for line in text.splitlines():
-        match = LISTENER.match(line)
-        if match and CGROUP_PATTERN.fullmatch(match["cgroup"]) and ".." not in match["cgroup"].split("/"):
-            found.append((int(match["uid"] or 0), match["cgroup"]))
-    return found
-
-
-def strangers(port, cgroup):
-    """Who listens on `port` from outside the unit's `cgroup`: one line each (uid, cgroup and its
-    processes), empty when only the unit (or nobody) does."""
-    lines = []
-    for uid, owner in listeners(port):
-        if owner == cgroup or owner.startswith(cgroup.rstrip("/") + "/"):
-            continue
-        # The socket owner's own processes first (a login session holds its shell and sshd too).
-        pids = cgroup_pids(owner)
-        pids = ([p for p in pids if uid_of(p) == uid] or pids)[:3]
-        lines.append(f"uid {uid} in {owner}: " + (", ".join(describe(p) for p in pids) or "no process left"))
-    return lines
+    pid, uid = found
+    return [f"uid {uid}: {describe(pid, proc)}"]

@@ -7,9 +7,8 @@ and systemd starts it again."""
 import json
 import threading
 import time
-import urllib.request
 
-from sparkform.host import GuardEngine, GuardSettings, outages, procs
+from sparkform.host import GuardEngine, GuardSettings, engine_api, outages, procs
 from sparkform.host.alerts import alert, journal
 from sparkform.host.ranks import waits_for_ranks
 from sparkform.host.starts import PROGRESS_CPU_SHARE, STARVED_STALLS, STOPPED_S, StartJudge, launch_state
@@ -19,23 +18,17 @@ from sparkform.host.systemd import active_state, journal_cursor, systemctl, unit
 PROGRESS_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 # A probe's answer is a token, a small vector or one document's score: far less than this.
 PROBE_ANSWER_BYTES = 4 * 2**20
+METRICS_BYTES = 8 * 2**20  # an engine's /metrics page: a few hundred lines
 
 
 def probe(engine: GuardEngine, deadline_s):
     """Whether the engine's probe (sparkform.domain.engine.PROBES: a one-token completion, an embedding,
     a rerank of one document) came back within the deadline with its answer, a non-empty list."""
     spec = engine["probe"]
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{engine['port']}{spec['route']}",
-        data=json.dumps(spec["body"]).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=deadline_s) as response:
-            body = response.read(PROBE_ANSWER_BYTES + 1) if response.status == 200 else b""
-    except OSError:
+    got = engine_api.answer(engine["socket"], spec["route"], deadline_s, PROBE_ANSWER_BYTES, spec["body"])
+    if got is None or got[0] != 200:
         return False
-    return isinstance(answer := probe_answer(body, spec["answer"]), list) and bool(answer)
+    return isinstance(answer := probe_answer(got[1], spec["answer"]), list) and bool(answer)
 
 
 def probe_answer(body: bytes, field):
@@ -54,11 +47,10 @@ def probe_answer(body: bytes, field):
 def progress(engine: GuardEngine, deadline_s):
     """The sum of the engine's token counters (None: /metrics did not answer). The text comes
     from the engine, the process that parses untrusted prompts: only numbers are taken from it."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{engine['port']}/metrics", timeout=deadline_s) as response:
-            text = response.read(8 * 2**20).decode("utf-8", "replace")
-    except OSError:
+    got = engine_api.answer(engine["socket"], "/metrics", deadline_s, METRICS_BYTES)
+    if got is None or got[0] != 200:
         return None
+    text = got[1][:METRICS_BYTES].decode("utf-8", "replace")
     total = 0.0
     for line in text.splitlines():
         name, _, rest = line.partition("{") if "{" in line else line.partition(" ")
@@ -163,10 +155,10 @@ class Watchdog(threading.Thread):
             # its ranks on other hosts (a rebooting worker's guard watches the rank's own start).
             start.forget()
             return
-        strangers = procs.strangers(engine["port"], cgroup)
+        strangers = procs.strangers(engine["socket"], cgroup)
         if strangers:
             start.forget()
-            self.kill("stalled", f"cannot serve: its port 127.0.0.1:{engine['port']} is held by {'; '.join(strangers)}")
+            self.kill("stalled", f"cannot serve: its socket {engine['socket']} is held by {'; '.join(strangers)}")
             return
         pids = procs.cgroup_pids(cgroup)
         stopped = procs.stopped_pids(pids)

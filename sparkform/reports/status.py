@@ -16,7 +16,7 @@ import shlex
 import time
 
 from sparkform.domain.engine import Engine
-from sparkform.domain.layout import FRONT_UNIT, GUARD_UNIT, SCRUB_TIMER
+from sparkform.domain.layout import FRONT_UNIT, GUARD_UNIT, SCRUB_TIMER, engine_curl
 from sparkform.domain.locks import VllmPin
 from sparkform.domain.schema import HostConfig
 from sparkform.host import ALERT_MESSAGE_ID
@@ -81,8 +81,7 @@ def _metrics_filter() -> str:
 
 
 def _metrics(engine: Engine, config: HostConfig) -> str:
-    url = f"http://127.0.0.1:{config.internal_port(engine)}/metrics"
-    return f"curl -sS -m 5 {shlex.quote(url)} | grep -E {_metrics_filter()}"
+    return f"curl -sS -m 5 {engine_curl(config.engine_socket(engine), '/metrics')} | grep -E {_metrics_filter()}"
 
 
 def _front_request(engine: Engine, config: HostConfig) -> str:
@@ -114,7 +113,6 @@ def status_command(config: HostConfig, sample_s: float) -> str:
     # The API key comes on stdin (never in argv): the first line, read once.
     sections = ["IFS= read -r sparkform_key || true", section("clock", clock)]
     for engine in config.engines:
-        health = f"http://127.0.0.1:{config.internal_port(engine)}/health"
         sections.append(section(f"metrics:{engine.name}", _metrics(engine, config)))
         sections.append(
             section(
@@ -124,7 +122,11 @@ def status_command(config: HostConfig, sample_s: float) -> str:
             )
         )
         sections.append(
-            section(f"health:{engine.name}", f"curl -s -o /dev/null -m 5 -w '%{{http_code}}\\n' {shlex.quote(health)}")
+            section(
+                f"health:{engine.name}",
+                "curl -s -o /dev/null -m 5 -w '%{http_code}\\n' "
+                + engine_curl(config.engine_socket(engine), "/health"),
+            )
         )
         if engine in config.served_engines:
             sections.append(section(f"front:{engine.name}", _front_request(engine, config)))

@@ -443,7 +443,6 @@ def _ports_in_use(cfg: HostConfig, spanning: Engine) -> dict[int, str]:
         taken[cfg.monitoring.port] = "node_exporter"
     for engine in cfg.engines:
         taken[engine.port] = f"engine {engine.name}'s port"
-        taken[cfg.internal_port(engine)] = f"engine {engine.name}'s internal port"
         if engine.nodes and engine is not spanning:
             taken[engine.master_port] = f"engine {engine.name}'s master_port"
     return taken

@@ -205,7 +205,6 @@ def ports_taken(cfg: HostConfig) -> dict[int, str]:
     """The host's ports other than the combined front's -> who takes each."""
     taken = {}
     for engine in cfg.engines:
-        taken[cfg.internal_port(engine)] = f"engine {engine.name} binds it (its port + internal_port_offset)"
         if engine.nodes:
             taken[engine.master_port] = f"the ranks of engine {engine.name} meet on it (its master_port)"
         taken[engine.port] = f"engine {engine.name} listens on it"
@@ -241,7 +240,6 @@ def front(host: Host) -> list[Problem]:
                 f"give this client another name, or move api_key_file into api_keys as {DEFAULT_CLIENT!r}",
             )
         )
-    public = {engine.port: engine.name for engine in cfg.engines}
     taken = cfg.front_port is not None and ports_taken(cfg).get(cfg.front_port)
     if taken:
         problems.append(
@@ -253,20 +251,6 @@ def front(host: Host) -> list[Problem]:
                 "give the combined front a port of its own (default 8000), or front_port: null for none",
             )
         )
-    for engine in cfg.engines:
-        internal = cfg.internal_port(engine)
-        if internal > 65535 or internal in public:
-            problems.append(
-                Problem(
-                    host.name,
-                    "internal_port_offset",
-                    cfg.internal_port_offset,
-                    f"the engine's internal port {engine.port} + {cfg.internal_port_offset} = {internal} "
-                    + ("is past 65535" if internal > 65535 else f"is engine {public[internal]}'s port"),
-                    "pick an offset that lands every engine on a free port below 65536",
-                    engine.name,
-                )
-            )
     return problems
 
 

@@ -65,6 +65,9 @@ def start(name: str, runtime_dir: Path, root: Path, binds: Sequence[tuple[str, s
         "--keep-unit",
         "--console=pipe",
         f"--network-namespace-path={netns_path(name)}",
+        # As a host's systemd may: set up the loopback of a unit's own network (PrivateNetwork=, the
+        # engines'); the guest's network namespace is its own, this machine's stays out of reach.
+        "--capability=CAP_NET_ADMIN",
         *(f"--bind-ro={host}:{guest}" for host, guest in binds),
     ]
     env = {**os.environ, "SFSB_CGROUP_PROCS": " ".join(str(d / "cgroup.procs") for d in cgroups)}

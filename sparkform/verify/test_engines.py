@@ -21,6 +21,7 @@ from sparkform.domain.layout import (
     SCRUB_TIMER,
     UNIT_PREFIX,
     cache_keys_dir,
+    engine_socket_dir,
     record_dir,
     record_path,
     venv_marker,
@@ -94,7 +95,7 @@ def test_start_timeout_above_readiness_budget(remote, engine, config):
     assert _seconds(props["TimeoutStartUSec"]) > config.readiness_budget_s
     # The helper asks what the engine's kind serves (a completion, an embedding, a rerank).
     probe = f"--probe {engine.probe['route']} {json.dumps(engine.probe['body'], sort_keys=True)}"
-    helper = f"sparkform-wait-ready {probe} {config.internal_port(engine)} {config.readiness_budget_s}"
+    helper = f"sparkform-wait-ready {probe} {config.engine_socket(engine)} {config.readiness_budget_s}"
     assert helper in _exec_start_post(remote, engine)
 
 
@@ -315,10 +316,20 @@ def test_front_metrics_to_the_allowed_addresses_only(remote, engine, config):
     assert _curl(remote, config, engine, "/metrics", key=False, status_only=True) == ("200" if allowed else "403")
 
 
-def test_engine_listens_on_loopback_only(remote, engine, config):
-    listeners = remote.check_output(f"ss -Hltn 'sport = :{config.internal_port(engine)}'").split()
-    local = [word for word in listeners if word.endswith(f":{config.internal_port(engine)}")]
-    assert local == [f"127.0.0.1:{config.internal_port(engine)}"], listeners
+def test_engine_serves_on_its_socket_only(remote, engine, config):
+    """The engine's API is its unix socket, which only root, the front and the engine's user
+    reach; an engine on one host has a network of its own, so none of its processes listens on
+    a TCP port of the host (the ranks of one across hosts meet on the link)."""
+    if config.is_worker(engine):
+        pytest.skip(f"{engine.name}: a rank without an API here")
+    socket, folder = config.engine_socket(engine), engine_socket_dir(config.socket_dir, engine.name)
+    assert remote.check_output(f"stat -c '%F %a %U %G' {folder}") == f"directory 2750 {config.engine_user} {FRONT_USER}"
+    assert remote.check_output(f"stat -c '%F %a %U %G' {socket}") == f"socket 770 {config.engine_user} {FRONT_USER}"
+    if not engine.nodes:
+        units = [line.split() for line in remote.check_output("ps -eo pid=,unit=").splitlines()]
+        pids = [words[0] for words in units if words[1:] == [engine.unit]]
+        listeners = remote.check_output("ss -Hltnp")
+        assert pids and not [pid for pid in pids if f"pid={pid}," in listeners], listeners
     assert "--disable-fastapi-docs" in remote.file(config.paths.engine_settings(engine.name)[1]).content_string
 
 

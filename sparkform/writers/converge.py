@@ -118,9 +118,8 @@ class Folder:
 
 def folders(config: HostConfig) -> list[Folder]:
     """Every folder the deploy manages, parents first. Root reads back and runs only what lies
-    in root's folders; the engine user owns exactly its home, the launch locks and each
-    engine's cache folder, none of which holds a folder of root's, so it can rename or replace
-    nothing root trusts."""
+    in root's folders; the engine user owns exactly its home, the launch locks, each engine's
+    cache and socket folder, none of which holds a folder of root's: it replaces nothing root trusts."""
     engine_user = config.engine_user
     result = [
         Folder(config.lib_dir, "755"),
@@ -151,8 +150,12 @@ def folders(config: HostConfig) -> list[Folder]:
             Folder(config.monitoring.textfile_dir, "755"),
             Folder(posixpath.dirname(layout.NODE_EXPORTER_DROP_IN), "755"),
         ]
-    result += [Folder(config.engine_cache_dir(engine), "750", engine_user, engine_user) for engine in config.engines]
-    return result
+    caches = [Folder(config.engine_cache_dir(engine), "750", engine_user, engine_user) for engine in config.engines]
+    # Each engine's socket folder: its user's, setgid to the front's group (tmpfiles.d: again at boot).
+    sockets = [posixpath.dirname(config.engine_socket(engine)) for engine in config.engines]
+    return [*result, *caches, Folder(config.socket_dir, "755")] + [
+        Folder(path, "2750", engine_user, layout.FRONT_USER) for path in sockets
+    ]
 
 
 def snapshot_request(config: HostConfig) -> dict:

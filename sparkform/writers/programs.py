@@ -143,7 +143,7 @@ def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None 
             GuardEngine(
                 name=e.name,
                 unit=e.unit,
-                port=config.internal_port(e),
+                socket=config.engine_socket(e),
                 names=e.names,
                 probe=cast(EngineProbe, e.probe),
                 priority=e.priority,

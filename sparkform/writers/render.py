@@ -145,7 +145,9 @@ def engine_environment(config: HostConfig, engine: Engine) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
-        **(span_environment(config, engine) if engine.nodes else {}),
+        # An engine on one host has a network of its own, loopback only: gloo would look for the
+        # host name's address (127.0.1.1 on Debian) on an interface, and find none.
+        **(span_environment(config, engine) if engine.nodes else {"GLOO_SOCKET_IFNAME": "lo"}),
     }
 
 
@@ -176,11 +178,9 @@ def engine_args(config: HostConfig, engine: Engine) -> list[str]:
         config.checkpoint_dir(engine),
         "--served-model-name",
         *engine.names,
-        # Behind the front: only nginx (and the readiness helper) reach the engine itself.
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(config.internal_port(engine)),
+        # Behind the front, on no TCP port: only root, nginx and the engine's user reach its socket.
+        "--uds",
+        config.engine_socket(engine),
         # /docs and /openapi.json describe every route, guarded or not.
         "--disable-fastapi-docs",
         SETTING_FLAGS["max_model_len"],
@@ -315,6 +315,7 @@ def render_host(config: HostConfig, model_configs: Mapping[str, dict] | None = N
         RenderedFile(
             PROFILE_CAPS, template("profile-caps.sh.j2", config=config, caps=config.compile_caps.as_env()), "644"
         ),
+        RenderedFile(layout.ENGINE_SOCKETS_TMPFILES, template("engine-sockets.tmpfiles.j2", config=config), "644"),
     ]
     if config.enabled_engines:
         files.append(

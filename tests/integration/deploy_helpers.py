@@ -26,9 +26,19 @@ UNITS = (layout.engine_unit("nemotron"), layout.engine_unit("q38"))
 # The sandbox inventory keeps the default folders; where sparkform puts its files in them.
 DEFAULT_FOLDERS = {
     name: HostConfig.model_fields[name].default
-    for name in ("lib_dir", "config_dir", "state_dir", "models_dir", "venv_root")
+    for name in ("lib_dir", "config_dir", "state_dir", "models_dir", "venv_root", "socket_dir")
 }
 PATHS = layout.HostPaths(DEFAULT_FOLDERS["lib_dir"], DEFAULT_FOLDERS["config_dir"], DEFAULT_FOLDERS["state_dir"])
+
+
+def engine_socket(engine: str) -> str:
+    """The unix socket engine `engine` serves on in the sandbox (its API has no TCP port)."""
+    return layout.engine_socket(DEFAULT_FOLDERS["socket_dir"], engine)
+
+
+def engine_url(engine: str, path: str) -> str:
+    """curl's arguments that reach `path` of the engine itself, on the box (as root)."""
+    return layout.engine_curl(engine_socket(engine), path)
 
 
 CONVERGED: set[str] = set()  # sandboxes a deploy of SANDBOX_INVENTORY converged in this session

@@ -1,13 +1,17 @@
-"""A stranger on an engine's port, run inside a sandbox as another user: `python3 squatter.py
-PORT NAME...` answers /health, /v1/models (listing NAMEs) and every POST as vLLM would, so only a
-check of who owns the socket tells it from the engine. Standard library only (the box's python3)."""
+"""A stranger on an engine's unix socket, run inside a sandbox: `python3 squatter.py SOCKET
+NAME...` answers /health, /v1/models (listing NAMEs) and every POST as vLLM would, so only a
+check of who holds the socket tells it from the engine. Standard library only (the box's python3)."""
 
 import json
+import socketserver
 import sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler
 
 
 class Handler(BaseHTTPRequestHandler):
+    def address_string(self):
+        return "unix"  # a unix socket's peer has no address
+
     def log_message(self, *args):
         pass
 
@@ -28,4 +32,4 @@ class Handler(BaseHTTPRequestHandler):
 
 
 if __name__ == "__main__":
-    HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+    socketserver.ThreadingUnixStreamServer(sys.argv[1], Handler).serve_forever()

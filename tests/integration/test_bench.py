@@ -15,7 +15,7 @@ import subprocess
 import time
 
 import pytest
-from deploy_helpers import BIN, PATHS, SANDBOX_INVENTORY, ssh
+from deploy_helpers import BIN, PATHS, SANDBOX_INVENTORY, engine_url, ssh
 
 from sparkform.readers.parsers import parse_prometheus
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("converged")
 SHARES_SANDBOX = True  # it sends requests and appends to the bench ledger; the pair stays as converged
 CI_MINUTES = 4  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 
-ENGINES = {"nemotron": 18012, "q38": 18011}  # their internal ports
+ENGINES = ("nemotron", "q38")
 REQUESTS, OUTPUT_LEN = 2, 16
 SETTINGS = ["--input-len", "32", "--output-len", str(OUTPUT_LEN), "--requests", str(REQUESTS), "--timeout", "120"]
 COMBINED = re.compile(r"^combined: ([\d.]+) tok/s with all generating, against ([\d.]+) tok/s for (\w+) alone", re.M)
@@ -49,8 +49,8 @@ def pinned_requests(box) -> dict[str, float]:
     """Per engine, the requests it finished with 11 to 20 generated tokens (the bench's 16; the
     guard's probes generate 1), from its own /metrics histogram."""
     counts = {}
-    for engine, port in ENGINES.items():
-        text = ssh(box, f"curl -sS -m 5 http://127.0.0.1:{port}/metrics").stdout
+    for engine in ENGINES:
+        text = ssh(box, f"curl -sS -m 5 {engine_url(engine, '/metrics')}").stdout
         buckets = {
             s.labels["le"]: s.value
             for s in parse_prometheus(text.splitlines())

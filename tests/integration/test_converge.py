@@ -37,6 +37,8 @@ from deploy_helpers import (
     checkpoint_dir,
     edited_inventory,
     engine_core,
+    engine_socket,
+    engine_url,
     flip_a_byte_keeping_size_and_mtime,
     hang_detected_s,
     journal_times,
@@ -68,7 +70,6 @@ VENV_IMAGE = True  # the venv is in place: its install is test_faults' (with its
 CI_MINUTES = 18  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 
 PORTS = {"nemotron": 8012, "q38": 8011}  # the front's, on the sandbox's LAN address
-INTERNAL_OFFSET = 10000
 
 
 @pytest.mark.from_scratch
@@ -221,16 +222,19 @@ def test_outside_the_host_nothing_answers_without_the_key(box):
         ):
             answer = call(box, port, path, key=with_key)
             assert b"vllm:" not in answer[1], (port, path, answer[0], answer[1][:300])
+    # The engines themselves have no TCP port: each listens on its unix socket only (its torch and
+    # ZMQ listeners are in a network of its own), which no local user but root, nginx's and the
+    # engine's own reaches.
+    listeners = ssh(box, "ss -Hltnp").stdout
     for engine in PORTS:
         assert call(box, engine, "/health")[0] == 200
-        # The engine itself listens on loopback only.
-        with socket.socket() as sock:
-            sock.settimeout(5)
-            assert sock.connect_ex((box.address, PORTS[engine] + INTERNAL_OFFSET)) != 0
-        listeners = ssh(box, f"ss -Hltn 'sport = :{PORTS[engine] + INTERNAL_OFFSET}'").stdout.split()
-        assert f"127.0.0.1:{PORTS[engine] + INTERNAL_OFFSET}" in listeners and not [
-            w for w in listeners if w.endswith(f":{PORTS[engine] + INTERNAL_OFFSET}") and not w.startswith("127.0.0.1:")
-        ], listeners
+        unit = layout.engine_unit(engine)
+        pids = ssh(box, f"ps -eo pid=,unit= | awk '$2 == \"{unit}\" {{print $1}}'").stdout.split()
+        assert pids and not [p for p in pids if f"pid={p}," in listeners], listeners
+        connect = f"python3 -c 'import socket; socket.socket(socket.AF_UNIX).connect(\"{engine_socket(engine)}\")'"
+        assert ssh(box, f"runuser -u {layout.FRONT_USER} -- {connect}").returncode == 0  # nginx's user
+        stranger = ssh(box, f"runuser -u nobody -- {connect}", check=False)
+        assert stranger.returncode == 1 and "PermissionError" in stranger.stderr, stranger.stderr
 
 
 def test_with_the_key_a_chat_and_a_streamed_chat_pass(box):
@@ -341,7 +345,7 @@ def test_contract_holds_on_vllm_0_32_with_over_window_request_truncated(box):
         ssh(box, "systemctl start vllm-q38 sparkform-engines.target")
     assert silent.returncode == 3, silent.stdout + silent.stderr
     assert silent.stderr == (
-        f"sparkform contract: {box.name} q38: /version on the engine's own port (http://127.0.0.1:18011/version): "
+        f"sparkform contract: {box.name} q38: /version on the engine's own socket ({engine_socket('q38')}): "
         "connection refused; its contract was not checked\n"
     )
 
@@ -441,7 +445,7 @@ def test_embedder_beside_pair_serves_and_heals_alone_from_hang_and_crash(box):
     assert main_pids(box) == pair
 
 
-def test_a_jit_path_through_the_internal_port_does_not_kill_the_engine(box):
+def test_a_jit_path_through_the_engines_own_socket_does_not_kill_the_engine(box):
     """One /generative_scoring request compiles C++ with torch inductor (g++ and Python.h): it
     killed the engine when the host had no compiler."""
     before = unit_properties(box, "vllm-nemotron.service", "MainPID", "NRestarts")
@@ -449,7 +453,7 @@ def test_a_jit_path_through_the_internal_port_does_not_kill_the_engine(box):
     status = ssh(
         box,
         f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 300 -H 'Content-Type: application/json' "
-        f"-d '{body}' http://127.0.0.1:{PORTS['nemotron'] + INTERNAL_OFFSET}/generative_scoring",
+        f"-d '{body}' {engine_url('nemotron', '/generative_scoring')}",
     ).stdout
     assert status == "200", ssh(box, "journalctl -u vllm-nemotron -n 40 --no-pager -o cat").stdout
     # The same engine answers a chat after it: an engine the compile killed would not.
@@ -467,7 +471,7 @@ def test_logs_print_that_engines_journal_and_follow_it(box):
         assert "vllm-nemotron" in follow.stdout.readline()
         # A request made now is an access line in nemotron's journal: following, the command prints it.
         marker = f"/sparkform-follow-{time.monotonic_ns()}"
-        ssh(box, f"curl -s -o /dev/null http://127.0.0.1:{PORTS['nemotron'] + INTERNAL_OFFSET}{marker}")
+        ssh(box, f"curl -s -o /dev/null {engine_url('nemotron', marker)}")
         lines = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in follow.stdout], daemon=True).start()
         deadline = time.monotonic() + 60
@@ -824,7 +828,7 @@ def test_a_planted_value_stops_the_deploy_before_anything_changes(box, plant, na
 def test_reboot_brings_both_back_second_after_first_is_ready(box):
     machine.reboot(box.name)
     both_serving_after_boot(box)
-    (nemotron_ready,) = journal_times(box, r"sparkform-wait-ready: port 18012 serves")
+    (nemotron_ready,) = journal_times(box, rf"sparkform-wait-ready: {engine_socket('nemotron')} serves")
     (q38_start,) = journal_times(box, r"sparkform-launch: starting q38")
     assert q38_start > nemotron_ready, "q38 started before nemotron was ready"
     print(f"\nafter the reboot q38 started {q38_start - nemotron_ready:.1f} s after nemotron was ready")

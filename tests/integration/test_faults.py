@@ -29,6 +29,8 @@ from deploy_helpers import (
     checkpoint_dir,
     edited_inventory,
     engine_core,
+    engine_socket,
+    engine_url,
     journal_times,
     main_pids,
     mark_converged,
@@ -151,43 +153,34 @@ def test_hand_run_beside_a_running_engine_is_refused_with_how_to_stop_it(box):
 
 
 def test_hand_runs_while_q38_is_stopped(box):
-    """Port taken, incomplete checkpoint: refused; neighbour loading: it waits its turn, then the
+    """Socket taken, incomplete checkpoint: refused; neighbour loading: it waits its turn, then the
     caps reach it."""
     nemotron_pid = main_pids(box)["vllm-nemotron.service"]
+    socket = engine_socket("q38")
     ssh(box, "systemctl stop vllm-q38")
     try:
-        # Something else holds the port.
-        ssh(box, "setsid -f sudo -u nobody python3 -m http.server 18011 --bind 127.0.0.1 >/dev/null 2>&1")
+        # Nobody but the engine's user may put a socket in its folder (docs/incidents.md#port-squatter).
+        ssh(box, "cat > /tmp/squatter.py", stdin=SQUATTER.read_text())
+        refused = ssh(box, f"runuser -u nobody -- python3 /tmp/squatter.py {socket} q38 vision", check=False)
+        assert refused.returncode == 1 and "PermissionError" in refused.stderr, refused.stderr
+        # A process of the engine's own user that answers there (a second engine of that user, a
+        # hand run that got round the lock): the launch refuses it...
+        ssh(box, f"setsid -f runuser -u vllm -- python3 /tmp/squatter.py {socket} q38 vision >/dev/null 2>&1")
         wait_for(
-            lambda: ssh(box, "curl -s -o /dev/null http://127.0.0.1:18011/", check=False).returncode == 0,
+            lambda: ssh(box, f"curl -fs -o /dev/null {engine_url('q38', '/v1/models')}", check=False).returncode == 0,
             30,
-            "the squatter on port 18011",
+            "the squatter speaking the API on q38's socket",
             0.2,
         )
         result = hand_run(box, "q38")
-        assert result.returncode == 4 and "port 18011 already answers (uid:65534 cgroup:/" in result.stderr, (
+        assert result.returncode == 4 and f"{socket} already answers, so q38 cannot serve on it" in result.stderr, (
             result.stderr
         )
-        ssh(box, "pkill -f '[h]ttp.server 18011'")
-
-        # A squatter that speaks the API on the port: the readiness helper believes only a
-        # socket of its own unit, and names the stranger's (docs/incidents.md#port-squatter).
-        ssh(
-            box,
-            "cat > /tmp/squatter.py && setsid -f sudo -u nobody python3 /tmp/squatter.py 18011 q38 vision "
-            ">/dev/null 2>&1",
-            stdin=SQUATTER.read_text(),
-        )
-        wait_for(
-            lambda: ssh(box, "curl -fs -o /dev/null http://127.0.0.1:18011/v1/models", check=False).returncode == 0,
-            30,
-            "the squatter speaking the API on port 18011",
-            0.2,
-        )
-        # In a unit of its own, as in the engine's (this SSH session's cgroup holds the squatter).
-        helper = ssh(box, f"systemd-run -q --wait --pipe -p User=vllm {PATHS.wait_ready} 18011 30 q38 vision", False)
-        assert helper.returncode == 3 and "from a socket outside this unit (uid 65534" in helper.stderr, helper.stderr
-        ssh(box, "pkill -f '[s]quatter.py 18011'")
+        # ... and the readiness helper believes only a listener of its own unit, naming the stranger
+        # (in a unit of its own, as in the engine's: this SSH session's cgroup holds the squatter).
+        helper = ssh(box, f"systemd-run -q --wait --pipe -p User=vllm {PATHS.wait_ready} {socket} 30 q38 vision", False)
+        assert helper.returncode == 3 and "from a process outside this unit (pid " in helper.stderr, helper.stderr
+        ssh(box, "pkill -f '[s]quatter.py'")
 
         # An incomplete checkpoint.
         q38_checkpoint = checkpoint_dir(box, "q38")
@@ -225,7 +218,7 @@ def test_hand_runs_while_q38_is_stopped(box):
         nemotron_pid = main_pids(box)["vllm-nemotron.service"]
         # ... then goes ahead, and the engine runs with the caps anyway.
         wait_for(
-            lambda: ssh(box, "curl -fs -o /dev/null http://127.0.0.1:18011/health", check=False).returncode == 0,
+            lambda: ssh(box, f"curl -fs -o /dev/null {engine_url('q38', '/health')}", check=False).returncode == 0,
             ENGINE_START_S,
             "the hand-run q38 serving",
         )
@@ -237,9 +230,7 @@ def test_hand_runs_while_q38_is_stopped(box):
         assert next(v for v in environ if v.startswith("PATH=")).startswith("PATH=/usr/local/cuda/bin:")
         ssh(box, f"kill {pid}; while kill -0 {pid} 2>/dev/null; do sleep 0.2; done")
     finally:
-        ssh(
-            box, "pkill -f '[h]ttp.server 18011'; pkill -f '[s]quatter.py 18011'; systemctl start vllm-q38", check=False
-        )
+        ssh(box, "pkill -f '[s]quatter.py'; systemctl start vllm-q38", check=False)
     assert serving(box, "vllm-q38.service")
     assert main_pids(box)["vllm-nemotron.service"] == nemotron_pid
 
@@ -267,24 +258,24 @@ def test_helper_gives_up_at_the_budget_on_a_stalled_engine(box):
     pid = main_pids(box)["vllm-nemotron.service"]
     ssh(box, f"kill -STOP {pid}")
     try:
-        rc, elapsed = timed_helper(box, "18012 5 nemotron", str(pid))
+        rc, elapsed = timed_helper(box, f"{engine_socket('nemotron')} 5 nemotron", str(pid))
     finally:
         ssh(box, f"kill -CONT {pid}")
     assert rc == 1 and 5 <= elapsed <= 7, (rc, elapsed)
     wait_for(
-        lambda: ssh(box, "curl -fs -o /dev/null http://127.0.0.1:18012/health", check=False).returncode == 0,
+        lambda: ssh(box, f"curl -fs -o /dev/null {engine_url('nemotron', '/health')}", check=False).returncode == 0,
         30,
         "nemotron answering again",
     )
 
 
 def test_helper_gives_up_at_the_budget_when_nothing_listens(box):
-    rc, elapsed = timed_helper(box, "8099 3 ghost", "$$")
+    rc, elapsed = timed_helper(box, "/run/sparkform-engines/ghost/api.sock 3 ghost", "$$")
     assert rc == 1 and 3 <= elapsed <= 5, (rc, elapsed)
 
 
 def test_helper_exits_1_within_2_s_of_the_engine_dying(box):
-    rc, elapsed = timed_helper(box, "8099 60 ghost", "$(sleep 1 >/dev/null & echo $!)")
+    rc, elapsed = timed_helper(box, "/run/sparkform-engines/ghost/api.sock 60 ghost", "$(sleep 1 >/dev/null & echo $!)")
     assert rc == 1 and elapsed <= 1 + 2, (rc, elapsed)
 
 
@@ -347,7 +338,7 @@ def test_engine_dying_every_start_stops_at_start_limit_and_deploy_says_why(box, 
     )
     assert unit_properties(box, "vllm-q38.service", "ActiveState")["ActiveState"] == "failed"
     journal = ssh(box, f"journalctl -u vllm-q38 --since @{since} --no-pager -o short-unix").stdout
-    assert "port 18011 serves" not in journal
+    assert f"{engine_socket('q38')} serves" not in journal
     deaths = [float(line.split()[0]) for line in journal.splitlines() if "Main process exited" in line]
     reports = [float(line.split()[0]) for line in journal.splitlines() if "engine main process" in line]
     assert len(deaths) == 3 and len(reports) == 3  # StartLimitBurst=3 starts, then no more
@@ -514,7 +505,7 @@ def test_unusable_checkpoint_fails_the_start_and_is_never_reported_active(box):
         assert ssh(box, "systemctl restart vllm-q38", check=False).returncode != 0
         assert unit_properties(box, "vllm-q38.service", "ActiveState")["ActiveState"] != "active"
         journal = ssh(box, f"journalctl -u vllm-q38 --since @{since} --no-pager -o cat").stdout
-        assert "port 18011 serves" not in journal
+        assert f"{engine_socket('q38')} serves" not in journal
         assert re.search(r"engine main process \d+ died", journal), journal[-3000:]
     finally:
         ssh(box, f"cp /root/q38-config.json {q38_checkpoint}/config.json")
@@ -529,7 +520,7 @@ def test_nvcc_missing_from_the_units_path_is_refused_at_launch(box):
     since = ssh(box, "date +%s.%N").stdout.strip()
     assert ssh(box, "systemctl restart vllm-q38", check=False).returncode != 0
     journal = ssh(box, f"journalctl -u vllm-q38 --since @{since} --no-pager -o cat").stdout
-    assert "nvcc is not on PATH" in journal and "port 18011 serves" not in journal
+    assert "nvcc is not on PATH" in journal and f"{engine_socket('q38')} serves" not in journal
     assert unit_properties(box, "vllm-q38.service", "ExecMainStatus")["ExecMainStatus"] == "6"
     converge_back(box)  # the deploy puts the rendered file back and restarts q38
 

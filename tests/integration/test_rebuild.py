@@ -23,6 +23,7 @@ from deploy_helpers import (
     both_serving_after_boot,
     checkpoint_dir,
     edited_inventory,
+    engine_socket,
     journal_times,
     main_pids,
     mark_converged,
@@ -125,7 +126,7 @@ def test_new_driver_rebuilds_caches_in_turn_keeps_old_if_warm_start_fails(box):
     # An engine that failed its start keeps the engines target from being reached.
     assert ssh(box, "systemctl is-active sparkform-engines.target || true").stdout.strip() != "active"
     # Strictly one at a time: q38 started only after nemotron served.
-    (nemotron_ready,) = journal_times(box, r"sparkform-wait-ready: port 18012 serves", since=since)
+    (nemotron_ready,) = journal_times(box, rf"sparkform-wait-ready: {engine_socket('nemotron')} serves", since=since)
     q38_starts = journal_times(box, r"sparkform-launch: starting q38", since=since)
     assert q38_starts and min(q38_starts) > nemotron_ready
     # nemotron made it: its caches are keyed anew and its old ones are gone; q38's stay aside.

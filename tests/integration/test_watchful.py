@@ -27,6 +27,7 @@ from deploy_helpers import (
     changed_operations,
     checkpoint_dir,
     engine_core,
+    engine_url,
     flip_a_byte_keeping_size_and_mtime,
     hang_detected_s,
     journal_times,
@@ -275,7 +276,9 @@ def test_a_stopped_engine_core_is_detected_while_health_answers(box):
     ssh(box, f"kill -STOP {core}")
     try:
         # What a /health probe would see: all well.
-        health = ssh(box, "curl -s -o /dev/null -w '%{http_code}' --max-time 5 http://127.0.0.1:18011/health").stdout
+        health = ssh(
+            box, f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 5 {engine_url('q38', '/health')}"
+        ).stdout
         assert health == "200"
     finally:
         ssh(box, f"kill -CONT {core}")
@@ -341,7 +344,7 @@ def test_an_engine_under_long_generations_is_not_restarted(box):
         box,
         f"end=$((SECONDS + {HANG_DETECTED_S + 10})); for slot in 1 2 3 4 5 6; do "
         f"( while ((SECONDS < end)); do curl -s -o /dev/null --max-time 300 "
-        f"-H 'Content-Type: application/json' -d '{body}' http://127.0.0.1:18011/v1/completions; "
+        f"-H 'Content-Type: application/json' -d '{body}' {engine_url('q38', '/v1/completions')}; "
         "done ) & done; wait; echo done",
         check=False,
     )

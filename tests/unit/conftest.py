@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from script_box import INTERNAL_OFFSET, Box, Staller, build_box, fake_engine
+from script_box import Box, Staller, build_box, fake_engine
+from unix_engines import short_folder
 
 from sparkform.sandbox import stage
 from sparkform.sandbox.fakehub import FakeHub
@@ -19,11 +21,9 @@ from sparkform.sandbox.fakehub import FakeHub
 @pytest.fixture
 def make_box(tmp_path, free_port) -> Callable[..., Box]:
     def _make(**options: Any) -> Box:
-        # Free ports for the engines themselves (their internal ports, where the launch script
-        # and the helper look); the front's ports lie INTERNAL_OFFSET below, so one engine's
-        # front port must not be the other engine's own port.
+        # The front's ports of the two engines (the engines themselves serve on unix sockets).
         port_a, port_b = free_port(), free_port()
-        while abs(port_b - port_a) in (0, INTERNAL_OFFSET):
+        while port_b == port_a:
             port_b = free_port()
         return build_box(tmp_path, port_a, port_b, **options)
 
@@ -61,3 +61,11 @@ def nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     command = ["cc", *stage.NVML_BUILD_FLAGS, "-o", str(folder / "libnvidia-ml.so.1"), str(stage.NVML_SOURCE)]
     subprocess.run(command, check=True, capture_output=True, timeout=120)
     return folder
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    """A host's socket_dir: short, as a unix socket's path must be (pytest's tmp_path may not),
+    removed with all in it."""
+    with short_folder() as folder:
+        yield folder

@@ -2,16 +2,21 @@
 
 A Box is a small host (engines a and b) rendered with its every sparkform folder in a test's
 tmp_path, so the launch script and the readiness helper run there with bash: the launch script
-with a stub `python` in the venv that records the environment and arguments it was handed, the
-helper against fake_engine (a StubEngine with the few endpoints it polls) or Staller (a socket that never answers)
-on 127.0.0.1. The fixtures that make them, make_box and servers, are in conftest.py. Journal is
-a stand-in journald socket the guard's alerts reach (test_guard.py, test_scrub.py).
+with a stub `python` in the venv that records the environment, umask and arguments it was handed,
+the helper against fake_engine (a StubEngine with the few endpoints it polls) or Staller (a
+socket that never answers), each on an engine's unix socket (or on 127.0.0.1, for the tests of
+other programs). A box's socket_dir lies in a short folder of /tmp of its own (a socket's path
+fits in 107 bytes), which remove_socket_folders removes after each test. The fixtures that make
+them, make_box and servers, are in conftest.py. Journal is a stand-in journald socket the guard's
+alerts reach (test_guard.py, test_scrub.py).
 """
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterable
@@ -20,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from standins import NOT_FOUND, PROBE_ANSWERS, Reply, Request, StubEngine, json_reply
+from suite_hygiene import TEMP_PREFIX
 
 from sparkform.domain.engine import Span
+from sparkform.domain.layout import engine_socket_dir
 from sparkform.domain.rendered import RenderedFile
 from sparkform.domain.schema import HostConfig
 from sparkform.host import ALERT_MESSAGE_ID
@@ -39,6 +46,7 @@ STUB_PYTHON = """#!/bin/sh
 # Stands in for the venv's python: records what the launch script handed the engine.
 record={record}/"$SPARKFORM_ENGINE"
 echo "$$" >"$record.pid"
+umask >"$record.umask"
 env >"$record.env"
 printf '%s\\n' "$@" >"$record.args"
 touch "$record.done"
@@ -76,9 +84,9 @@ class Box:
     def engine(self, name: str):
         return next(e for e in self.config.engines if e.name == name)
 
-    def internal_port(self, name: str) -> int:
-        """Where the engine itself listens (and the launch script and the helper look)."""
-        return self.config.internal_port(self.engine(name))
+    def socket(self, name: str) -> Path:
+        """The unix socket the engine itself serves on (where the launch script and the helper look)."""
+        return Path(self.config.engine_socket(self.engine(name)))
 
     def checkpoint(self, name: str) -> Path:
         return Path(self.config.checkpoint_dir(self.engine(name)))
@@ -145,7 +153,14 @@ def put(files: Iterable[RenderedFile], root: Path) -> None:
             target.chmod(int(file.mode, 8))
 
 
-INTERNAL_OFFSET = 10000  # free ports are ephemeral ones (above 32767), so the front's stay above 1023
+# The socket folders of the boxes built so far (outside tmp_path): remove_socket_folders removes them.
+SOCKET_FOLDERS: list[Path] = []
+
+
+def remove_socket_folders() -> None:
+    """Remove the socket folders of every box built so far (a test's teardown)."""
+    while SOCKET_FOLDERS:
+        shutil.rmtree(SOCKET_FOLDERS.pop(), ignore_errors=True)
 
 
 def build_box(
@@ -158,9 +173,13 @@ def build_box(
     head_port: int | None = None,
     engine_fields: dict[str, dict[str, Any]] | None = None,
 ) -> Box:
-    """Render the box into `root`; its engines a and b listen (internally) on port_a and port_b.
-    With `head_port`, the box runs rank 1 of b for a head elsewhere whose master port that is (on
-    loopback). `engine_fields`: further inventory fields of engine a or b."""
+    """Render the box into `root`; its engines a and b sit behind the front's port_a and port_b and
+    serve on unix sockets in a socket_dir of /tmp (each engine's folder made, as the deploy makes
+    it on a host). With `head_port`, the box runs rank 1 of b for a head elsewhere whose master
+    port that is (on loopback). `engine_fields`: further inventory fields of engine a or b."""
+    # The suite's temp prefix: a killed run's folder goes at the next run's start.
+    sockets = Path(tempfile.mkdtemp(dir="/tmp", prefix=f"{TEMP_PREFIX}sock-"))
+    SOCKET_FOLDERS.append(sockets)
     data = {
         "device": device,
         # The repo's locks: the sandbox's CPU build and the Spark's vLLM.
@@ -173,8 +192,8 @@ def build_box(
         "cache_root": str(root / "cache"),
         "venv_root": str(root / "venvs"),
         "cuda_home": cuda_home or str(root / "no-cuda"),
+        "socket_dir": str(sockets),
         "listen_address": "127.0.0.1",
-        "internal_port_offset": INTERNAL_OFFSET,
         # A neighbour that keeps loading is waited for half of this: 5 s.
         "readiness_budget_s": 10,
         "timeout_start_s": 20,
@@ -182,7 +201,7 @@ def build_box(
         "engines": [
             {
                 "name": "a",
-                "port": port_a - INTERNAL_OFFSET,
+                "port": port_a,
                 "checkpoint": {"repo": "org/model-a", "revision": "aaaa"},
                 "served_names": ["a", "a-alias"],
                 "kv_cache_memory_bytes": kv_bytes,
@@ -190,7 +209,7 @@ def build_box(
             },
             {
                 "name": "b",
-                "port": port_b - INTERNAL_OFFSET,
+                "port": port_b,
                 "checkpoint": {"repo": "org/model-b", "revision": "bbbb"},
                 "after": ["a"],
                 "kv_cache_memory_bytes": 256 * 2**20,
@@ -220,6 +239,7 @@ def build_box(
     python.chmod(0o755)
     for engine in config.engines:
         Path(config.checkpoint_dir(engine)).mkdir(parents=True)
+        Path(engine_socket_dir(config.socket_dir, engine.name)).mkdir()
     return box
 
 
@@ -230,10 +250,12 @@ def fake_engine(
     completion: int = 200,
     compact: bool = False,
     serves: tuple[str, ...] = ("/v1/completions",),
+    uds: Path | None = None,
 ) -> StubEngine:
     """A StubEngine with the few endpoints the readiness helper polls: /health answers `health`,
     /v1/models lists `names`, and each route of `serves` its probe's answer (a completion's with
-    status `completion`); `compact` JSON has no spaces."""
+    status `completion`); `compact` JSON has no spaces. On the unix socket `uds` where given
+    (as an engine serves), else on 127.0.0.1 (`port`, or a free one)."""
     models = {
         "object": "list",
         "data": [{"id": name, "object": "model", "root": "/models/x", "max_model_len": 2048} for name in names],
@@ -250,18 +272,24 @@ def fake_engine(
             return json_reply(PROBE_ANSWERS[request["path"]], status, compact)
         return NOT_FOUND
 
-    return StubEngine(answer, port)
+    return StubEngine(answer, port, path=uds)
 
 
 class Staller:
-    """Accepts TCP connections and never answers (a SIGSTOPped API server)."""
+    """Accepts connections and never answers (a SIGSTOPped API server): on the unix socket `uds`
+    where given, else on 127.0.0.1 (`port`, or a free one)."""
 
-    def __init__(self, port: int = 0):
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", port))
+    def __init__(self, port: int = 0, uds: Path | None = None):
+        self.socket = uds
+        if uds is None:
+            self.sock = socket.socket()
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.sock.bind(("127.0.0.1", port))
+        else:
+            self.sock = socket.socket(socket.AF_UNIX)
+            self.sock.bind(str(uds))
         self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
+        self.port = self.sock.getsockname()[1] if uds is None else 0
         self.conns: list[socket.socket] = []
         self.thread = threading.Thread(target=self._accept, daemon=True)
         self.thread.start()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import socketserver
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -68,18 +69,27 @@ NOT_FOUND = json_reply({"detail": "Not Found"}, 404)
 HANG = Reply(status=0)  # no answer at all: the request waits until the server closes
 
 
-class StubEngine:
-    """An HTTP server on 127.0.0.1 (`port`, or a free one) that answers each request with what
-    `answer` returns for it; `requests` lists every request in the order they came."""
+class _UnixServer(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True  # a request left hanging never holds close()
 
-    def __init__(self, answer: Callable[[Request], Reply], port: int = 0):
+
+class StubEngine:
+    """An HTTP server that answers each request with what `answer` returns for it; `requests`
+    lists every request in the order they came. On the unix socket `path` where given (as an
+    engine serves; its folder made if missing), else on 127.0.0.1 (`port`, or a free one)."""
+
+    def __init__(self, answer: Callable[[Request], Reply], port: int = 0, path: str | Path | None = None):
         self.answer = answer
         self.requests: list[Request] = []
         self.closing = threading.Event()
+        self.socket = None if path is None else Path(path)
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def address_string(self) -> str:  # a unix socket's peer has no address
+                return str(outer.socket) if outer.socket else super().address_string()
 
             def log_message(self, *args: Any) -> None:  # keep pytest's output clean
                 pass
@@ -109,8 +119,12 @@ class StubEngine:
 
             do_GET = do_POST = _handle
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.port: int = self.server.server_address[1]
+        if self.socket is None:
+            self.server: socketserver.BaseServer = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+            self.port = self.server.server_address[1]
+        else:
+            self.socket.parent.mkdir(parents=True, exist_ok=True)  # as systemd-tmpfiles makes it
+            self.server, self.port = _UnixServer(str(self.socket), Handler), port
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def paths(self, method: str | None = None) -> list[str]:
@@ -121,3 +135,5 @@ class StubEngine:
         self.closing.set()
         self.server.shutdown()
         self.server.server_close()
+        if self.socket:
+            self.socket.unlink(missing_ok=True)

@@ -251,13 +251,16 @@ def test_phase_runs_all_generators_at_once_as_engine_user_shellcheck_clean(host)
     words = shlex.split(one.replace('"$dir"', "DIR"))
     assert words[:4] == ["runuser", "-u", host.config.engine_user, "--"]
     options = dict(zip(words, words[1:], strict=False))
-    assert options["--port"] == str(host.config.internal_port(engines[0])) and options["--host"] == "127.0.0.1"
+    # The generator reaches the engine on its socket (every aiohttp connection goes there).
+    assert f"SPARKFORM_SOCKET={host.config.engine_socket(engines[0])}" in words and "--port" not in options
+    assert "aiohttp.UnixConnector(os.environ['SPARKFORM_SOCKET']" in options["-c"]
     assert options["--tokenizer"] == f"/models/{engines[0].name} with space"
     assert options["--random-input-len"] == "32" and options["--random-output-len"] == "16" and "--ignore-eos" in words
     assert options["--num-prompts"] == "2" and options["--max-concurrency"] == "1" and options["--seed"] == "7"
     assert options["120"] == f"{host.config.venv}/bin/python"  # /usr/bin/timeout ... 120 PYTHON
     # The engines behind the front need no key: none is read, none is passed.
-    assert "api" not in one.lower().replace("api_server", "") and "Authorization" not in one
+    unkeyed = one.replace(host.config.engine_socket(engines[0]), "SOCKET").lower().replace("api_server", "")
+    assert "api" not in unkeyed and "Authorization" not in one
 
 
 def test_every_phase_gets_its_own_seed():

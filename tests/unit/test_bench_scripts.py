@@ -65,22 +65,34 @@ def test_the_checkpoint_bench_runs_whole_at_its_smallest_size():
     assert lines[-1].startswith("no-op check of 22 GiB in 11 shards")
 
 
-def test_front_bench_times_each_place_and_kind_against_stand_in_engines(servers):
+def test_front_bench_times_each_place_and_kind_against_stand_in_engines(servers, socket_dir):
     """The places and bodies of the sandbox inventory's nemotron, the program the host runs
-    pointed at three stand-ins (2 rounds), and the table it prints: the key goes to the front's
-    ports only, never to the engine's own. Costs about 2 s: the inventory read, 12 requests on
-    127.0.0.1, and the three stand-ins' shutdowns (0.5 s each, their poll interval)."""
+    pointed at three stand-ins (2 rounds; the engine's own on a unix socket, as the engine
+    serves), and the table it prints: the key goes to the front's ports only, never to the
+    engine's own. Costs about 2 s: the inventory read, 12 requests, and the three stand-ins'
+    shutdowns (0.5 s each, their poll interval)."""
     front = bench("front")
     (host,) = load_inventory(front.SANDBOX_INVENTORY)
     places, bodies = front.requests_to(host.config, "nemotron")
     assert places == {
-        "engine": "http://127.0.0.1:18012/v1/chat/completions",
-        "own port": "http://127.0.0.1:8012/v1/chat/completions",
-        "combined": "http://127.0.0.1:8000/v1/chat/completions",
+        "engine": ["/run/sparkform-engines/nemotron/api.sock", "http://localhost/v1/chat/completions"],
+        "own port": [None, "http://127.0.0.1:8012/v1/chat/completions"],
+        "combined": [None, "http://127.0.0.1:8000/v1/chat/completions"],
     }
     assert bodies["streamed"]["stream"] and bodies["one token"]["max_tokens"] == 1
-    stand_ins = {place: servers("engine") for place in places}
-    local = {place: f"http://127.0.0.1:{engine.port}/v1/completions" for place, engine in stand_ins.items()}
+    engine_socket = socket_dir / "api.sock"
+    stand_ins = {
+        "engine": servers("engine", uds=engine_socket),
+        "own port": servers("engine"),
+        "combined": servers("engine"),
+    }
+    local = {
+        "engine": [str(engine_socket), "http://localhost/v1/completions"],
+        **{
+            place: [None, f"http://127.0.0.1:{stand_ins[place].port}/v1/completions"]
+            for place in ("own port", "combined")
+        },
+    }
     program = front.on_the_host(local, bodies, "bench-key", 2)
     out = subprocess.run([sys.executable, "-"], input=program, capture_output=True, text=True, timeout=60, check=True)
     times = json.loads(out.stdout)

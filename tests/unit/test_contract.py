@@ -324,9 +324,10 @@ def test_curl_carries_the_key_from_the_front_snippet_and_the_body_on_stdin(tmp_p
 
 
 def test_an_engine_that_does_not_answer_is_named_with_curls_reason(tmp_path, front):
-    config, engine = host_with_key(tmp_path, front)  # nothing listens on the engine's own port
+    config, engine = host_with_key(tmp_path, front)  # nothing listens on the engine's own socket
     with pytest.raises(
-        NoAnswer, match=r"^/version on the engine's own port \(http://127\.0\.0\.1:\d+/version\): connection refused$"
+        NoAnswer,
+        match=r"^/version on the engine's own socket \(/run/sparkform-engines/\w+/api\.sock\): connection refused$",
     ):
         HostAsker(["sh", "-c"], config, engine, 10)(Request("/version", front=False))
 

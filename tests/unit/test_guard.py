@@ -1,8 +1,8 @@
 """sparkform-guard, rendered and run for real as a process: alerts to a real journal socket, HTTP
 webhook and command; recovery after a spent start limit; the watchdog against stub engines that
-serve, hang or work slowly; the memory guard against a meminfo it is handed. systemctl and
-systemd-run are stand-ins on PATH that record their calls (the sandbox runs the real ones:
-tests/integration/test_watchful.py)."""
+serve, hang or work slowly, each on its unix socket as an engine serves; the memory guard against a
+meminfo it is handed. systemctl and systemd-run are stand-ins on PATH that record their calls (the
+sandbox runs the real ones: tests/integration/test_watchful.py)."""
 
 from __future__ import annotations
 
@@ -13,28 +13,39 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from script_box import Journal, cpu_host_under, put
 from standins import HANG, NOT_FOUND, PROBE_ANSWERS, Reply, Request, StubEngine, json_reply, recording_command
+from unix_engines import raw_answer_once
 
-from sparkform.host import outages, starts, watchdog
+from sparkform.host import engine_api, outages, starts, watchdog
 from sparkform.rules.inventory import load_host
 from sparkform.sandbox.alerts import make_server, read_alerts
 from sparkform.writers.render import render_host
 
 WEBHOOK_SECRET = "sf-webhook-token-0123456789"
+# The two engines (name, priority) and their public ports (the front's: nothing here binds them).
+ENGINES = (("hands", 1), ("eyes", 0))
+PUBLIC_PORTS = (18001, 18002)
 
 
-class GuardedEngine(StubEngine):
+def engine_socket(socket_dir: Path, name: str) -> str:
+    """Where an engine serves its own API: a folder of its own in the host's socket_dir."""
+    return f"{socket_dir}/{name}/api.sock"
+
+
+class GuardedAnswers:
     """Its kind's probe route answers at once ("ok"), never ("hung") or never while /metrics keeps
     counting tokens ("busy"); `serves` lists the routes it has (others: 404, as vLLM's pooling
     engine answers /v1/completions). The test may change `mode` as it runs."""
 
-    def __init__(self, mode: str = "ok", serves: tuple[str, ...] = tuple(PROBE_ANSWERS)):
-        self.mode, self.tokens, self.serves = mode, 0, serves
-        super().__init__(self._answer)
+    mode: str
+    tokens: int
+    serves: tuple[str, ...]
+    paths: Callable[..., list[str]]
 
     @property
     def probes(self) -> list[str]:
@@ -55,6 +66,23 @@ class GuardedEngine(StubEngine):
             'vllm:prompt_tokens_total{model_name="m"} 7.0\n'
         )
         return Reply(body=metrics.encode(), content_type="text/plain")
+
+
+class GuardedEngine(GuardedAnswers, StubEngine):
+    """An engine, on its unix socket `path`."""
+
+    def __init__(self, path: str, mode: str = "ok", serves: tuple[str, ...] = tuple(PROBE_ANSWERS)):
+        self.mode, self.tokens, self.serves = mode, 0, serves
+        StubEngine.__init__(self, self._answer, path=path)
+
+
+class GuardedFront(GuardedAnswers, StubEngine):
+    """The front (nginx) on a TCP port of 127.0.0.1: it answers /v1/models as the engine behind it
+    answers /metrics (at once, or never while "hung")."""
+
+    def __init__(self, mode: str = "ok"):
+        self.mode, self.tokens, self.serves = mode, 0, tuple(PROBE_ANSWERS)
+        StubEngine.__init__(self, self._answer)
 
 
 # systemctl answers from files under {states}: a unit's "ActiveState SubState" (else active),
@@ -96,6 +124,7 @@ class Guard:
     def __init__(
         self,
         root: Path,
+        socket_dir: Path,
         engines: list[GuardedEngine],
         fronts=(),
         outbox_first_s=10,
@@ -125,19 +154,19 @@ class Guard:
             "guard-test",
             {
                 **cpu_host_under(root),
-                "internal_port_offset": 10000,
+                "socket_dir": str(socket_dir),
                 "alert_webhook_file": str(webhook_file),
                 "alert_command": str(command),
                 "engines": [
                     {
                         "name": name,
-                        "port": stub.port - 10000,
+                        "port": port,
                         "kv_cache_memory_bytes": 2**28,
                         "priority": priority,
                         "kind": kind,
                         "checkpoint": {"repo": f"o/{name}", "revision": "main"},
                     }
-                    for (name, priority), stub, kind in zip((("hands", 1), ("eyes", 0)), engines, kinds, strict=True)
+                    for (name, priority), port, kind in zip(ENGINES, PUBLIC_PORTS, kinds, strict=True)
                 ],
                 **settings,
             },
@@ -147,6 +176,11 @@ class Guard:
         self.script = Path(config.paths.guard)
         self.config_path = Path(config.paths.guard_config)
         guard_config = json.loads(self.config_path.read_text())
+        # The guard reaches each engine where its stand-in serves, and by nothing else (no TCP port).
+        assert [(e["name"], e["socket"]) for e in guard_config["engines"]] == [
+            (name, str(stub.socket)) for (name, _), stub in zip(ENGINES, engines, strict=True)
+        ]
+        assert not [e for e in guard_config["engines"] if "port" in e]
         guard_config.update(
             journal_socket=str(self.journal.path),
             meminfo=str(self.meminfo),
@@ -212,18 +246,21 @@ class Guard:
 
 
 @pytest.fixture
-def guard(tmp_path):
+def guard(tmp_path, socket_dir):
     made: list[Guard] = []
-    stubs: list[GuardedEngine] = []
+    stubs: list[StubEngine] = []
 
     def _guard(modes=("ok", "ok"), front=None, serves=None, **settings) -> tuple[Guard, list[GuardedEngine]]:
-        engines = [GuardedEngine(mode, *([serves[i]] if serves else [])) for i, mode in enumerate(modes)]
+        engines = [
+            GuardedEngine(engine_socket(socket_dir, name), mode, *([serves[i]] if serves else []))
+            for i, ((name, _), mode) in enumerate(zip(ENGINES, modes, strict=True))
+        ]
         stubs.extend(engines)
         fronts = []
         if front is not None:  # a stub as the front of the second engine ("eyes")
             stubs.append(front)
             fronts = [{"engine": "eyes", "address": "127.0.0.1", "port": front.port}]
-        made.append(Guard(tmp_path, engines, fronts=fronts, **settings))
+        made.append(Guard(tmp_path, socket_dir, engines, fronts=fronts, **settings))
         return made[-1], engines
 
     yield _guard
@@ -558,7 +595,7 @@ def test_an_alert_the_webhook_did_not_take_is_kept_and_sent_again_in_order(guard
 
 
 def test_front_passing_nothing_to_a_serving_engine_alerts_down_and_up(guard):
-    front = GuardedEngine("hung")  # nginx in a restart loop: nothing answers in time
+    front = GuardedFront("hung")  # nginx in a restart loop: nothing answers in time
     box, _ = guard(front=front, **FAST_WATCHDOG)
     box.watch()
     (down,) = box.wait(lambda: box.webhook_alerts(), 30, "the front-down alert")
@@ -579,19 +616,54 @@ def test_front_passing_nothing_to_a_serving_engine_alerts_down_and_up(guard):
     ],
     ids=["nested", "nested-answer", "oversized", "a-list", "not-a-list"],
 )
-def test_a_hostile_probe_answer_fails_the_probe_never_the_guard(body):
+def test_a_hostile_probe_answer_fails_the_probe_never_the_guard(body, socket_dir):
     """Root's guard reads what the engine, the process that parses untrusted prompts, answers: a
     deeply nested answer raising a RecursionError would end the engine's watchdog thread, and
     an unbounded one would take the guard's memory."""
-    engine = StubEngine(lambda request: Reply(body=body))
+    engine = StubEngine(lambda request: Reply(body=body), path=engine_socket(socket_dir, "q38"))
     try:
         spec = {"route": "/v1/completions", "body": {"prompt": "ping", "max_tokens": 1}, "answer": "choices"}
-        assert watchdog.probe({"port": engine.port, "probe": spec}, 10) is False
+        assert watchdog.probe({"socket": str(engine.socket), "probe": spec}, 10) is False
         # The same engine's fair answer passes: the probe itself is not what fails.
         engine.answer = lambda request: json_reply(PROBE_ANSWERS["/v1/completions"])
-        assert watchdog.probe({"port": engine.port, "probe": spec}, 10) is True
+        assert watchdog.probe({"socket": str(engine.socket), "probe": spec}, 10) is True
+        assert engine.paths("POST") == ["/v1/completions"] * 2
     finally:
         engine.close()
+
+
+FAIR_ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 9\r\n\r\nvllm:x 1\n"
+
+
+def chunked(size: bytes) -> bytes:
+    """The fair answer sent chunked, its one chunk said to hold `size` (hex) bytes, and cut there."""
+    return FAIR_ANSWER.replace(b"Content-Length: 9", b"Transfer-Encoding: chunked").replace(b"vllm", size + b"\r\nvllm")
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        pytest.param(b"HTTP/1.1 banana\r\n\r\n", id="bad-status-line"),
+        pytest.param(b"", id="closed-at-once"),  # the request read, the connection closed
+        pytest.param(b"HTTP/1.1 200 OK\r\nX-" + b"a" * 70_000 + b": 1\r\n\r\n", id="header-over-the-bound"),
+        pytest.param(chunked(b"40"), id="closed-mid-chunk"),
+        pytest.param(chunked(b"zz"), id="chunk-size-not-a-number"),
+        pytest.param(chunked(b"-5"), id="chunk-size-negative"),
+        pytest.param(chunked(b"-1"), id="chunk-size-minus-one"),  # http.client: "read to the end"
+    ],
+)
+def test_an_engine_that_answers_no_http_is_none_never_an_exception(hostile, socket_dir):
+    """engine_api.answer is how root reads the engine, the process that parses untrusted prompts:
+    whatever comes back on its socket, the caller (a watchdog thread) gets None, never an exception."""
+    path = socket_dir / "api.sock"
+    server = raw_answer_once(path, hostile)
+    assert engine_api.answer(str(path), "/metrics", 5, 1024) is None
+    server.join(10)
+    path.unlink()
+    # The same exchange with a well-formed answer is read: the hostile bytes are what fails.
+    server = raw_answer_once(path, FAIR_ANSWER)
+    assert engine_api.answer(str(path), "/metrics", 5, 1024) == (200, b"vllm:x 1\n")
+    server.join(10)
 
 
 @pytest.mark.parametrize("kind", ["fifo-with-a-writer", "fifo", "folder", "link"])

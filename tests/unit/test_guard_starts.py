@@ -5,9 +5,14 @@ whether a head still waits for its ranks."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+from unix_engines import short_folder
 
 from sparkform.host import procs
 from sparkform.host.outages import why_stopped
@@ -114,10 +119,10 @@ def test_a_machine_that_is_not_starved_keeps_the_old_verdict():
             "exited",
             "4",
             [
-                "sparkform-launch: port 18011 already answers (uid:65534 cgroup:/x), so q38 cannot bind it",
+                "sparkform-launch: /run/sparkform-engines/q38/api.sock already answers, so q38 cannot serve on it; see",
                 "sparkform-wait-ready: engine main process 12 died after 0 s; its reason is in the unit's journal",
             ],
-            "exit code 4; its last error line: sparkform-launch: port 18011 already answers (uid:65534",
+            "exit code 4; its last error line: sparkform-launch: /run/sparkform-engines/q38/api.sock already answers",
         ),
         (
             "exit-code",
@@ -136,19 +141,63 @@ def test_the_quoted_error_line_is_bounded():
     assert len(why_stopped("exit-code", "exited", "1", ["Error: " + "x" * 5000])) < 300
 
 
-SS_LINES = """\
-LISTEN 0      2048    127.0.0.1:18011 0.0.0.0:* uid:999 ino:827806 sk:56 cgroup:/system.slice/vllm-q38.service <-> cgroup:/system.slice/vllm-q38.service
-LISTEN 0      128       0.0.0.0:22    0.0.0.0:* ino:822629 sk:4d cgroup:/system.slice/ssh.service <-> cgroup:/system.slice/ssh.service
-LISTEN 0      5       127.0.0.1:18011 0.0.0.0:* uid:65534 ino:9 sk:57 cgroup:/user.slice/../../etc <-> cgroup:/x
-garbage line
-"""  # noqa: E501  (as ss prints them: root's socket has no uid; a cgroup with ".." is not taken)
+def own_cgroup() -> str:
+    """This process's cgroup (v2), as a unit's is named."""
+    return next(line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::"))
 
 
-def test_listeners_are_read_by_uid_and_cgroup_as_the_kernel_recorded_them():
-    assert procs.parse_listeners(SS_LINES) == [
-        (999, "/system.slice/vllm-q38.service"),
-        (0, "/system.slice/ssh.service"),
-    ]
+def test_who_listens_on_a_socket_is_what_the_kernel_recorded_at_listen():
+    """SO_PEERCRED: the pid and uid of the process that listens on the path; a process outside
+    the unit's cgroup is a stranger, told by uid and command line; the unit's own, a socket
+    bound but not listening and a path nobody holds are none."""
+    with short_folder() as folder:
+        engine_socket, bound_only = str(folder / "api.sock"), str(folder / "bound.sock")
+        listening, bound = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+        with listening, bound:
+            listening.bind(engine_socket)
+            listening.listen()
+            bound.bind(bound_only)
+            assert procs.listener(engine_socket) == (os.getpid(), os.getuid())
+            assert procs.listener(bound_only) is None and procs.listener(f"{folder}/none.sock") is None
+            (held,) = procs.strangers(engine_socket, "/sparkform-test-no-such.service")
+            assert held.startswith(f"uid {os.getuid()}: {os.getpid()} (")
+            assert procs.strangers(engine_socket, own_cgroup()) == []
+        assert procs.strangers(engine_socket, "/sparkform-test-no-such.service") == []  # closed
+
+
+def test_a_stranger_process_is_named_by_its_command_line():
+    with short_folder() as folder:
+        engine_socket = str(folder / "api.sock")
+        code = (
+            f"import socket, time; s = socket.socket(socket.AF_UNIX); s.bind({engine_socket!r}); s.listen(); "
+            "print(flush=True); time.sleep(60)"
+        )
+        squatter = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            squatter.stdout.readline()  # it listens
+            (held,) = procs.strangers(engine_socket, "/sparkform-test-no-such.service")
+            assert held.startswith(f"uid {os.getuid()}: {squatter.pid} ({sys.executable} -c import socket")
+        finally:
+            squatter.kill()
+            squatter.wait()
+
+
+def test_a_socket_name_with_a_newline_forges_no_listener():
+    """Any local user may bind a socket in the abstract namespace (no folder's permission asked)
+    under any name, a newline in it too, that reads as a listener at the engine's path in
+    /proc/net/unix: the guard asks the socket itself, so that process is no stranger (else the
+    guard would kill the engine at each start)."""
+    with short_folder() as folder:
+        engine_socket = str(folder / "api.sock")  # nobody listens there
+        held, forging = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+        with held, forging:
+            held.bind(f"\0{folder}-held".encode())
+            held.listen()
+            inode = os.fstat(held.fileno()).st_ino
+            forging.bind(
+                f"\0{folder}\n0000000000000000: 00000002 00000000 00010000 0001 01 {inode} {engine_socket}".encode()
+            )
+            assert procs.strangers(engine_socket, "/sparkform-test-no-such.service") == []
 
 
 def test_a_process_state_and_uid_come_from_proc_and_a_stopped_one_is_found(tmp_path):

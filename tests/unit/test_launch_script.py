@@ -1,8 +1,9 @@
 """sparkform-launch, the script each engine unit starts, rendered for a small host in tmp_path
 (script_box.Box) and run with bash, with a stub `python` in the venv that records the environment
 and arguments it was handed: the caps whatever the caller's environment, the engine exec'd under
-its lock, the refusals (usage, incomplete checkpoint, a running engine, a port that answers, no
-CUDA toolkit, too little memory), and the turn it waits while a neighbour loads.
+its lock on its unix socket, the refusals (usage, incomplete checkpoint, a running engine, a
+socket that answers, no socket folder, no CUDA toolkit, too little memory), and the turn it waits
+while a neighbour loads.
 """
 
 from __future__ import annotations
@@ -22,9 +23,17 @@ import time
 from pathlib import Path
 
 import pytest
-from script_box import CACHE_VARS, CAPS, INTERNAL_OFFSET, Box
+from script_box import CACHE_VARS, CAPS, Box, remove_socket_folders
 
+from sparkform.domain.layout import ENGINE_SOCKETS_TMPFILES
 from sparkform.writers.render import engine_args, engine_environment
+
+
+@pytest.fixture(autouse=True)
+def socket_folders():
+    """The boxes' socket folders lie in /tmp, outside tmp_path: they go after each test."""
+    yield
+    remove_socket_folders()
 
 
 def test_launch_execs_the_engine_with_the_caps_whatever_the_callers_env(make_box):
@@ -34,10 +43,10 @@ def test_launch_execs_the_engine_with_the_caps_whatever_the_callers_env(make_box
     assert result.returncode == 0, result.stderr
     engine = box.engine("a")
     assert (
-        f"sparkform-launch: starting a on 127.0.0.1:{engine.port + INTERNAL_OFFSET}, behind the front's "
-        f"port {engine.port}"
+        f"sparkform-launch: starting a on {box.socket('a')}, behind the front's port {engine.port}"
     ) in result.stderr and "(MAX_JOBS=4)" in result.stderr
     env, args = box.recorded("a")
+    assert env["SPARKFORM_SOCKET"] == str(box.socket("a"))
     for key, value in CAPS.items():
         assert env[key] == value, key  # the caller had MAX_JOBS=20 etc.
     assert env["PATH"].startswith(f"{box.config.cuda_home}/bin:")
@@ -48,6 +57,7 @@ def test_launch_execs_the_engine_with_the_caps_whatever_the_callers_env(make_box
     assert args == ["-m", "vllm.entrypoints.openai.api_server", *engine_args(box.config, box.engine("a"))]
     names = args.index("--served-model-name") + 1
     assert args[names : names + 2] == ["a", "a-alias"]
+    assert args[args.index("--uds") + 1] == str(box.socket("a")) and "--port" not in args
     # exec: the engine runs as the launch script's own process, which wrote its pid in the lock.
     assert (box.lock_dir / "a.lock").read_text().strip() == (box.record / "a.pid").read_text().strip()
 
@@ -133,15 +143,48 @@ def test_the_lock_lives_as_long_as_the_engine(make_box):
     assert box.run_launch("a").returncode == 0
 
 
-def test_launch_refuses_a_port_that_already_answers(make_box):
+def test_launch_clears_a_dead_engines_socket_and_starts_it_for_the_fronts_group(make_box):
+    """A killed engine leaves its socket file, on which vLLM's bind would fail: the launch removes
+    it, and starts the engine with umask 0007, so the socket it makes is its group's (the front's)
+    too and nobody else's."""
     box = make_box()
     box.complete("a")
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", box.internal_port("a")))
-        listener.listen(1)
-        result = box.run_launch("a")
+    with socket.socket(socket.AF_UNIX) as dead:  # bound, never listening: what a killed engine leaves
+        dead.bind(str(box.socket("a")))
+    assert box.socket("a").is_socket()
+    result = box.run_launch("a")
+    assert result.returncode == 0, result.stderr
+    assert not box.socket("a").exists()
+    assert (box.record / "a.umask").read_text().strip() == "0007"
+
+
+@pytest.mark.parametrize("health", [200, 503])
+def test_launch_refuses_a_socket_that_already_answers(make_box, servers, health):
+    """Something that answers HTTP on the engine's socket (any status: one still loading too) got
+    round the lock: the launch neither starts a second engine nor takes the socket from it."""
+    box = make_box()
+    box.complete("a")
+    squatter = servers(uds=box.socket("a"), names=("a",), health=health)
+    result = box.run_launch("a")
     assert result.returncode == 4
-    assert f"port {box.internal_port('a')} already answers" in result.stderr
+    assert f"{box.socket('a')} already answers, so a cannot serve on it" in result.stderr
+    assert squatter.paths("GET") == ["/health"]
+    assert box.socket("a").is_socket()  # not removed under the squatter
+    assert not (box.record / "a.done").exists()
+
+
+def test_launch_refuses_without_its_socket_folder(make_box):
+    """The folder of the engine's socket is systemd-tmpfiles' to make (its owner, group and mode):
+    without it the launch says how to make it, and makes nothing itself."""
+    box = make_box()
+    box.complete("a")
+    folder = box.socket("a").parent
+    folder.rmdir()
+    result = box.run_launch("a")
+    assert result.returncode == 9
+    assert f"the folder of a's socket, {folder}, is missing" in result.stderr
+    assert f"systemd-tmpfiles --create {ENGINE_SOCKETS_TMPFILES}" in result.stderr
+    assert not folder.exists()
     assert not (box.record / "a.done").exists()
 
 
@@ -176,7 +219,7 @@ def test_launch_goes_ahead_as_soon_as_the_loading_engine_serves(make_box, server
     box = make_box()
     box.complete("a")
     with loading(box, "b"):
-        later = threading.Timer(2.0, lambda: servers(port=box.internal_port("b"), names=("b",)))
+        later = threading.Timer(2.0, lambda: servers(uds=box.socket("b"), names=("b",)))
         later.start()
         started = time.monotonic()
         result = box.run_launch("a")
@@ -190,7 +233,7 @@ def test_launch_goes_ahead_as_soon_as_the_loading_engine_serves(make_box, server
 def test_launch_goes_ahead_when_the_other_engine_serves(make_box, servers):
     box = make_box()
     box.complete("a")
-    servers(port=box.internal_port("b"), names=("b",))
+    servers(uds=box.socket("b"), names=("b",))
     with loading(box, "b"):
         result = box.run_launch("a")
     assert result.returncode == 0, result.stderr
@@ -270,7 +313,7 @@ def test_two_engines_restarted_together_load_one_after_the_other(make_box, serve
         second = "b" if first == "a" else "a"
         time.sleep(1.5)
         assert not (box.record / f"{second}.done").exists(), "both loaded at once"
-        servers(port=box.internal_port(first), names=(first,))  # the first serves now
+        servers(uds=box.socket(first), names=(first,))  # the first serves now
         deadline = time.monotonic() + 5
         while not (box.record / f"{second}.done").exists():
             assert time.monotonic() < deadline, f"{second} did not go ahead once {first} served"

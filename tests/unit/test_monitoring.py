@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from script_box import put
-from test_guard import Guard, GuardedEngine
+from test_guard import ENGINES, Guard, GuardedEngine, engine_socket
 from test_rebuild_parts import KEY, SHOW_ACTIVE, VERSIONS
 
 from sparkform.cli import main
@@ -289,11 +289,11 @@ def test_no_textfile_goes_into_a_folder_another_user_could_swap(tmp_path, unsafe
     assert list(real.iterdir()) == [] and not (folder / layout.RECORD_TEXTFILE).exists()
 
 
-def test_the_guard_counts_its_alerts_in_its_textfile(tmp_path):
-    stubs = [GuardedEngine(), GuardedEngine()]
+def test_the_guard_counts_its_alerts_in_its_textfile(tmp_path, socket_dir):
+    stubs = [GuardedEngine(engine_socket(socket_dir, name)) for name, _ in ENGINES]
     folder = tmp_path / "textfiles"
     folder.mkdir(mode=0o755)
-    guard = Guard(tmp_path, stubs, monitoring={"enabled": True, "textfile_dir": str(folder)})
+    guard = Guard(tmp_path, socket_dir, stubs, monitoring={"enabled": True, "textfile_dir": str(folder)})
     try:
         guard.watch()  # writes the file with every count at zero before any alert
         textfile = folder / layout.GUARD_TEXTFILE
@@ -318,13 +318,13 @@ def test_the_guard_counts_its_alerts_in_its_textfile(tmp_path):
             stub.close()
 
 
-def test_the_guard_samples_the_gpu_into_its_textfile(tmp_path, nvml_lib):
+def test_the_guard_samples_the_gpu_into_its_textfile(tmp_path, nvml_lib, socket_dir):
     """The daemon runs NVML's report, as `sparkform status` does, by a python with pynvml against
     the sandbox's NVML stand-in (answering as a GB10 slowed down by heat); nvidia-smi is not asked."""
-    stubs = [GuardedEngine(), GuardedEngine()]
+    stubs = [GuardedEngine(engine_socket(socket_dir, name)) for name, _ in ENGINES]
     folder = tmp_path / "textfiles"
     folder.mkdir(mode=0o755)
-    guard = Guard(tmp_path, stubs, monitoring={"enabled": True, "textfile_dir": str(folder)})
+    guard = Guard(tmp_path, socket_dir, stubs, monitoring={"enabled": True, "textfile_dir": str(folder)})
     settings = json.loads(guard.config_path.read_text())
     guard.config_path.write_text(json.dumps({**settings, "gpu_python": sys.executable, "nvml_report": NVML_REPORT}))
     guard.env["LD_LIBRARY_PATH"] = str(nvml_lib)
@@ -357,15 +357,15 @@ def access_line(client: str, status: int, path: str = "/v1/chat/completions") ->
     return f'2026-12-04T10:00:00+00:00 192.168.1.5 {client} "POST {path}" {status} 512 0.031\n'
 
 
-def test_guard_counts_the_fronts_requests_per_client_from_its_access_log(tmp_path):
+def test_guard_counts_the_fronts_requests_per_client_from_its_access_log(tmp_path, socket_dir):
     """Counted from the log's end at the guard's start, by client and status class; a line of
     another shape is not counted, a rotated log is read from its start."""
     folder = tmp_path / "textfiles"
     folder.mkdir(mode=0o755)
     log = tmp_path / "sparkform-access.log"
     log.write_text(access_line("planner", 200) * 5)  # before the guard started: not counted
-    stubs = [GuardedEngine(), GuardedEngine()]
-    guard = Guard(tmp_path, stubs, monitoring={"enabled": True, "textfile_dir": str(folder)})
+    stubs = [GuardedEngine(engine_socket(socket_dir, name)) for name, _ in ENGINES]
+    guard = Guard(tmp_path, socket_dir, stubs, monitoring={"enabled": True, "textfile_dir": str(folder)})
     settings = json.loads(guard.config_path.read_text())
     guard.config_path.write_text(json.dumps({**settings, "front_access_log": str(log), "front_count_s": 0.2}))
     textfile = folder / layout.FRONT_TEXTFILE
@@ -400,12 +400,12 @@ def test_guard_counts_the_fronts_requests_per_client_from_its_access_log(tmp_pat
             stub.close()
 
 
-def test_the_guard_keeps_alerting_when_its_textfile_cannot_be_written(tmp_path):
-    stubs = [GuardedEngine(), GuardedEngine()]
+def test_the_guard_keeps_alerting_when_its_textfile_cannot_be_written(tmp_path, socket_dir):
+    stubs = [GuardedEngine(engine_socket(socket_dir, name)) for name, _ in ENGINES]
     folder = tmp_path / "textfiles"
     folder.mkdir(mode=0o777)
     os.chmod(folder, 0o777)
-    guard = Guard(tmp_path, stubs, monitoring={"enabled": True, "textfile_dir": str(folder)})
+    guard = Guard(tmp_path, socket_dir, stubs, monitoring={"enabled": True, "textfile_dir": str(folder)})
     try:
         assert guard.run("alert", "hung", "hands", "hands hung").returncode == 0
         assert [a["event"] for a in guard.webhook_alerts()] == ["hung"]

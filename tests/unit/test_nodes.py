@@ -118,13 +118,6 @@ INVALID = [
     ("same-address", on("spark-b", node_address="10.0.0.1"), "spark-b", "node_address", ["node spark-a"]),
     ("master-port-on-a-port", big_on(master_port=8012), "spark-a", "master_port", ["engine nemotron's port"]),
     (
-        "master-port-on-an-internal-port",
-        big_on(master_port=18013),
-        "spark-a",
-        "master_port",
-        ["engine big's internal port"],
-    ),
-    (
         "master-port-on-node-exporter",
         on("spark-b", monitoring={"enabled": True, "port": 29501}),
         "spark-b",

@@ -601,7 +601,7 @@ def test_each_program_reads_only_keys_of_its_shape(program):
 def test_the_reader_check_finds_unknown_keys_and_an_undeclared_parameter():
     sources = host_sources(
         outages=lambda text: text.replace('config["state_dir"], f"outage-', 'config["state_folder"], f"outage-'),
-        watchdog=lambda text: text.replace("spec['route']", "spec['path']"),
+        watchdog=lambda text: text.replace('spec["route"]', 'spec["path"]'),
         target=lambda text: text.replace("def target_down(config: GuardSettings):", "def target_down(config):"),
     )
     problems = Reader("guard", sources).problems

@@ -94,7 +94,8 @@ def test_an_engine_start_prints_its_seconds_then_serving(tmp_path):
 
 def test_a_failed_start_prints_its_journal_and_no_serving_line(tmp_path):
     stub(tmp_path, "systemctl", '[ "$1" = start ] && { sleep 2.5; exit 1; }; exit 0')
-    stub(tmp_path, "journalctl", "echo 'sparkform-wait-ready: port 8011 did not serve q38 within 60 s'")
+    failed = "sparkform-wait-ready: /run/sparkform-engines/q38/api.sock did not serve q38 within 60 s"
+    stub(tmp_path, "journalctl", f"echo '{failed}'")
     result = sh(start_command(None), tmp_path)
     assert result.returncode == 1
     assert re.fullmatch(r"(q38: \d s \(no cold start recorded yet; the start fails after 60 s\)\n)+", result.stdout)

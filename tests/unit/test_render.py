@@ -217,6 +217,7 @@ def test_rendered_file_list_and_modes(seed_files):
         "/usr/local/lib/sparkform/sparkform-scrub.json",
         "/usr/local/lib/sparkform/sparkform-front-router.js",
         "/etc/profile.d/sparkform-caps.sh",
+        "/etc/tmpfiles.d/sparkform-engines.conf",
         "/etc/systemd/system/sparkform-engines.target",
         "/etc/nginx/conf.d/sparkform.conf",
         "/etc/systemd/system/nginx.service.d/sparkform-hardening.conf",
@@ -254,6 +255,7 @@ VARIANT = {
     "config_dir": "/srv/sparkform/etc",
     "state_dir": "/srv/sparkform/state",
     "cache_root": "/srv/sparkform/cache",
+    "socket_dir": "/run/sparkform-variant",
     "memory_high_gib": 90.0,
     "memory_max_gib": 100.5,
     "restart_s": 5,
@@ -382,9 +384,17 @@ def test_engine_units_are_hardened_to_2_or_less_and_keep_what_engines_need(
     for engine in config.enabled_engines:
         assert scored(tmp_path / "root", engine.unit, device, 2.0, record_property) <= 2.0, engine.unit
         unit = next(f.content for f in files if f.path.endswith(engine.unit))
-        # Writable: its own caches, its home, the locks; nothing of the other engines'.
+        # Writable: its own caches, its home, the locks, its socket's folder; nothing of the other engines'.
         writable = re.search(r"^ReadWritePaths=(.*)$", unit, re.M).group(1).split()
-        assert writable == [config.engine_cache_dir(engine), config.paths.engine_home, config.paths.lock_dir]
+        socket_folder = config.engine_socket(engine).rsplit("/", 1)[0]
+        assert writable == [
+            config.engine_cache_dir(engine),
+            config.paths.engine_home,
+            config.paths.lock_dir,
+            socket_folder,
+        ]
+        # No TCP port: its listeners are in a network of its own; the front reaches the socket.
+        assert ("PrivateNetwork=yes" in unit) == (not engine.nodes)
         assert "ProcSubset=" not in unit  # /proc/meminfo and /proc/driver/nvidia stay readable
         # Loopback only, and vLLM told so (its start-up connects to get_ip() otherwise).
         assert "IPAddressDeny=any\nIPAddressAllow=localhost\n" in unit and '"VLLM_HOST_IP=127.0.0.1"' in unit
@@ -605,7 +615,7 @@ def test_unit_restart_start_limits_and_timeouts(seed_files, name):
     assert unit_value(unit, "Unit", "StartLimitIntervalSec") == "3600"
     assert unit_value(unit, "Service", "TimeoutStartSec") == "1200"
     post, served = (shlex.split(value) for value in unit_values(unit, "Service", "ExecStartPost"))
-    port = {"nemotron": "18012", "q38": "18011"}[name]  # the engine itself, behind the front
+    socket = f"/run/sparkform-engines/{name}/api.sock"  # the engine itself, behind the front
     names = {"nemotron": ["nemotron"], "q38": ["q38", "vision"]}[name]
     # A generator is warmed with a one-token completion of its first name.
     probe = json.dumps({"max_tokens": 1, "model": names[0], "prompt": "ping"})
@@ -614,7 +624,7 @@ def test_unit_restart_start_limits_and_timeouts(seed_files, name):
         "--probe",
         "/v1/completions",
         probe,
-        port,
+        socket,
         "1080",
         *names,
     ]
@@ -679,7 +689,7 @@ def test_variant_unit_values(tmp_path):
     assert (
         unit_values(eyes, "Service", "ExecStartPost")[0]
         == '/srv/sparkform/lib/sparkform-wait-ready --probe /v1/completions "{\\"max_tokens\\": 1, \\"model\\": '
-        '\\"eyes\\", \\"prompt\\": \\"ping\\"}" 19011 600 eyes vision eyes-alias'
+        '\\"eyes\\", \\"prompt\\": \\"ping\\"}" /run/sparkform-variant/eyes/api.sock 600 eyes vision eyes-alias'
     )
     assert unit_value(eyes, "Service", "TimeoutStartSec") == "700"
     # The disabled engine still gets its files (the deploy stops and disables its unit).
@@ -720,9 +730,9 @@ def test_q38_args(seed_files):
     assert flag(args, "--tool-call-parser") == ["qwen3_xml"]
     assert "--enable-auto-tool-choice" in args
     assert "--reasoning-parser" not in args
-    # The engine binds loopback on its internal port; the front serves 8011 to the LAN.
-    assert flag(args, "--port") == ["18011"]
-    assert flag(args, "--host") == ["127.0.0.1"]
+    # The engine serves on its own unix socket, no TCP port; the front serves 8011 to the LAN.
+    assert flag(args, "--uds") == ["/run/sparkform-engines/q38/api.sock"]
+    assert "--port" not in args and "--host" not in args
     assert "--disable-fastapi-docs" in args
     assert flag(args, "--max-model-len") == ["262144"]
     assert flag(args, "--max-num-seqs") == ["128"]
@@ -751,7 +761,7 @@ def test_variant_args():
     assert "--language-model-only" in hands_args
     assert "--no-enable-prefix-caching" in hands_args
     assert flag(hands_args, "--kv-cache-dtype") == ["fp8"]
-    assert flag(hands_args, "--host") == ["127.0.0.1"]
+    assert flag(hands_args, "--uds") == [f"{config.socket_dir}/hands/api.sock"]
     assert "--tool-call-parser" not in hands_args and "--enable-auto-tool-choice" not in hands_args
     eyes_args = engine_args(config, eyes)
     assert flag(eyes_args, "--kv-cache-memory-bytes") == ["17179869184"]
@@ -816,7 +826,7 @@ def test_env_file_matches_the_unit_and_sources_cleanly(seed_files, name, tmp_pat
     engine = next(e for e in config.engines if e.name == name)
     assert env["SPARKFORM_ENGINE"] == name
     assert env["SPARKFORM_UNIT"] == f"vllm-{name}.service"
-    assert env["SPARKFORM_PORT"] == str(engine.port + 10000)
+    assert env["SPARKFORM_SOCKET"] == f"/run/sparkform-engines/{name}/api.sock"
     assert env["SPARKFORM_FRONT_PORT"] == str(engine.port)
     assert env["SPARKFORM_DEVICE"] == "cuda"
     assert env["SPARKFORM_PYTHON"] == f"{config.venv}/bin/python"
@@ -829,7 +839,7 @@ def test_env_file_matches_the_unit_and_sources_cleanly(seed_files, name, tmp_pat
     assert set(env) == set(unit_env) | {
         "SPARKFORM_ENGINE",
         "SPARKFORM_UNIT",
-        "SPARKFORM_PORT",
+        "SPARKFORM_SOCKET",
         "SPARKFORM_FRONT_PORT",
         "SPARKFORM_NEIGHBOUR_WAIT_S",
         "SPARKFORM_DEVICE",

@@ -297,13 +297,9 @@ INVALID = [
     ("listen-address-a-name", host(listen_address="spark.local"), "listen_address", None, ["not an IP address"]),
     ("port-in-extra-args", at("q38", extra_args=["--port", "9000"]), "extra_args", "q38", ["listen_address and port"]),
     ("host-equals-in-extra-args", at("q38", extra_args=["--host=0.0.0.0"]), "extra_args", "q38", ["behind the front"]),
-    (
-        "internal-port-past-65535",
-        host(internal_port_offset=60000),
-        "internal_port_offset",
-        "q38",
-        ["8011 + 60000 = 68011 is past 65535"],
-    ),
+    ("internal-port-offset-gone", host(internal_port_offset=10000), "internal_port_offset", None, ["unknown key"]),
+    ("socket-dir-in-proc", host(socket_dir="/proc/sparkform"), "socket_dir", None, ["lies in /proc"]),
+    ("socket-dir-too-long", host(socket_dir="/run/" + "s" * 60), "socket_dir", None, ["at most 64 characters"]),
     ("metrics-allow-a-name", host(metrics_allow=["prometheus.lan"]), "metrics_allow", None, ["not an address"]),
     (
         "memory-critical-not-below-warning",
@@ -746,7 +742,6 @@ def test_the_combined_port_is_a_port_of_its_own(seed_data, make_host, problems_o
     seed_data["monitoring"] = {"enabled": True}
     for port, taken in (
         (8012, "engine nemotron listens on it"),
-        (18011, "engine q38 binds it"),
         (9100, "node_exporter listens on it (monitoring.port)"),
     ):
         seed_data["front_port"] = port
@@ -765,7 +760,11 @@ def test_the_front_is_reached_on_loopback_when_it_listens_everywhere(seed_data, 
     seed_data.update(listen_address="0.0.0.0", open_lan_api_without_key=True)
     config = make_host(seed_data).config
     assert config.front_local_address == "127.0.0.1" and config.serves_lan
-    assert [config.internal_port(e) for e in config.engines] == [18012, 18011]
+    # The engines themselves have no port: each its socket, wherever the front listens.
+    assert [config.engine_socket(e) for e in config.engines] == [
+        "/run/sparkform-engines/nemotron/api.sock",
+        "/run/sparkform-engines/q38/api.sock",
+    ]
     seed_data.update(listen_address="::")
     assert make_host(seed_data).config.front_local_address == "::1"
     seed_data.update(listen_address="127.0.0.1", open_lan_api_without_key=False)

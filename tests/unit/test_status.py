@@ -332,12 +332,16 @@ def test_the_json_is_the_documented_schema(spark):
         jsonschema.validate(json.loads(s.model_dump_json()), json.loads(documented))
 
 
-def test_the_command_runs_in_one_shell_and_reads_this_machine_for_real(make_host, seed_data, servers):
-    """Two engines answer /health here (200 and 503) and no unit exists: the command ends, and
-    reads what there is."""
-    up, dying = servers(health=200), servers(health=503)
-    for engine, server in zip(seed_data["engines"], (up, dying), strict=True):
-        engine["port"] = server.port - seed_data.get("internal_port_offset", 10000)
+def test_the_command_runs_in_one_shell_and_reads_this_machine_for_real(make_host, seed_data, servers, socket_dir):
+    """Two engines answer /health on their sockets here (200 and 503) and no unit exists: the
+    command ends, and reads what there is."""
+    seed_data["socket_dir"] = str(socket_dir)
+    for engine in seed_data["engines"]:
+        (socket_dir / engine["name"]).mkdir()
+    up, dying = (
+        servers(health=health, uds=socket_dir / engine["name"] / "api.sock")
+        for engine, health in zip(seed_data["engines"], (200, 503), strict=True)
+    )
     host = make_host(seed_data, name="spark")
     command = status.status_command(host.config, 0.1)
     assert command.count("curl -sS") == 4 and "sleep 0.1 ;" in command
