@@ -5,13 +5,12 @@ sparkform-guard, which every other program alerts through)."""
 import fcntl
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 
 from sparkform.host import ALERT_MESSAGE_ID as MESSAGE_ID
 from sparkform.host import GuardSettings
@@ -100,15 +99,41 @@ def webhook_url(config: GuardSettings):
         return handle.read().strip()  # root's file: the URL often carries a token
 
 
+# The webhook's whole exchange, in a child python killed at WEBHOOK_DEADLINE_S: urllib's timeout
+# bounds each read, so a receiver that drips its answer held the guard's thread for minutes, and
+# an answer it cannot parse (BadStatusLine) ended it. The URL comes on stdin (it often holds a token).
+POST_CODE = """import sys, urllib.request
+url = sys.stdin.buffer.readline().decode().strip()
+request = urllib.request.Request(url, data=sys.stdin.buffer.read(), headers={"Content-Type": "application/json"})
+urllib.request.urlopen(request, timeout=10).close()
+"""
+WEBHOOK_DEADLINE_S = 20
+ERROR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]{0,80}")
+
+
 def posted(config: GuardSettings, payload):
-    """Whether the webhook took the alert (a failure is journaled by its kind, never its URL)."""
-    request = urllib.request.Request(webhook_url(config), data=payload, headers={"Content-Type": "application/json"})
+    """Whether the webhook took the alert within WEBHOOK_DEADLINE_S. Any failure (no answer, a
+    status other than 2xx, an answer that is no HTTP) is journaled by its kind, never its URL,
+    and the caller keeps the alert to send again."""
     try:
-        urllib.request.urlopen(request, timeout=10).close()
-        return True
-    except (OSError, ValueError) as err:
-        journal(config, f"sparkform-guard: the alert webhook failed: {type(err).__name__}; kept to send again", 4)
-        return False
+        result = subprocess.run(
+            [sys.executable, "-I", "-c", POST_CODE],
+            input=webhook_url(config).encode() + b"\n" + payload,
+            capture_output=True,
+            timeout=WEBHOOK_DEADLINE_S,
+        )
+    except subprocess.TimeoutExpired:
+        why = f"no answer within {WEBHOOK_DEADLINE_S} s"
+    except OSError as err:
+        why = type(err).__name__
+    else:
+        if result.returncode == 0:
+            return True
+        # The exception's name only (the last line of the traceback): its text may quote the URL.
+        last = (result.stderr.decode("utf-8", "replace").strip().splitlines() or ["?"])[-1].split(":")[0]
+        why = last if ERROR_NAME.fullmatch(last) else f"exit {result.returncode}"
+    journal(config, f"sparkform-guard: the alert webhook failed: {why}; kept to send again", 4)
+    return False
 
 
 def outbox(config: GuardSettings):

@@ -21,7 +21,7 @@ from script_box import Journal, cpu_host_under, put
 from standins import HANG, NOT_FOUND, PROBE_ANSWERS, Reply, Request, StubEngine, json_reply, recording_command
 from unix_engines import raw_answer_once
 
-from sparkform.host import engine_api, outages, starts, watchdog
+from sparkform.host import alerts, engine_api, outages, starts, watchdog
 from sparkform.rules.inventory import load_host
 from sparkform.sandbox.alerts import make_server, read_alerts
 from sparkform.writers.render import render_host
@@ -294,6 +294,55 @@ def test_a_dead_webhook_is_journaled_and_the_alert_still_goes_out(guard):
     assert [e["SPARKFORM_EVENT"] for e in box.journal.alerts()] == ["hung"]
     assert any("the alert webhook failed" in e["MESSAGE"] for e in box.journal.entries)
     assert box.command_out.read_text().strip()  # the command still got it
+
+
+def hostile_webhook(answer: bytes, pause_s: float) -> tuple[str, threading.Event]:
+    """A webhook on 127.0.0.1 that reads a request's head, then sends `answer` a byte at a time,
+    `pause_s` apart, until set: its URL and the event that ends it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        with listener, listener.accept()[0] as connection:
+            while b"\r\n\r\n" not in connection.recv(65536):
+                pass
+            for byte in answer:
+                if done.wait(pause_s):
+                    return
+                connection.sendall(bytes([byte]))
+            done.wait()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}/hook?token=secret", done
+
+
+@pytest.mark.parametrize(
+    ("answer", "pause_s", "why"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", 0.5, "no answer within 2 s"),  # drips
+        (b"HTTP/1.1 banana\r\n\r\n", 0, "http.client.BadStatusLine"),
+        (b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n", 0, "urllib.error.HTTPError"),
+    ],
+    ids=["drips", "no-http", "status-500"],
+)
+def test_a_webhook_that_drips_or_answers_no_http_fails_within_the_deadline(
+    answer, pause_s, why, tmp_path, socket_dir, monkeypatch
+):
+    """The whole exchange is bounded (a webhook answering a byte every few seconds once held the
+    guard's thread for minutes), and every failure is one: the caller keeps the alert. The journal
+    names the failure's kind, never the URL (its token)."""
+    monkeypatch.setattr(alerts, "WEBHOOK_DEADLINE_S", 2)
+    url, done = hostile_webhook(answer, pause_s)
+    (tmp_path / "webhook").write_text(url)
+    journal = Journal(socket_dir / "journal")
+    started = time.monotonic()
+    try:
+        took = alerts.posted({"webhook_file": str(tmp_path / "webhook"), "journal_socket": str(journal.path)}, b"{}")
+    finally:
+        done.set()
+    assert took is False and time.monotonic() - started < 2 + 3
+    (entry,) = journal.read()
+    assert entry["MESSAGE"] == f"sparkform-guard: the alert webhook failed: {why}; kept to send again"
 
 
 def test_a_spent_start_limit_alerts_once_and_retries_with_growing_back_off(guard):
