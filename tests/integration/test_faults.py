@@ -165,7 +165,9 @@ def test_hand_runs_while_q38_is_stopped(box):
         assert refused.returncode == 1 and "PermissionError" in refused.stderr, refused.stderr
         # A process of the engine's own user that answers there (a second engine of that user, a
         # hand run that got round the lock): the launch refuses it...
-        ssh(box, f"setsid -f runuser -u vllm -- python3 /tmp/squatter.py {socket} q38 vision >/dev/null 2>&1")
+        # (The stopped engine's socket file stays: the squatter, of the folder's user, removes it.)
+        squat = f"rm -f {socket} && exec python3 /tmp/squatter.py {socket} q38 vision"
+        ssh(box, f"setsid -f runuser -u vllm -- sh -c {shlex.quote(squat)} >/dev/null 2>&1")
         wait_for(
             lambda: ssh(box, f"curl -fs -o /dev/null {engine_url('q38', '/v1/models')}", check=False).returncode == 0,
             30,

@@ -71,6 +71,9 @@ HANG = Reply(status=0)  # no answer at all: the request waits until the server c
 
 class _UnixServer(socketserver.ThreadingUnixStreamServer):
     daemon_threads = True  # a request left hanging never holds close()
+    # A unix socket refuses a connection at once when its backlog is full (TCP retries): the
+    # front's workers open several at a time, more than socketserver's default of 5.
+    request_queue_size = 128
 
 
 class StubEngine:
