@@ -13,7 +13,7 @@ import tempfile
 import time
 
 from sparkform.host import ALERT_MESSAGE_ID as MESSAGE_ID
-from sparkform.host import GuardSettings
+from sparkform.host import ROOT_PYTHON, GuardSettings
 from sparkform.host.textfile import metric_family, write_textfile
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
@@ -117,7 +117,7 @@ def posted(config: GuardSettings, payload):
     and the caller keeps the alert to send again."""
     try:
         result = subprocess.run(
-            [sys.executable, "-I", "-c", POST_CODE],
+            [*ROOT_PYTHON, "-c", POST_CODE],
             input=webhook_url(config).encode() + b"\n" + payload,
             capture_output=True,
             timeout=WEBHOOK_DEADLINE_S,
