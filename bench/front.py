@@ -45,18 +45,20 @@ def timed(place: list[str | None], body: dict, key: str | None) -> list[float | 
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
     started = time.perf_counter()
     connection = http.client.HTTPConnection(parts.hostname or "localhost", parts.port, timeout=60)
-    if socket_path:  # http.client sends on a socket it already holds
-        connection.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        connection.sock.settimeout(60)
-        connection.sock.connect(socket_path)
-    connection.request("POST", parts.path, json.dumps(body), headers)
-    response = connection.getresponse()
-    if response.status != 200:
-        raise OSError(f"{url} answered {response.status}")
     first = None
-    for _ in response:
-        first = first or time.perf_counter() - started
-    connection.close()
+    try:
+        if socket_path:  # http.client sends on a socket it already holds
+            connection.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            connection.sock.settimeout(60)
+            connection.sock.connect(socket_path)
+        connection.request("POST", parts.path, json.dumps(body), headers)
+        response = connection.getresponse()
+        if response.status != 200:
+            raise OSError(f"{url} answered {response.status}")
+        for _ in response:
+            first = first or time.perf_counter() - started
+    finally:
+        connection.close()
     return [first, time.perf_counter() - started]
 
 

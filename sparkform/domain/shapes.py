@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+from functools import partial
 from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
@@ -148,28 +149,27 @@ def checked_calendar(value: str) -> str:
     )
 
 
-def checked_managed_folder(value: str) -> str:
-    """A folder the deploy creates and owns: a safe path, never a system folder."""
-    if value in SYSTEM_FOLDERS or checked_path(value).startswith(VOLATILE_ROOTS):
+def checked_managed_folder(value: str, refused: tuple[str, ...] = VOLATILE_ROOTS, example="/var/lib/sparkform") -> str:
+    """A folder the deploy creates and owns: a safe path, never a system folder nor in `refused`."""
+    if value in SYSTEM_FOLDERS or checked_path(value).startswith(refused):
         raise ValueError(
-            f"{value!r} is a system folder (or lies in /proc, /sys, /dev, /run or /boot): the deploy sets "
-            "the owner and mode of this folder; give it a folder of its own, e.g. "
-            "/var/lib/sparkform"
+            f"{value!r} is a system folder (or lies in {', '.join(root.rstrip('/') for root in refused)}): the "
+            f"deploy sets the owner and mode of this folder; give it a folder of its own, e.g. {example}"
         )
     return value
 
 
-def checked_socket_folder(value: str) -> str:
-    """The folder of the engines' socket folders: a safe path, under /run or a folder of its own."""
-    if value in SYSTEM_FOLDERS or checked_path(value).startswith(tuple(r for r in VOLATILE_ROOTS if r != "/run/")):
-        raise ValueError(
-            f"{value!r} is a system folder (or lies in /proc, /sys, /dev or /boot): the deploy sets the owner "
-            "and mode of the engines' socket folders in it; give it a folder of its own, e.g. /run/sparkform-engines"
+# The engines' socket folders are runtime state: under /run (made again at every boot) is their place.
+SocketFolder = Annotated[
+    str,
+    AfterValidator(
+        partial(
+            checked_managed_folder,
+            refused=tuple(root for root in VOLATILE_ROOTS if root != "/run/"),
+            example="/run/sparkform-engines",
         )
-    return value
-
-
-SocketFolder = Annotated[str, AfterValidator(checked_socket_folder)]
+    ),
+]
 
 
 def owned_flag(arg: str) -> str | None:

@@ -100,8 +100,9 @@ def webhook_url(config: GuardSettings):
 
 
 # The webhook's whole exchange, in a child python killed at WEBHOOK_DEADLINE_S: urllib's timeout
-# bounds each read, so a receiver that drips its answer held the guard's thread for minutes, and
-# an answer it cannot parse (BadStatusLine) ended it. The URL comes on stdin (it often holds a token).
+# bounds each read, so a receiver that drips its answer would hold the guard's thread for minutes,
+# and an answer it cannot parse (BadStatusLine) would end it. The URL comes on stdin (it often
+# holds a token).
 POST_CODE = """import sys, urllib.request
 url = sys.stdin.buffer.readline().decode().strip()
 request = urllib.request.Request(url, data=sys.stdin.buffer.read(), headers={"Content-Type": "application/json"})

@@ -1,7 +1,7 @@
 """What the guard reads about a unit's processes, from the cgroup tree and /proc: which processes
-it has, whether one is stopped (SIGSTOP, a debugger), how much CPU time they used, and whose
-socket listens on an engine's unix socket. Every value comes from the kernel; the texts an engine can shape (a
-process name, its command line) are only quoted, bounded, in messages."""
+it has, whether one is stopped (SIGSTOP, a debugger), how much CPU time they used, and which
+process listens on an engine's unix socket. Every value comes from the kernel; the texts an
+engine can shape (a process name, its command line) are only quoted, bounded, in messages."""
 
 import os
 import re

@@ -152,7 +152,7 @@ def folders(config: HostConfig) -> list[Folder]:
         ]
     caches = [Folder(config.engine_cache_dir(engine), "750", engine_user, engine_user) for engine in config.engines]
     # Each engine's socket folder: its user's, setgid to the front's group (tmpfiles.d: again at boot).
-    sockets = [posixpath.dirname(config.engine_socket(engine)) for engine in config.engines]
+    sockets = [layout.engine_socket_dir(config.socket_dir, engine.name) for engine in config.engines]
     return [*result, *caches, Folder(config.socket_dir, "755")] + [
         Folder(path, "2750", engine_user, layout.FRONT_USER) for path in sockets
     ]

@@ -19,13 +19,13 @@ from sparkform.sandbox.fakehub import FakeHub
 
 
 @pytest.fixture
-def make_box(tmp_path, free_port) -> Callable[..., Box]:
+def make_box(tmp_path, socket_dir, free_port) -> Callable[..., Box]:
     def _make(**options: Any) -> Box:
         # The front's ports of the two engines (the engines themselves serve on unix sockets).
         port_a, port_b = free_port(), free_port()
         while port_b == port_a:
             port_b = free_port()
-        return build_box(tmp_path, port_a, port_b, **options)
+        return build_box(tmp_path, socket_dir, port_a, port_b, **options)
 
     return _make
 

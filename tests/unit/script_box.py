@@ -5,18 +5,16 @@ tmp_path, so the launch script and the readiness helper run there with bash: the
 with a stub `python` in the venv that records the environment, umask and arguments it was handed,
 the helper against fake_engine (a StubEngine with the few endpoints it polls) or Staller (a
 socket that never answers), each on an engine's unix socket (or on 127.0.0.1, for the tests of
-other programs). A box's socket_dir lies in a short folder of /tmp of its own (a socket's path
-fits in 107 bytes), which remove_socket_folders removes after each test. The fixtures that make
+other programs). A box's socket_dir is the test's socket_dir fixture, a short folder of /tmp (a
+socket's path fits in 107 bytes), removed after the test. The fixtures that make
 them, make_box and servers, are in conftest.py. Journal is a stand-in journald socket the guard's
 alerts reach (test_guard.py, test_scrub.py).
 """
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterable
@@ -25,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from standins import NOT_FOUND, PROBE_ANSWERS, Reply, Request, StubEngine, json_reply
-from suite_hygiene import TEMP_PREFIX
 
 from sparkform.domain.engine import Span
 from sparkform.domain.layout import engine_socket_dir
@@ -153,18 +150,9 @@ def put(files: Iterable[RenderedFile], root: Path) -> None:
             target.chmod(int(file.mode, 8))
 
 
-# The socket folders of the boxes built so far (outside tmp_path): remove_socket_folders removes them.
-SOCKET_FOLDERS: list[Path] = []
-
-
-def remove_socket_folders() -> None:
-    """Remove the socket folders of every box built so far (a test's teardown)."""
-    while SOCKET_FOLDERS:
-        shutil.rmtree(SOCKET_FOLDERS.pop(), ignore_errors=True)
-
-
 def build_box(
     root: Path,
+    sockets: Path,
     port_a: int,
     port_b: int,
     device: str = "cpu",
@@ -174,12 +162,9 @@ def build_box(
     engine_fields: dict[str, dict[str, Any]] | None = None,
 ) -> Box:
     """Render the box into `root`; its engines a and b sit behind the front's port_a and port_b and
-    serve on unix sockets in a socket_dir of /tmp (each engine's folder made, as the deploy makes
-    it on a host). With `head_port`, the box runs rank 1 of b for a head elsewhere whose master
+    serve on unix sockets in `sockets`, its socket_dir (each engine's folder made, as the deploy
+    makes it on a host). With `head_port`, the box runs rank 1 of b for a head elsewhere whose master
     port that is (on loopback). `engine_fields`: further inventory fields of engine a or b."""
-    # The suite's temp prefix: a killed run's folder goes at the next run's start.
-    sockets = Path(tempfile.mkdtemp(dir="/tmp", prefix=f"{TEMP_PREFIX}sock-"))
-    SOCKET_FOLDERS.append(sockets)
     data = {
         "device": device,
         # The repo's locks: the sandbox's CPU build and the Spark's vLLM.

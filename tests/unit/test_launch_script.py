@@ -23,17 +23,10 @@ import time
 from pathlib import Path
 
 import pytest
-from script_box import CACHE_VARS, CAPS, Box, remove_socket_folders
+from script_box import CACHE_VARS, CAPS, Box
 
 from sparkform.domain.layout import ENGINE_SOCKETS_TMPFILES
 from sparkform.writers.render import engine_args, engine_environment
-
-
-@pytest.fixture(autouse=True)
-def socket_folders():
-    """The boxes' socket folders lie in /tmp, outside tmp_path: they go after each test."""
-    yield
-    remove_socket_folders()
 
 
 def test_launch_execs_the_engine_with_the_caps_whatever_the_callers_env(make_box):

@@ -20,18 +20,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from script_box import remove_socket_folders
 from suite_hygiene import temp_folder
 
 from sparkform.domain.layout import unit_path
 from sparkform.sandbox.cgroups import kill_cgroup, own_cgroups, remove_cgroup
-
-
-@pytest.fixture(autouse=True)
-def socket_folders():
-    """The boxes' socket folders lie in /tmp, outside tmp_path: they go after each test."""
-    yield
-    remove_socket_folders()
 
 
 def test_wait_ready_succeeds_when_every_name_is_served(make_box, servers):

@@ -16,8 +16,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-SOCKET_PATH_BYTES = 107  # sun_path holds 108 bytes, its last a NUL
-
 
 @contextmanager
 def short_folder() -> Iterator[Path]:
