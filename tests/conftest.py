@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import pytest
 from chains import ChainScheduler
-from suite_clock import SuiteClock
+from suite_clock import SuiteClock, cpu_readings, local_cpu_s, named_sandboxes
 from suite_figures import SuiteFigures
 from suite_hygiene import TEMP_PREFIX, MachineState, clear_leftovers, hold_run_lock, temp_folder
 from suite_memory import MemoryPeak, available_gib
@@ -75,12 +75,30 @@ def pytest_configure(config):
         os.environ["SPARK_KNOWN_HOSTS"] = str(path)
 
 
+CPU_AT_START = pytest.StashKey[float]()
+SANDBOXES_NAMED = pytest.StashKey[set[str]]()
+
+
+def pytest_collection_finish(session):
+    """The CPU this process spent starting and collecting is no test's: tests' CPU counts from here."""
+    session.config.stash[CPU_AT_START] = local_cpu_s()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A failure says how loaded the machine was at that moment: a wait that ran out under load
+    """Every report carries the CPU readings the suite clock charges its test (suite_clock.py).
+
+    A failure says how loaded the machine was at that moment: a wait that ran out under load
     reads differently from one that ran out on a quiet machine."""
     outcome = yield
     report = outcome.get_result()
+    # Every sandbox the test named in any phase: a module's last teardown runs after `box` and
+    # `pair` unset their variables, and a sandbox that outlives it (the shared one) is read still.
+    named = item.stash.setdefault(SANDBOXES_NAMED, set())
+    named |= named_sandboxes()
+    # A list of the report's own: its user_properties is the item's, which every phase shares.
+    readings = cpu_readings(named, since=item.config.stash.get(CPU_AT_START, 0.0))
+    report.user_properties = [*report.user_properties, *readings]
     if report.failed:
         load = " ".join(f"{value:.1f}" for value in os.getloadavg())
         report.sections.append(

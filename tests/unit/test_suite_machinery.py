@@ -1,6 +1,7 @@
 """The suite's own machinery: the machine-state check finds what a test left outside its folders,
 a killed run's sandboxes and temp folders are cleared by their names (and nothing else), a run
-clears only while no other run holds the run lock, the time table adds up by module."""
+clears only while no other run holds the run lock, the time table adds up by module, and each
+live test is charged the CPU its phases' readings differ by."""
 
 from __future__ import annotations
 
@@ -15,7 +16,18 @@ import pytest
 import suite_hygiene
 import suite_memory
 from chains import declared
-from suite_clock import ModuleTime, over_budget, table
+from suite_clock import (
+    LiveCost,
+    ModuleTime,
+    SuiteClock,
+    cpu_readings,
+    live_lines,
+    local_cpu_s,
+    named_sandboxes,
+    over_budget,
+    sandbox_cpu_s,
+    table,
+)
 from suite_figures import SuiteFigures
 from suite_hygiene import SANDBOX_NAME, changes, entries, leftover_sandboxes, sandbox_name
 from suite_memory import MemoryPeak
@@ -139,11 +151,123 @@ def test_the_time_table_adds_up_each_modules_phases_and_each_workers_share():
         modules[name].seconds[when] += seconds
         modules[name].by_worker[worker] += seconds
         modules[name].tests.add(f"{name}::t{len(modules[name].tests)}")
+    modules["tests/integration/test_a.py"].cpu_s = 412.25
     lines = table(modules, 400.0)
-    assert lines[1].split() == ["tests/integration/test_a.py", "3", "200", "150", "0", "350", "gw0"]
-    assert lines[2].split() == ["tests/unit/test_b.py", "2", "0", "4", "0", "4", "gw0,gw1"]
+    assert lines[0].split()[-3:] == ["cpu", "s", "worker"]
+    assert lines[1].split() == ["tests/integration/test_a.py", "3", "200", "150", "0", "350", "412", "gw0"]
+    assert lines[2].split() == ["tests/unit/test_b.py", "2", "0", "4", "0", "4", "-", "gw0,gw1"]
     # Each worker's sum is what its reports took: gw0 350 + 1, gw1 3.
     assert lines[3:] == ["worker gw0: 351 s of tests", "worker gw1: 3 s of tests", "wall time: 400 s (6.7 min)"]
+
+
+def test_a_sandboxs_cpu_seconds_come_from_the_cgroup_folders_its_runtime_folder_lists(tmp_path):
+    """v1 (hybrid: cpuacct.usage, whatever else the list holds first) and v2 (cpu.stat); none
+    while the sandbox is down or its folders hold neither."""
+    runtime, cgroup = tmp_path / "run", tmp_path / "cgroup"
+
+    def listed(name: str, *hierarchies: str) -> None:
+        (runtime / name).mkdir(parents=True)
+        folders = [cgroup / hierarchy / f"sfsb-{name}" for hierarchy in hierarchies]
+        (runtime / name / "cgroups").write_text("".join(f"{folder}\n" for folder in folders))
+
+    def knob(path: str, text: str) -> None:
+        (cgroup / path).parent.mkdir(parents=True, exist_ok=True)
+        (cgroup / path).write_text(text)
+
+    listed("v1", "pids", "cpu", "cpuacct", "unified")
+    knob("pids/sfsb-v1/cgroup.procs", "1\n")
+    knob("cpu/sfsb-v1/cpu.stat", "nr_periods 0\nnr_throttled 0\nthrottled_time 0\n")  # v1's: no usage
+    knob("cpuacct/sfsb-v1/cpuacct.usage", "2500000000\n")
+    knob("unified/sfsb-v1/cpu.stat", "usage_usec 2400000\nuser_usec 2000000\nsystem_usec 400000\n")
+    listed("v2", "")
+    knob("sfsb-v2/cpu.stat", "usage_usec 1500000\nuser_usec 1000000\nsystem_usec 500000\n")
+    listed("bare", "pids")
+    knob("pids/sfsb-bare/cgroup.procs", "1\n")
+    listed("gone", "cpuacct")  # its folder went with `down`, its runtime folder not yet
+    read = {name: sandbox_cpu_s(name, runtime) for name in ("v1", "v2", "bare", "gone", "down")}
+    assert read == {"v1": 2.5, "v2": 1.5, "bare": None, "gone": None, "down": None}
+    sandboxes, local = cpu_readings(["v1", "v2", "down"], since=local_cpu_s(), runtime_root=runtime)
+    assert sandboxes == ("sandbox_cpu_s", {"v1": 2.5, "v2": 1.5})
+    assert local[0] == "local_cpu_s" and 0 <= local[1] < 1
+
+
+def test_the_local_cpu_counts_the_waited_for_children():
+    before = local_cpu_s()
+    burn = "import time\nwhile time.process_time() < 0.3: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    assert local_cpu_s() - before >= 0.3
+
+
+def test_the_sandboxes_a_test_names_are_its_modules_and_the_pairs(monkeypatch):
+    monkeypatch.delenv("SPARKFORM_SANDBOX", raising=False)
+    monkeypatch.delenv("SPARKFORM_SANDBOX_PAIR", raising=False)
+    assert named_sandboxes() == set()
+    monkeypatch.setenv("SPARKFORM_SANDBOX", "t-1")
+    monkeypatch.setenv("SPARKFORM_SANDBOX_PAIR", "t-2-head,t-2-worker")
+    assert named_sandboxes() == {"t-1", "t-2-head", "t-2-worker"}
+
+
+def reported(nodeid: str, when: str, worker: str, duration: float, sandboxes=None, local=None):
+    """A report as the controller gets it from `worker`, with CPU readings when `local` is given."""
+    properties = [] if local is None else [("sandbox_cpu_s", sandboxes or {}), ("local_cpu_s", local)]
+    node = SimpleNamespace(gateway=SimpleNamespace(id=worker))
+    return SimpleNamespace(nodeid=nodeid, when=when, duration=duration, user_properties=properties, node=node)
+
+
+def test_each_live_test_is_charged_what_its_sandboxes_and_its_worker_took_since_their_last_reading():
+    """A sandbox shared by two modules counts from its last reading, in whichever module; a
+    sandbox's first reading counts from its boot; a worker's unit test keeps its share; a
+    teardown after the sandboxes went down reads none; a test with no readings has no CPU."""
+    a, b = "tests/integration/test_a.py::test_one", "tests/integration/test_b.py::test_two"
+    pair, quiet = "tests/integration/test_pair.py::test_reboot", "tests/integration/test_c.py::test_quiet"
+    clock = SuiteClock()
+    for report in [
+        reported(a, "setup", "gw0", 300, {"t-shared": 100}, 10),
+        reported(pair, "setup", "gw1", 200, {"t-head": 50, "t-worker": 40}, 5),
+        reported(a, "call", "gw0", 50, {"t-shared": 130}, 12),
+        reported("tests/unit/test_u.py::test_x", "call", "gw1", 1, {}, 7),
+        reported(a, "teardown", "gw0", 1, {"t-shared": 131}, 12.25),
+        reported(pair, "call", "gw1", 100, {"t-head": 80, "t-worker": 45}, 9),
+        reported(b, "setup", "gw0", 5, {"t-shared": 140}, 13),
+        reported(pair, "teardown", "gw1", 30, {}, 10),
+        reported(b, "call", "gw0", 60, {"t-shared": 150}, 14),
+        reported(quiet, "setup", "gw2", 15),
+        reported(quiet, "call", "gw2", 5),
+    ]:
+        clock.pytest_runtest_logreport(report)
+    assert clock.live == {
+        a: LiveCost(wall_s=351, sandbox_cpu_s=131, local_cpu_s=12.25),
+        b: LiveCost(wall_s=65, sandbox_cpu_s=19, local_cpu_s=1.75),
+        pair: LiveCost(wall_s=330, sandbox_cpu_s=125, local_cpu_s=8),
+        quiet: LiveCost(wall_s=20),
+    }
+    cpu = {module: entry.cpu_s for module, entry in clock.modules.items()}
+    assert cpu == {
+        "tests/integration/test_a.py": 143.25,
+        "tests/integration/test_b.py": 20.75,
+        "tests/integration/test_pair.py": 133,
+        "tests/unit/test_u.py": 2,
+        "tests/integration/test_c.py": None,
+    }
+    assert live_lines(clock.live, wall_s=1000, cores=2) == [
+        "  wall s  sandbox cpu s  local cpu s  test",
+        "     351            131           12  test_a.py::test_one",
+        "     330            125            8  test_pair.py::test_reboot",
+        "      65             19            2  test_b.py::test_two",
+        "      20              -            -  test_c.py::test_quiet",
+        "live tests' CPU: 297 s, 15% of the run's 2000 CPU s (1000 s wall x 2 cores)",
+    ]
+
+
+def test_a_sandbox_brought_up_again_under_its_name_counts_from_its_new_boot():
+    test = "tests/integration/test_a.py::test_one"
+    clock = SuiteClock()
+    for report in [
+        reported(test, "setup", "gw0", 10, {"t-again": 50}, 1),
+        reported(test, "call", "gw0", 10, {"t-again": 20}, 2),
+    ]:
+        clock.pytest_runtest_logreport(report)
+    assert clock.live[test].sandbox_cpu_s == 70
 
 
 def test_the_figures_tests_record_are_printed_in_order_once_each():
