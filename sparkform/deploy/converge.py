@@ -110,7 +110,7 @@ def planned() -> tuple[HostConfig, Snapshot, converge.ConvergePlan]:
             "prints it; docs/clients.md, TLS)"
         )
     # A link at a managed path would send root's writes, chmods and chowns wherever it points.
-    if links := converge.planted_links(snapshot, plan.unwanted):
+    if links := snapshot.planted_links(plan.unwanted):
         exit_untrusted(host.name, links)
 
     for line in plan.drift_lines:

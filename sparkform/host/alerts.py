@@ -9,12 +9,12 @@ import re
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 from sparkform.host import ALERT_MESSAGE_ID as MESSAGE_ID
 from sparkform.host import ROOT_PYTHON, GuardSettings
 from sparkform.host.textfile import metric_family, write_textfile
+from sparkform.host.whole_files import replaced
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 SEVERITY = {
@@ -81,8 +81,11 @@ def alert(config: GuardSettings, event, engine, message):
             "time": round(time.time(), 3),
         }
     ).encode()
-    if webhook_url(config) and (pending(config) or not posted(config, payload)):
-        keep(config, payload)  # after those before it: the receiver gets them in order
+    if webhook_url(config):
+        waiting = pending(config)  # those before it go first: the receiver gets them in order
+        tried = not waiting
+        if waiting or not posted(config, payload):
+            kept_or_sent(config, payload, tried)
     command = config.get("alert_command")
     if command:
         try:
@@ -151,13 +154,21 @@ def pending(config: GuardSettings):
 
 def keep(config: GuardSettings, payload):
     folder = outbox(config)
-    fd, temp = tempfile.mkstemp(dir=folder, prefix=".alert-")
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(payload)
-    os.replace(temp, os.path.join(folder, f"{time.time_ns():020d}-{os.getpid()}.json"))
+    replaced(os.path.join(folder, f"{time.time_ns():020d}-{os.getpid()}.json"), payload)
     for dropped in pending(config)[:-OUTBOX_KEPT]:
         os.unlink(dropped)
         journal(config, f"sparkform-guard: more than {OUTBOX_KEPT} alerts wait for the webhook: the oldest dropped", 3)
+
+
+def kept_or_sent(config: GuardSettings, payload, tried):
+    """Keep an alert the webhook has not taken; where it cannot be kept (a full or read-only state
+    folder) it is sent now, out of order (unless that just failed), rather than lost to the webhook."""
+    try:
+        keep(config, payload)
+    except OSError as err:
+        journal(config, f"sparkform-guard: an alert could not be kept in {outbox(config)}: {err}", 3)
+        if tried or not posted(config, payload):
+            journal(config, "sparkform-guard: that alert reached the journal only, not the webhook", 3)
 
 
 def send_pending(config: GuardSettings):
@@ -197,11 +208,8 @@ def read_json(path, default):
 
 
 def write_json(path, value):
-    """Root's file, replaced whole (temp file and rename in the same root-only folder)."""
-    fd, temp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".guard-")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(value, handle)
-    os.replace(temp, path)
+    """Root's file, replaced whole (whole_files.replaced: a failed write raises, leaving no temp file)."""
+    replaced(path, json.dumps(value))
 
 
 # --- the alerts as metrics (node_exporter's textfile collector) -----------------------------------

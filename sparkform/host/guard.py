@@ -60,7 +60,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -73,7 +72,7 @@ from sparkform.host import (
     program_path,
     settings_path,
 )
-from sparkform.host.alerts import alert, counted, journal, outbox_watch, read_json, write_json
+from sparkform.host.alerts import alert, counted, journal, outbox_watch, read_json
 from sparkform.host.front import front_watch
 from sparkform.host.front_clients import clients_watch
 from sparkform.host.gpu_metrics import gpu_watch
@@ -84,6 +83,7 @@ from sparkform.host.ranks import RankWatch
 from sparkform.host.systemd import doubled_pause, invocation_journal, run_later, started_afresh, systemctl
 from sparkform.host.target import reach_target_after, target_watch
 from sparkform.host.watchdog import Watchdog
+from sparkform.host.whole_files import replaced
 
 KEEPALIVE_S = 5  # a keep-alive to systemd's watchdog (WatchdogSec= is several of these)
 ALIVE_EVERY_S = 30  # the heartbeat on disk that tells a reboot (or a dead guard) at the next start
@@ -118,7 +118,13 @@ def cmd_failed(config: GuardSettings, engine: GuardEngine):
     failures = state.get("failures") if isinstance(state.get("failures"), int) else 0
     failures += 1
     delay = doubled_pause(config["recover_cooldown_s"], failures, config["recover_backoff_max_s"])
-    write_json(path, {"failures": failures, "since": state.get("since", round(time.time()))})
+    # Unrecorded, the next retry's pause starts from the first again; the retry itself is still set.
+    outages.recorded(
+        config,
+        path,
+        {"failures": failures, "since": state.get("since", round(time.time()))},
+        f"{engine['unit']}'s back-off",
+    )
     timer = f"{RETRY_UNIT_PREFIX}{engine['name']}"
     systemctl("stop", f"{timer}.timer")  # a retry still pending from before
     systemctl("reset-failed", f"{timer}.service")
@@ -164,11 +170,7 @@ def append_row(config: GuardSettings, row):
         except FileNotFoundError:
             rows = []
         rows = [*rows[-(config["kv_ledger_rows"] - 1) :], json.dumps(row, separators=(",", ":"))]
-        fd, temp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".kv-ledger-")
-        with os.fdopen(fd, "w") as handle:
-            handle.write("\n".join(rows) + "\n")
-        os.chmod(temp, 0o644)
-        os.replace(temp, path)
+        replaced(path, "\n".join(rows) + "\n", 0o644)
 
 
 def record_pool(config: GuardSettings, engine: GuardEngine):
@@ -235,10 +237,10 @@ def alert_outside(engine: GuardEngine, event, message):
 def cmd_watch(config: GuardSettings):
     counted(config)  # the textfile, with every count, before any alert
     outages.after_start(config)
-    outages.alive(config)
+    failing = outages.heartbeat(config, failing=False)
 
     def stop_cleanly(signum, frame):
-        outages.alive(config, clean=True)
+        outages.heartbeat(config, failing, clean=True)
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, stop_cleanly)
@@ -269,7 +271,7 @@ def cmd_watch(config: GuardSettings):
         if not late and all(thread.is_alive() for thread in threads):
             notify("WATCHDOG=1")
         if time.monotonic() - last_alive >= ALIVE_EVERY_S:
-            outages.alive(config)
+            failing = outages.heartbeat(config, failing)
             last_alive = time.monotonic()
         time.sleep(KEEPALIVE_S)
 

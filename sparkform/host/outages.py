@@ -7,6 +7,7 @@ start) was alerted by it."""
 
 import os
 import re
+import shutil
 import time
 
 from sparkform.host import GuardEngine, GuardSettings
@@ -35,13 +36,22 @@ def outage_path(config: GuardSettings, name):
     return os.path.join(config["state_dir"], f"outage-{name}.json")
 
 
+def recorded(config: GuardSettings, path, value, what):
+    """write_json; a failure (a full or read-only state folder) is journaled, not raised: the alert
+    that goes with the record is still sent, and only `what` is lost."""
+    try:
+        write_json(path, value)
+    except OSError as err:
+        journal(config, f"sparkform-guard: {what} is not recorded: {err}", 3)
+
+
 def kill_marker(config: GuardSettings, name):
     return os.path.join(config["state_dir"], f"guard-kill-{name}.json")
 
 
 def guard_kills(config: GuardSettings, name, why):
     """Before the guard kills a unit: its stop is the guard's, alerted by the guard."""
-    write_json(kill_marker(config, name), {"time": time.time(), "why": why})
+    recorded(config, kill_marker(config, name), {"time": time.time(), "why": why}, f"that the guard stopped {name}")
 
 
 def outage_since(outage):
@@ -98,7 +108,7 @@ def cmd_stopped(config: GuardSettings, engine: GuardEngine, tell, environ=os.env
         )
         return
     short = (marker["why"] if by_guard else why).split("; ")[0]  # the alert has the rest
-    write_json(outage_path(config, name), {"since": now, "why": short})
+    recorded(config, outage_path(config, name), {"since": now, "why": short}, f"the outage of {engine['unit']}")
     if not by_guard:
         tell(
             "stopped",
@@ -152,6 +162,35 @@ def alive(config: GuardSettings, clean=False):
     write_json(alive_path(config), {"boot": boot_id(), "pid1": pid1_start(), "time": time.time(), "clean": clean})
 
 
+def heartbeat(config: GuardSettings, failing, clean=False):
+    """Write the heartbeat; whether that fails now. A failure (a full or read-only state folder) is
+    journaled once, with the folder's free bytes, and the guard watches on; so is the first write
+    that works again."""
+    folder = config["state_dir"]
+    try:
+        alive(config, clean)
+    except OSError as err:
+        if not failing:
+            journal(
+                config,
+                f"sparkform-guard: cannot write in {folder} ({err}; {free_bytes(folder)} bytes free there): "
+                "it watches on, and keeps no heartbeat until it can",
+                3,
+            )
+        return True
+    if failing:
+        journal(config, f"sparkform-guard: writes in {folder} again", 5)
+    return False
+
+
+def free_bytes(folder):
+    """The bytes free to root under `folder`, or "?" where that cannot be read."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return "?"
+
+
 def booted_since(last):
     """Whether the host booted since the heartbeat `last` (one written before PID 1's start was
     kept: by the kernel's boot ID alone)."""
@@ -175,7 +214,12 @@ def after_start(config: GuardSettings):
         alert(config, event, "-", f"the host booted again {how}; the guard last saw it up at {seen}")
         for engine in config["engines"]:
             if read_json(outage_path(config, engine["name"]), None) is None:
-                write_json(outage_path(config, engine["name"]), {"since": last["time"], "why": "the host rebooted"})
+                recorded(
+                    config,
+                    outage_path(config, engine["name"]),
+                    {"since": last["time"], "why": "the host rebooted"},
+                    f"the outage of {engine['unit']}",
+                )
     elif not clean:
         alert(
             config,

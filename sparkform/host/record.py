@@ -15,13 +15,12 @@ Exit codes:
 """
 
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
 
 from sparkform.host.textfile import metric_family, write_textfile
+from sparkform.host.whole_files import replaced
 
 PROPERTIES = "ExecMainStartTimestamp,ExecMainStartTimestampMonotonic,ActiveEnterTimestampMonotonic,ActiveState"
 
@@ -107,14 +106,7 @@ def main() -> None:
         entry["last_start_cold"] = kind == "cold"
         if kind == "cold":
             entry["cold_start_s"] = entry["start_s"]
-    # A new file of its own in the same (root-only) folder, then a rename: never written
-    # through a link planted at either name.
-    fd, temp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path))
-    with os.fdopen(fd, "w") as out:
-        json.dump(record, out, sort_keys=True, indent=2)
-        out.write("\n")
-    os.chmod(temp, 0o644)
-    os.replace(temp, path)
+    replaced(path, json.dumps(record, sort_keys=True, indent=2) + "\n", 0o644)
     if textfile:
         try:
             write_textfile(textfile, record_metrics(record, time.time()))

@@ -34,6 +34,7 @@ from sparkform.host import ROOT_PYTHON, RollbackSettings, program_path, settings
 from sparkform.host.folders import COMPLETE_MARKER, CONTROL
 from sparkform.host.kept import KEPT_FILES, KEPT_PREVIOUS, KEPT_RECORD, ROLLBACK_RECORD, day, settings_digest
 from sparkform.host.systemd import why_a_start_failed
+from sparkform.host.whole_files import replaced
 
 DIGEST = re.compile(r"[0-9a-f]{32}")
 PATH = re.compile(r"(/[A-Za-z0-9._+@-]+)+")
@@ -130,22 +131,6 @@ def current_texts(files):
         except (OSError, UnicodeDecodeError):
             texts.append("")
     return texts
-
-
-def replaced(path, text, mode):
-    """Write `text` to `path` through a new file beside it and a rename (never through a link)."""
-    folder = os.path.dirname(path)
-    descriptor, temp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.")
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temp, mode)
-        os.replace(temp, path)
-    except BaseException:
-        os.unlink(temp)
-        raise
 
 
 def reason_of(lines, by):

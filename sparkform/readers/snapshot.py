@@ -44,6 +44,7 @@ class Snapshot:
     cache_keys: dict[str, str] = field(default_factory=dict)  # engine -> key its caches were built under
     caches_aside: list[str] = field(default_factory=list)  # cache folders moved aside, not yet rebuilt
     unit_files: dict[str, str] = field(default_factory=dict)  # engine unit file -> enabled, disabled, ...
+    order_blind: dict[str, str] = field(default_factory=dict)  # engine unit path -> bootchain.order_blind_digest
     engines: dict[str, EngineState] = field(default_factory=dict)
     kept: dict[str, KeptSettings] = field(default_factory=dict)  # engine -> the settings it last served with
     previous: dict[str, KeptSettings] = field(default_factory=dict)  # engine -> those it served before them
@@ -53,3 +54,16 @@ class Snapshot:
     worker_connections: int | None = None  # nginx.conf's worker_connections (None: no such line)
     # What the host holds that sparkform never writes (file and value): root acts on none of it.
     untrusted: list[str] = field(default_factory=list)
+
+    def planted_links(self, unwanted_paths: list[str]) -> list[str]:
+        """The paths sparkform manages where a symbolic link stands, folders first (a link at a
+        folder would send its chmod/chown and every file below it elsewhere), as untrusted findings:
+        root follows no link it did not make. A link where sparkform removes a file is removed as
+        it is (rm follows nothing)."""
+        removed = set(unwanted_paths)
+        links = [path for path, current in self.paths.items() if current.link and path not in removed]
+        return [
+            f"{path} is a symbolic link (to wherever it points): sparkform makes a plain folder or file there, "
+            "and root follows no link; an owner who moved the folder names its real path in the inventory"
+            for path in links
+        ]

@@ -9,10 +9,30 @@ orders nothing and both engines start at once: the compile storm of two cold sta
 
 from __future__ import annotations
 
+import hashlib
+
 from sparkform.domain.engine import Engine
 from sparkform.domain.layout import UNIT_PREFIX
 from sparkform.domain.model import Host, Problem
+from sparkform.domain.rendered import RenderedFile
 from sparkform.domain.schema import HostConfig
+
+ORDERING = "After="  # an engine unit's only ordering line (templates/engine.service.j2)
+
+
+def order_blind_digest(unit_text: str) -> str:
+    """The sha256 of a unit file's text less its After= lines, each line ending in a newline, as
+    `grep -v '^After='` prints it (the host side: HostSnapshot): two unit files with the same digest
+    differ in boot order alone, which systemd takes on a reload, without restarting the engine."""
+    kept = (line.rstrip("\n") + "\n" for line in unit_text.splitlines() if not line.startswith(ORDERING))
+    return hashlib.sha256("".join(kept).encode()).hexdigest()
+
+
+def ordering_only(unit: RenderedFile, order_blind: dict[str, str]) -> bool:
+    """Whether the host's copy of `unit` (a unit file rendered to replace it) differs from it in
+    After= lines alone (`order_blind`: the host's order-blind digests, by path): an engine before
+    it was disabled or removed, and the running engine is reloaded into its new order, not restarted."""
+    return unit.is_unit and order_blind.get(unit.path) == order_blind_digest(unit.content)
 
 
 def edges(config: HostConfig, engine: Engine) -> list[str]:

@@ -94,20 +94,6 @@ def engine_user_problems(host: str, config: HostConfig, snapshot: Snapshot) -> l
     ]
 
 
-def planted_links(snapshot: Snapshot, unwanted_paths: list[str]) -> list[str]:
-    """The paths sparkform manages where a symbolic link stands, folders first (a link at a
-    folder would send its chmod/chown and every file below it elsewhere), as untrusted findings:
-    root follows no link it did not make. A link where sparkform removes a file is removed as
-    it is (rm follows nothing)."""
-    removed = set(unwanted_paths)
-    links = [path for path, current in snapshot.paths.items() if current.link and path not in removed]
-    return [
-        f"{path} is a symbolic link (to wherever it points): sparkform makes a plain folder or file there, "
-        "and root follows no link; an owner who moved the folder names its real path in the inventory"
-        for path in links
-    ]
-
-
 @dataclass(frozen=True)
 class Folder:
     path: str
@@ -408,7 +394,14 @@ def plan(
         # A running engine holds its weights in memory: files fetched again (a corrupt or changed
         # one) reach it only through a restart.
         refetched = not checkpoint_complete(config, engine, snapshot)
-        restart = stale or refetched or any(f.engine == engine.name and f.path in changed for f in rendered)
+        restart = (
+            stale
+            or refetched
+            or any(
+                f.engine == engine.name and f.path in changed and not bootchain.ordering_only(f, snapshot.order_blind)
+                for f in rendered
+            )
+        )
         steps.append(
             EngineStep(
                 engine,

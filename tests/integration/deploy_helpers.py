@@ -106,13 +106,18 @@ def alerts(box: machine.Sandbox) -> list[dict]:
     return [entry["alert"] for entry in read_alerts(stage.alerts_file(box.runtime_dir))]
 
 
-def hang_detected_s(config: HostConfig) -> float:
-    """The most the guard's watchdog takes to find a hung engine of `config`: K failed probes, rounds an
-    interval apart but one at a time, and two /metrics reads (after the first and the last failure),
-    each probe and read at most a deadline; up to one interval before the first probe after the hang;
-    20 s of slack for a busy CI."""
+def watchdog_verdict_s(config: HostConfig) -> float:
+    """The most the guard's watchdog takes to judge a silent engine of `config`: K failed probes,
+    rounds an interval apart but one at a time, and two /metrics reads (after the first and the last
+    failure), each probe and read at most a deadline; up to one interval before the first probe."""
     k, interval, deadline = config.watchdog_failures, config.watchdog_interval_s, config.watchdog_deadline_s
-    return max((k - 1) * interval + deadline, (k + 1) * deadline) + deadline + interval + 20
+    return max((k - 1) * interval + deadline, (k + 1) * deadline) + deadline + interval
+
+
+def hang_detected_s(config: HostConfig) -> float:
+    """The most a hung engine of `config` waits for the watchdog's alert: its verdict, and 20 s of
+    slack for a busy CI."""
+    return watchdog_verdict_s(config) + 20
 
 
 def why_it_restarted(box: machine.Sandbox, unit: str) -> str:

@@ -552,12 +552,15 @@ def q38_after(box: machine.Sandbox) -> list[str]:
 
 
 def test_disabling_the_first_engine_leaves_no_edge_to_it(box, tmp_path):
+    """q38's unit loses its edge to nemotron, a change of boot order alone: reloaded, q38 serves on."""
+    q38 = main_pids(box)["vllm-q38.service"]
     inventory = edited_inventory(tmp_path, {"nemotron": {"enabled": False}})
     result = pyinfra(inventory, "-y")
     assert result.returncode == 0, result.stderr[-3000:]
     assert ssh(box, "systemctl is-enabled vllm-nemotron", check=False).stdout.strip() == "disabled"
     assert not serving(box, "vllm-nemotron.service")
     assert "vllm-nemotron.service" not in q38_after(box)
+    assert main_pids(box)["vllm-q38.service"] == q38, why_it_restarted(box, "vllm-q38.service")
     result = verify(inventory=inventory)
     assert result.returncode == 0, result.stdout[-3000:]
 
@@ -570,8 +573,10 @@ def test_removing_the_first_engine_removes_its_unit(box, tmp_path):
     assert "vllm-nemotron.service" not in q38_after(box)
     result = verify(inventory=inventory)
     assert result.returncode == 0, result.stdout[-3000:]
+    q38 = main_pids(box)["vllm-q38.service"]
     converge_back(box)
     assert "vllm-nemotron.service" in q38_after(box)
+    assert main_pids(box)["vllm-q38.service"] == q38, why_it_restarted(box, "vllm-q38.service")
 
 
 def test_verify_names_an_edge_to_a_disabled_unit(box):

@@ -12,7 +12,7 @@ from sparkform.domain import layout
 from sparkform.readers.hostrecord import HostVersions
 from sparkform.readers.parsers import EngineState
 from sparkform.readers.snapshot import CheckpointFolder, RemoteFile, Snapshot
-from sparkform.rules.bootchain import after_units
+from sparkform.rules.bootchain import after_units, order_blind_digest
 from sparkform.writers import converge
 from sparkform.writers.converge import plan
 
@@ -85,6 +85,9 @@ def converged(cfg, versions: list[str] = DRIVER_580) -> Snapshot:
         engines=engines,
         rendered_units={f.path for f in fresh.rendered if layout.engine_of_unit_path(f.path)},
         unit_files={unit: "enabled" for unit in engines},
+        order_blind={
+            f.path: order_blind_digest(f.content) for f in fresh.rendered if layout.engine_of_unit_path(f.path)
+        },
         cache_keys=fresh.cache_keys,
         markers={layout.venv_marker(pin.venv): pin.requirement for pin in cfg.pins},
         checkpoints={

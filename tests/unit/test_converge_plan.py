@@ -112,13 +112,31 @@ def test_a_unit_of_an_engine_gone_from_inventory_is_a_leftover_to_remove():
     assert result.started == {}
 
 
-def test_disabled_engine_stops_and_its_waiter_loses_the_edge_and_restarts():
+def test_disabled_engine_stops_and_its_waiter_loses_the_edge_reloaded_not_restarted():
+    """Its waiter's unit changes in its After= line alone: systemd takes the new order on the
+    reload, and the waiter keeps serving its clients."""
     snapshot = converged(config())
     result = plan(config(engines=engine_data("fast", enabled=False)), snapshot)
     assert [e.name for e in result.disabled] == ["fast"]
     assert [s.engine.name for s in result.steps] == ["slow"]
-    assert result.steps[0].restart  # its unit's After= no longer names fast
-    assert result.daemon_reload
+    slow_unit = layout.unit_path(layout.engine_unit("slow"))
+    assert slow_unit in {f.path for f in result.engine_files if f.path in snapshot.paths} and result.daemon_reload
+    assert (result.steps[0].restart, result.steps[0].starts) == (False, False)
+
+
+def test_a_unit_changed_beyond_its_order_restarts_its_engine():
+    """The same edge lost, and the unit's RestartSec= changed too: a restart, as for any setting."""
+    snapshot = converged(config())
+    result = plan(config(engines=engine_data("fast", enabled=False), restart_s=7), snapshot)
+    assert result.steps[0].restart and result.steps[0].starts
+
+
+def test_a_host_without_order_blind_digests_restarts_on_any_unit_change():
+    """A host whose units were not read that way (or a unit of another shape) is never taken for
+    a change of order alone."""
+    snapshot = dataclasses.replace(converged(config()), order_blind={})
+    result = plan(config(engines=engine_data("fast", enabled=False)), snapshot)
+    assert result.steps[0].restart
 
 
 def test_a_hole_from_an_engine_disabled_by_hand_is_repaired_by_starting_it():
@@ -279,5 +297,5 @@ def test_a_link_at_a_managed_path_is_untrusted_unless_the_path_is_removed():
             site: RemoteFile(None, "777", "root", "root", link=True),  # Debian's, removed as it is
         }
     )
-    (finding,) = converge.planted_links(found, [site])
+    (finding,) = found.planted_links([site])
     assert finding.startswith(f"{models} is a symbolic link")

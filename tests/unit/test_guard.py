@@ -6,8 +6,11 @@ sandbox runs the real ones: tests/integration/test_watchful.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -600,6 +603,70 @@ def test_unplanned_stop_alerts_once_per_outage_and_recovery_says_downtime(guard)
     assert "s dark (since" in recovered["message"] and "signal SIGKILL" in recovered["message"]
     box.run("served", "hands")  # a start that served with no outage open says nothing
     assert len(box.webhook_alerts()) == 2
+
+
+def writes_fail() -> None:
+    """In a child: every write of a byte to a file fails (EFBIG), as on a full disk; SIGXFSZ ignored,
+    so the write fails instead of killing it."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+
+
+def test_a_file_replaced_whole_stays_as_it_was_when_the_write_fails(tmp_path):
+    target = tmp_path / "state.json"
+    target.write_text("old\n")
+    code = "import sys; from sparkform.host.whole_files import replaced; replaced(sys.argv[1], 'new')"
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(target)], preexec_fn=writes_fail, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1 and "File too large" in result.stderr, result.stderr
+    assert target.read_text() == "old\n" and os.listdir(tmp_path) == ["state.json"]  # no temp file left
+
+
+@contextlib.contextmanager
+def full_disk_at(folder: Path):
+    """`folder` on a filesystem of its own (a 16 KiB tmpfs mounted over it, as root), filled to its
+    last byte: a write there fails with ENOSPC; unmounted afterwards."""
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k,mode=0700", "tmpfs", str(folder)], check=True)
+    try:
+        with contextlib.suppress(OSError), open(folder / "filler", "wb") as filler:
+            while True:
+                filler.write(b"x" * 4096)
+                filler.flush()
+        yield
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_guard_whose_disk_is_full_tells_the_stop_and_watches_on(guard):
+    """The guard's state folder full: an engine's stop is still alerted and the lost record
+    journaled; the daemon journals its failed heartbeat once, with the free bytes, and keeps
+    watching; no temp file is left."""
+    box, _ = guard()
+    stop = {**box.env, "SERVICE_RESULT": "signal", "EXIT_CODE": "killed", "EXIT_STATUS": "KILL"}
+    with full_disk_at(box.state_dir):
+        result = subprocess.run(
+            [sys.executable, str(box.script), "stopped", "hands"], env=stop, capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stderr
+        (stopped,) = box.webhook_alerts()
+        assert stopped["event"] == "stopped" and stopped["engine"] == "hands"
+        assert any("the outage of vllm-hands.service is not recorded" in e["MESSAGE"] for e in box.journal.read())
+        box.watch()
+        box.wait(
+            lambda: [e for e in box.journal.read() if e["MESSAGE"].startswith("sparkform-guard: watching")],
+            20,
+            "the guard watching",
+        )
+        (failed,) = [e for e in box.journal.read() if f"cannot write in {box.state_dir}" in e["MESSAGE"]]
+        assert (
+            "No space left on device" in failed["MESSAGE"] and "bytes free there): it watches on" in failed["MESSAGE"]
+        )
+        assert box.daemon.poll() is None
+        left = {str(path.relative_to(box.state_dir)) for path in box.state_dir.rglob("*")}
+        assert left <= {"alerts.lock", "filler", "outbox"}, left  # no temp file
+        box.daemon.kill()
+        box.daemon.wait()
 
 
 def test_reboot_since_last_heartbeat_is_alerted_even_with_the_same_boot_id(guard):

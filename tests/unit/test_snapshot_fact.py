@@ -19,6 +19,7 @@ from sparkform.readers.kept import KeptSettings, Rollback
 from sparkform.readers.parsers import SYSTEMCTL_SHOW_PROPERTIES
 from sparkform.readers.remote import SECTION
 from sparkform.readers.snapshot import CheckpointFolder, RemoteFile
+from sparkform.rules.bootchain import order_blind_digest
 
 # Every section the command gathers, in its order.
 SECTIONS = (
@@ -26,6 +27,7 @@ SECTIONS = (
     "users",
     "stat",
     "sha256",
+    "order_blind",
     "markers",
     "units",
     "rendered_units",
@@ -397,3 +399,27 @@ def test_a_kept_record_of_another_shape_is_untrusted_and_left_out(tmp_path, name
     snapshot = kept_snapshot(tmp_path, {name: text})
     assert snapshot.kept == {} and snapshot.rollbacks == {}
     assert len(snapshot.untrusted) == 1 and why in snapshot.untrusted[0], snapshot.untrusted
+
+
+def test_engine_units_are_hashed_without_their_after_lines_as_the_planner_hashes_them(tmp_path):
+    """The host's `grep -v '^After='` and bootchain.order_blind_digest agree, a last line without
+    its newline included; a link at a unit's path is not followed, a file outside the glob not hashed."""
+    units = tmp_path / "units dir"
+    units.mkdir()
+    first, second, linked = (units / f"vllm-{name}.service" for name in ("a", "b", "c"))
+    first.write_text("[Unit]\nAfter=network-online.target vllm-b.service\n[Service]\nExecStart=/x\n")
+    second.write_text("[Unit]\nDescription=b\nAfter=network-online.target\nWants=x")
+    linked.symlink_to(first)
+    other = units / "nginx.service"
+    other.write_text("[Unit]\n")
+    _, snapshot = read_under(
+        tmp_path, paths=[str(path) for path in (first, second, linked, other)], unit_glob=str(units / "vllm-*.service")
+    )
+    assert snapshot.order_blind == {
+        str(first): order_blind_digest(first.read_text()),
+        str(second): order_blind_digest(second.read_text()),
+    }
+    assert order_blind_digest(first.read_text()) == order_blind_digest(
+        first.read_text().replace("After=network-online.target vllm-b.service", "After=network-online.target")
+    )
+    assert order_blind_digest(first.read_text()) != order_blind_digest(first.read_text().replace("/x", "/y"))

@@ -6,6 +6,7 @@ deploy reads this one fact once and every task decides from it.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import shlex
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from sparkform.readers.parsers import SYSTEMCTL_SHOW_PROPERTIES, engine_states
 from sparkform.readers.readback import REPO_AT, named_lines, pins, pins_command, shaped
 from sparkform.readers.remote import plain_file, plain_files, section, split_sections
 from sparkform.readers.snapshot import CheckpointFolder, RemoteFile, Snapshot
+from sparkform.rules.bootchain import ORDERING
 from sparkform.rules.front_tls import read_back, read_command
 
 # What sparkform writes into the files it reads back; anything else was written by someone else.
@@ -45,6 +47,19 @@ MANIFEST_PATH = re.compile(r"[A-Za-z0-9._/+-]{1,400}")  # a checkpoint file, rel
 WORKER_CONNECTIONS = re.compile(r"\s*worker_connections\s+([0-9]{1,6})\s*;.*")  # nginx.conf's line
 # A venv folder's name as HostConfig.pin names it: <package>-<version>-<lock id>.
 VENV_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+!-]{0,160}-[0-9a-f]{12}")
+SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def order_blind_command(paths: list[str]) -> str:
+    """For each of `paths` that is a plain file: its order-blind digest (bootchain.order_blind_digest)
+    and its path; a symbolic link is never followed."""
+    return (
+        "; ".join(
+            f"if [ -f {q} ] && [ ! -L {q} ]; then echo $(grep -v '^{ORDERING}' {q} | sha256sum | cut -c1-64) {q}; fi"
+            for q in map(shlex.quote, paths)
+        )
+        or "true"
+    )
 
 
 def checkpoint_scan_command(models_dir: str) -> str:
@@ -65,7 +80,7 @@ class HostSnapshot(FactBase):
       the guard last (re)started with
     + units: systemd units to show
     + unit_glob: unit files to look through for sparkform's header (finds units of engines that
-      left the inventory)
+      left the inventory); those among `paths` are also hashed without their After= lines
     + models_dir: folder of the checkpoint folders, each checked against its manifest by size
       and mtime
     + pins_dir: folder of the records of what each branch or tag resolved to
@@ -110,6 +125,7 @@ class HostSnapshot(FactBase):
             section("users", " ; ".join(f"getent passwd {shlex.quote(u)}" for u in users)),
             section("stat", f"stat -c '%F|%a|%U|%G|%n' {quoted_paths}"),
             section("sha256", f"sha256sum {quoted_paths}"),
+            section("order_blind", order_blind_command([p for p in paths if fnmatch.fnmatchcase(p, unit_glob)])),
             section("markers", plain_files(" ".join(shlex.quote(m) for m in markers)) if markers else "true"),
             section(
                 "units",
@@ -175,6 +191,10 @@ class HostSnapshot(FactBase):
         def checked(pattern: re.Pattern, value: str, where: str, what: str) -> bool:
             return shaped((pattern, what), value, where, untrusted)
 
+        for line in sections.get("order_blind", []):
+            digest, _, path = line.partition(" ")
+            if checked(SHA256, digest, path, "a sha256 digest"):
+                snapshot.order_blind[path] = digest
         for line in sections.get("markers", []):
             path, _, content = line.partition(":")
             if checked(STAMP, content, path, "a stamp sparkform writes"):

@@ -62,7 +62,7 @@ def folder(spec: Folder, snapshot: Snapshot):
     current = snapshot.paths.get(spec.path)
     path = shlex.quote(spec.path)
     if current is not None and current.link:
-        # The deploy stops before this (converge.planted_links); never chmod/chown through one.
+        # The deploy stops before this (Snapshot.planted_links); never chmod/chown through one.
         raise OperationError(f"{spec.path} is a symbolic link: root follows no link it did not make")
     if current is None:
         yield f"install -d -m {spec.mode} -o {shlex.quote(spec.user)} -g {shlex.quote(spec.group)} {path}"
