@@ -85,6 +85,11 @@ def host_data(box: machine.Sandbox | None) -> dict[str, Any]:
         # box's two cores also load other engines (the suite runs three sandboxes at once): the
         # Spark's 10 s would call a starved engine hung. A hang is still called within ~2 min.
         "watchdog_deadline_s": 30,
+        # A probe wakes all of an engine's processes (vLLM's workers then spin a second): every 15 s
+        # that is half an idle CPU engine's CPU here. Rounds start every interval or when the last
+        # probe's deadline ran out, whichever is later, so with the interval at the deadline a hang
+        # is called as soon as before.
+        "watchdog_interval_s": 30,
         "recover_cooldown_s": 30,
         # A start here shows progress every few seconds; 90 s of none is a stall, not a busy box.
         "start_stall_s": 90,

@@ -31,7 +31,6 @@ from deploy_helpers import (
     SANDBOX_INVENTORY,
     UNITS,
     WHOLE_BOX_INVENTORY,
-    alerts,
     changed_operations,
     checkpoint_dir,
     edited_inventory,
@@ -39,7 +38,6 @@ from deploy_helpers import (
     engine_socket,
     engine_url,
     flip_a_byte_keeping_size_and_mtime,
-    hang_detected_s,
     main_pids,
     mark_converged,
     pyinfra,
@@ -368,16 +366,15 @@ def embedding(box: machine.Sandbox, port: str, key: str) -> list[float] | bytes:
     return json.loads(body)["data"][0]["embedding"] if status == 200 else body
 
 
-def test_embedder_beside_pair_serves_and_heals_alone_from_hang_and_crash(box):
+def test_embedder_beside_pair_serves_and_heals_alone_from_a_crash(box):
     """The shipped sandbox inventory, the whole box (what `make sandbox` converges): its embedding
     engine (kind embed) starts alone beside the converged pair (the pair's processes stay), is
     warmed and watched with an embedding (a completion it answers 404 would fail every start),
     passes /v1/embeddings on its port and by model on the combined one, and nothing of a
-    generator's; status and the contract name what it is. A SIGSTOP of its EngineCore (its
-    /health still answers) and then a kill -9 of it: back without a hand each time, its
-    neighbours untouched. Back on the pair, its unit goes. Costs one engine start, two restarts,
-    two converges and a verify (~3 min on a quiet machine); the third engine lives here only, not
-    in every module's sandbox."""
+    generator's; status and the contract name what it is. A kill -9 of its EngineCore: back
+    without a hand, its neighbours untouched. Back on the pair, its unit goes. Costs one engine
+    start, a restart, two converges and a verify (~2.5 min on a quiet machine); the third engine
+    lives here only, not in every module's sandbox."""
     pair = main_pids(box)
     inventory, unit = WHOLE_BOX_INVENTORY, "vllm-embed.service"
     try:
@@ -425,23 +422,8 @@ def test_embedder_beside_pair_serves_and_heals_alone_from_hang_and_crash(box):
                 f"the embedding engine serving again after {what}",
             )
 
-        # Its EngineCore stopped: /health still answers, the watchdog's probe (an embedding with a
-        # deadline) does not; the guard says so and restarts it.
-        told, api_server, core = len(alerts(box)), main_pid(box, unit), engine_core(box, unit)
-        ssh(box, f"kill -STOP {core}")
-        try:
-            (hung,) = wait_for(
-                lambda: [a for a in alerts(box)[told:] if a["event"] == "hung"],
-                hang_detected_s(load_inventory(inventory)[0].config),
-                "the watchdog's alert about embed",
-                0.5,
-            )
-        finally:
-            ssh(box, f"kill -CONT {core}", check=False)
-        assert hung["engine"] == "embed", hung
-        back_after("its EngineCore was stopped", api_server)
-        assert main_pids(box) == pair
-        # Its EngineCore killed: the API server exits, systemd restarts the unit.
+        # Its EngineCore killed: the API server exits, systemd restarts the unit, warmed again
+        # with an embedding. (A stopped process is a hang for any kind of engine: test_watchful.)
         api_server = main_pid(box, unit)
         ssh(box, f"kill -9 {engine_core(box, unit)}")
         back_after("its EngineCore was killed", api_server)
