@@ -88,6 +88,7 @@ class GuardEngine(TypedDict):
     name: str
     unit: str
     socket: str  # the unix socket of the engine's own API, behind the front
+    python: str  # its venv's python, which its launch execs: gone, its next start fails
     names: list[str]  # the names it serves under (no program reads them yet)
     probe: EngineProbe
     priority: int

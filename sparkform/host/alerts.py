@@ -32,6 +32,7 @@ ENGINE_EVENTS = (
     "stalled",
     "hung",
     "failed",
+    "cannot-restart",
     "recovered",
     "memory-critical",
     "memory-recovered",

@@ -134,13 +134,28 @@ def cmd_failed(config: GuardSettings, engine: GuardEngine):
         f"sparkform: start {engine['unit']} again after its failure",
         [*ROOT_PYTHON, program_path(), "retry", engine["name"]],
     )
-    message = f"{engine['unit']} failed: its starts never served and it stopped after its start limit; " + (
-        f"retry {failures} in {delay} s" if scheduled else "its retry could not be scheduled (systemd-run)"
+    message = (
+        f"{engine['unit']} failed: its starts never served and it stopped after its start limit; "
+        f"{last_start_said(engine)}"
+        + (f"retry {failures} in {delay} s" if scheduled else "its retry could not be scheduled (systemd-run)")
     )
     if failures == 1:
         alert(config, "failed", engine["name"], message)
     else:
         journal(config, message, 3, sparkform_event="retry-scheduled", sparkform_engine=engine["name"])
+
+
+def last_start_said(engine: GuardEngine):
+    """How the unit's last start ended, for its alert: "its last start exited N: LINE; ", LINE the
+    last line of that start's journal that names an error (a refusal of the launch script, vLLM's
+    exception), or "" when systemd knows no status."""
+    shown = systemctl("show", "-p", "ExecMainStatus", "-p", "InvocationID", engine["unit"]).stdout
+    values = dict(line.partition("=")[::2] for line in shown.splitlines())
+    status, invocation = values.get("ExecMainStatus", ""), values.get("InvocationID", "")
+    if not status.isdigit() or not INVOCATION_ID.fullmatch(invocation):
+        return ""
+    words = outages.last_error_line(invocation_journal(engine["unit"], invocation, JOURNAL_BYTES, LINE_CHARS))
+    return f"its last start exited {status}" + (f": {words}" if words else "") + "; "
 
 
 def cmd_retry(config: GuardSettings, engine: GuardEngine):

@@ -22,8 +22,9 @@ GUARD_KILL_S = 120  # a guard's kill marker older than this is not the reason of
 # launch's "starting" line nor the helper's "died" line, which say nothing of why.
 LAST_WORDS = re.compile(r"sparkform-(launch|wait-ready): |Error|error:|CUDA|Killed|Traceback|out of memory")
 NOT_WHY = re.compile(
-    r"sparkform-launch: starting |sparkform-wait-ready: engine main process \d+ died after|HTTP/\d(\.\d)?\" \d{3}"
-)  # the last: an access log line ("POST /v1/completions HTTP/1.1" 500 Internal Server Error)
+    r"sparkform-launch: starting |sparkform-wait-ready: engine main process \d+ died after|^sparkform-guard: "
+    r"|HTTP/\d(\.\d)?\" \d{3}"
+)  # the guard's: its own report of an earlier stop; the last: an access log line ("POST /v1/completions HTTP/1.1" 500)
 RESULTS = {
     "oom-kill": "the kernel's OOM killer ended it (MemoryMax, or the box out of memory)",
     "timeout": "it took longer than TimeoutStartSec",
@@ -75,8 +76,14 @@ def why_stopped(result, code, status, lines):
         reason = f"signal SIG{status}"
     else:
         reason = f"{result or 'unknown'}"
+    words = last_error_line(lines)
+    return reason + (f"; its last error line: {words}" if words else "")
+
+
+def last_error_line(lines):
+    """The last line of a start's journal that names an error, as an alert shows it ("" if none)."""
     words = [line for line in lines if LAST_WORDS.search(line) and not NOT_WHY.search(line)]
-    return reason + (f"; its last error line: {shown(words[-1])}" if words else "")
+    return shown(words[-1]) if words else ""
 
 
 def cmd_stopped(config: GuardSettings, engine: GuardEngine, tell, environ=os.environ):

@@ -5,6 +5,7 @@ every interval, judged by a HangJudge. A failed start's or a hung engine's whole
 and systemd starts it again."""
 
 import json
+import os
 import threading
 import time
 
@@ -129,6 +130,24 @@ class Watchdog(threading.Thread):
     def __init__(self, config: GuardSettings, engine: GuardEngine, held, serving, beats):
         super().__init__(daemon=True)
         self.config, self.engine, self.held, self.serving, self.beats = config, engine, held, serving, beats
+        self.python_gone = False
+
+    def look_at_python(self):
+        """An engine that serves while its venv's python is gone will not start again (the launch
+        exits 10): a human is told once, and the journal says when it is back."""
+        gone = not os.path.exists(self.engine["python"])
+        unit, python = self.engine["unit"], self.engine["python"]
+        if gone and not self.python_gone:
+            alert(
+                self.config,
+                "cannot-restart",
+                self.engine["name"],
+                f"{unit} serves, but its python {python} is gone: its next start will fail; "
+                "the deploy installs its venv again: pyinfra INVENTORY deploy.py",
+            )
+        elif self.python_gone and not gone:
+            journal(self.config, f"sparkform-guard: {unit}'s python {python} is there again", 5)
+        self.python_gone = gone
 
     def kill(self, event, why):
         outages.guard_kills(self.config, self.engine["name"], why)
@@ -239,6 +258,8 @@ class Watchdog(threading.Thread):
                 self.has_a_stopped_process,
             )
             (self.serving.add if verdict == "serves" else self.serving.discard)(engine["name"])
+            if verdict == "serves":
+                self.look_at_python()
             if verdict == "busy":
                 journal(
                     config,

@@ -330,7 +330,7 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
         reachable=True,
         checked_at=checked_at if checked_at is not None else time.time(),
         serving=not [p for p in problems if not p.startswith(GUARD_UNIT)],
-        problems=problems,
+        problems=problems + _unstartable(config, engines),
         services=services,
         mem_total_bytes=total,
         mem_available_bytes=available,
@@ -362,6 +362,17 @@ def _problems(config: HostConfig, engines: list[EngineStatus], services: list[Se
         if state is None or state.active_state != "active":
             problems.append(f"{unit} is {state.active_state + '/' + state.sub_state if state else 'not read'}")
     return problems
+
+
+def _unstartable(config: HostConfig, engines: list[EngineStatus]) -> list[str]:
+    """Engines whose venv's python did not tell its vLLM's version (gone, or broken): serving or
+    not, their next start fails."""
+    return [
+        f"{e.name}: its venv {config.pin(engine).venv} does not run (no vLLM version from its python), so its "
+        "next start fails; the deploy installs it again: pyinfra INVENTORY deploy.py"
+        for engine, e in zip(config.engines, engines, strict=True)
+        if e.enabled and e.vllm_version is None
+    ]
 
 
 def unreachable(host_name: str, reason: str) -> HostStatus:

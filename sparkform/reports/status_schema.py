@@ -99,8 +99,9 @@ class HostStatus(Model):
     """every enabled engine serves, through the front too: `sparkform status` exits 0 only when this holds on every
     host and `problems` is empty"""
     problems: list[str] = Field(default_factory=list)
-    """what keeps clients from being served or the box from being watched, one line each (an engine that does not
-    serve, the front not passing a keyed request, the guard not running)"""
+    """what keeps clients from being served or the box from being watched or restarted, one line each (an engine
+    that does not serve, the front not passing a keyed request, the guard not running, an engine whose venv does
+    not run)"""
     services: list[ServiceStatus] = Field(default_factory=list)
     """the guard, the front and the scrub timer"""
     mem_total_bytes: int | None = None

@@ -144,6 +144,7 @@ def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None 
                 name=e.name,
                 unit=e.unit,
                 socket=config.engine_socket(e),
+                python=f"{config.pin(e).venv}/bin/python",
                 names=e.names,
                 probe=cast(EngineProbe, e.probe),
                 priority=e.priority,

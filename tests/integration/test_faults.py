@@ -51,7 +51,7 @@ from sparkform.sandbox.fakehub import FakeHub
 from sparkform.sandbox.wheelhouse import LOCK
 
 pytestmark = pytest.mark.usefixtures("converged")
-CI_MINUTES = 30  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
+CI_MINUTES = 23  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 
 LAUNCH = PATHS.launch
 # A stranger's server that speaks the API's shape (python3 squatter.py PORT NAME...), run on the box.

@@ -94,7 +94,8 @@ def test_moving_one_engine_to_another_lock_restarts_it_alone(locks):
         ("slow", False, False),
     ]
     changed = {f.path for f in result.rendered if converge.differs(f.content, snapshot.paths.get(f.path))}
-    assert changed == {moved.paths.engine_settings("fast")[0]}
+    # Its settings, and the guard's, which knows each engine's venv (an engine whose venv goes cannot restart).
+    assert changed == {moved.paths.engine_settings("fast")[0], moved.paths.guard_config}
     # And back: the host's lock again is the converged host, nothing to do.
     assert [s.restart for s in plan(before, snapshot).steps] == [False, False]
 

@@ -25,6 +25,7 @@ from standins import HANG, NOT_FOUND, PROBE_ANSWERS, Reply, Request, StubEngine,
 from unix_engines import raw_answer_once
 
 from sparkform.host import alerts, engine_api, outages, starts, watchdog
+from sparkform.host import guard as guard_program
 from sparkform.rules.inventory import load_host
 from sparkform.sandbox.alerts import make_server, read_alerts
 from sparkform.writers.render import render_host
@@ -184,6 +185,10 @@ class Guard:
             (name, str(stub.socket)) for (name, _), stub in zip(ENGINES, engines, strict=True)
         ]
         assert not [e for e in guard_config["engines"] if "port" in e]
+        for engine in guard_config["engines"]:  # the venv's python each engine's launch execs: here
+            engine["python"] = str(root / engine["python"].lstrip("/"))
+            Path(engine["python"]).parent.mkdir(parents=True, exist_ok=True)
+            Path(engine["python"]).touch()
         guard_config.update(
             journal_socket=str(self.journal.path),
             meminfo=str(self.meminfo),
@@ -375,6 +380,52 @@ def test_a_spent_start_limit_alerts_once_and_retries_with_growing_back_off(guard
     assert box.changes_made()[-1].startswith("systemd-run --quiet --collect --no-block ")  # outside the engine's cgroup
 
 
+INVOCATION = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.mark.parametrize(
+    ("shown", "lines", "said"),
+    [
+        # The launch's refusal, after its progress and before the reports of the end (wait-ready's,
+        # and the guard's own of the stop, which quotes an earlier line).
+        (
+            f"ExecMainStatus=10\nInvocationID={INVOCATION}\n",
+            [
+                "sparkform-launch: eyes waits for engine hands, which is loading",
+                "sparkform-launch: eyes's venv is gone or incomplete (no /v/bin/python); the deploy installs it again",
+                "sparkform-wait-ready: engine main process 42 died after 1 s",
+                "sparkform-guard: vllm-eyes.service stopped again: exit 10; its last error line: sparkform-launch: x",
+            ],
+            "its last start exited 10: sparkform-launch: eyes's venv is gone or incomplete (no /v/bin/python); the "
+            "deploy installs it again; ",
+        ),
+        # vLLM's exception, with a control character the engine put in it.
+        (
+            f"ExecMainStatus=1\nInvocationID={INVOCATION}\n",
+            ["sparkform-launch: starting eyes on /run/e/api.sock", "ValueError: no such\x1b[31m architecture"],
+            "its last start exited 1: ValueError: no such [31m architecture; ",
+        ),
+        (f"ExecMainStatus=137\nInvocationID={INVOCATION}\n", ["INFO loading"], "its last start exited 137; "),
+        # Nothing systemd says is taken unchecked.
+        ("ExecMainStatus=\nInvocationID=\n", [], ""),
+        (f"ExecMainStatus=1\nInvocationID=../{INVOCATION}\n", ["Error: x"], ""),
+    ],
+)
+def test_a_failed_alert_says_how_the_last_start_ended(monkeypatch, shown, lines, said):
+    """The cause of a spent start limit, from the last start's own journal: what the launch
+    refused or vLLM raised, never the lines that only report the end."""
+    asked = []
+    monkeypatch.setattr(
+        guard_program, "systemctl", lambda *args: subprocess.CompletedProcess(args, 0, stdout=shown, stderr="")
+    )
+    monkeypatch.setattr(
+        guard_program, "invocation_journal", lambda unit, invocation, *_: asked.append(invocation) or lines
+    )
+    engine = {"name": "eyes", "unit": "vllm-eyes.service"}
+    assert guard_program.last_start_said(engine) == said
+    assert asked in ([], [INVOCATION])
+
+
 def test_a_start_that_served_resets_the_start_count_and_says_nothing_else(guard):
     box, _ = guard()
     assert box.run("served", "hands").returncode == 0
@@ -421,6 +472,23 @@ def test_the_watchdog_kills_a_hung_engine_and_leaves_the_others(guard):
     assert "answered none of 2 probes (/v1/completions, " in alert["message"]
     assert not any("vllm-eyes" in call and "kill" in call for call in box.calls_made())
     assert len(eyes.probes) >= 2
+
+
+def test_engines_serving_from_a_removed_venv_are_told_once_as_ones_that_cannot_restart(guard):
+    box, (hands, _) = guard(**FAST_WATCHDOG)
+    python = Path(json.loads(box.config_path.read_text())["engines"][0]["python"])  # both engines'
+    python.unlink()
+    box.watch()
+    told = box.wait(lambda: len(box.webhook_alerts()) == 2 and box.webhook_alerts(), 20, "an alert per engine")
+    assert {(a["event"], a["engine"]) for a in told} == {("cannot-restart", "hands"), ("cannot-restart", "eyes")}
+    assert f"vllm-hands.service serves, but its python {python} is gone" in told[0]["message"] + told[1]["message"]
+    assert all("the deploy installs its venv again: pyinfra INVENTORY deploy.py" in a["message"] for a in told)
+    probes = len(hands.probes)
+    box.wait(lambda: len(hands.probes) >= probes + 2, 20, "two more rounds")
+    assert len(box.webhook_alerts()) == 2  # once, not every round
+    python.touch()
+    box.wait(lambda: any(f"{python} is there again" in e["MESSAGE"] for e in box.journal.read()), 20, "the python back")
+    assert len(box.webhook_alerts()) == 2 and not any("kill" in call for call in box.calls_made())
 
 
 def test_pooling_engine_is_probed_on_its_route_and_killed_only_if_it_hangs(guard):
@@ -711,7 +779,8 @@ def test_an_alert_the_webhook_did_not_take_is_kept_and_sent_again_in_order(guard
     box.watch()
     sent = box.wait(lambda: len(box.webhook_alerts()) == 2 and box.webhook_alerts(), 20, "the kept alerts")
     assert [a["message"] for a in sent] == ["change 1", "change 2"]
-    assert not list((box.state_dir / "outbox").glob("*.json"))
+    # Taken off the outbox once the webhook's answer is in: a moment after the receiver has it.
+    box.wait(lambda: not list((box.state_dir / "outbox").glob("*.json")), 10, "the outbox emptied")
 
 
 def test_front_passing_nothing_to_a_serving_engine_alerts_down_and_up(guard):

@@ -2,8 +2,8 @@
 (script_box.Box) and run with bash, with a stub `python` in the venv that records the environment
 and arguments it was handed: the caps whatever the caller's environment, the engine exec'd under
 its lock on its unix socket, the refusals (usage, incomplete checkpoint, a running engine, a
-socket that answers, no socket folder, no CUDA toolkit, too little memory), and the turn it waits
-while a neighbour loads.
+socket that answers, no socket folder, no python in its venv, no CUDA toolkit, too little memory),
+and the turn it waits while a neighbour loads.
 """
 
 from __future__ import annotations
@@ -178,6 +178,22 @@ def test_launch_refuses_without_its_socket_folder(make_box):
     assert f"the folder of a's socket, {folder}, is missing" in result.stderr
     assert f"systemd-tmpfiles --create {ENGINE_SOCKETS_TMPFILES}" in result.stderr
     assert not folder.exists()
+    assert not (box.record / "a.done").exists()
+
+
+def test_launch_without_the_engines_python_names_its_venv_and_the_deploy(make_box):
+    """A venv removed under a configured engine: exit 10 with the cause and the fix, not the shell's
+    127 ("No such file or directory") that says neither."""
+    box = make_box()
+    box.complete("a")
+    python = Path(box.config.pin(box.engine("a")).venv) / "bin" / "python"
+    python.unlink()
+    result = box.run_launch("a")
+    assert result.returncode == 10, result.stderr
+    assert (
+        f"sparkform-launch: a's venv is gone or incomplete (no {python}); the deploy installs it again: "
+        "pyinfra INVENTORY deploy.py"
+    ) in result.stderr
     assert not (box.record / "a.done").exists()
 
 

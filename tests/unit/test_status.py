@@ -153,6 +153,19 @@ def test_each_engine_shows_the_vllm_of_its_own_venv(make_host, seed_data):
     assert [e.vllm_version for e in read.engines] == ["0.27.1", None]
 
 
+def test_engines_serving_from_a_venv_that_does_not_run_are_a_problem_named_with_its_fix(spark):
+    """The venv's python gone (no version read): both engines still serve, but neither would start
+    again; status says so (and exits 1: a problem)."""
+    s = status.read_status("spark", spark.config, answer(vllm__0=[]), checked_at=T0)
+    assert [e.serving for e in s.engines] == [True, True] and s.serving
+    venv = spark.config.venv
+    assert [p for p in s.problems if "venv" in p] == [
+        f"{name}: its venv {venv} does not run (no vLLM version from its python), so its next start fails; "
+        "the deploy installs it again: pyinfra INVENTORY deploy.py"
+        for name in ("nemotron", "q38")
+    ]
+
+
 def test_an_engine_down_or_not_answering_makes_the_host_not_serving(spark):
     failed = units({"ActiveState": "failed", "SubState": "failed", "MainPID": "0", "Result": "start-limit-hit"})
     s = status.read_status("spark", spark.config, answer(units=failed, health__q38=["000"]), checked_at=T0)
