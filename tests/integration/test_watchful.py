@@ -409,8 +409,9 @@ def test_engine_that_cannot_serve_is_retried_with_back_off_until_repaired(box, d
     inventory = deployed(host_changes={"recover_cooldown_s": 10})
     since, since_alerts = now(box), len(alerts(box))
     python = ssh(box, f"sed -n 's/^SPARKFORM_PYTHON=//p' {PATHS.engine_settings('q38')[0]}").stdout.strip()
+    assert re.fullmatch(r"/[A-Za-z0-9._/-]+/bin/python", python), python  # read back: checked before a shell
     # In one command: q38's restart (restart_s later) already finds the python gone.
-    ssh(box, f"kill -9 {engine_core(box, 'vllm-q38.service')} && mv {python} /root/python.away")
+    ssh(box, f"kill -9 {engine_core(box, 'vllm-q38.service')} && mv {shlex.quote(python)} /root/python.away")
     try:
         (failed,) = wait_for(
             lambda: [a for a in alerts(box)[since_alerts:] if a["event"] == "failed"], 300, "the alert that q38 failed"
@@ -435,7 +436,7 @@ def test_engine_that_cannot_serve_is_retried_with_back_off_until_repaired(box, d
             "the second back-off",
         )
     finally:
-        ssh(box, f"mv /root/python.away {python}")
+        ssh(box, f"mv /root/python.away {shlex.quote(python)}")
     wait_for(lambda: serving(box, "vllm-q38.service"), 300, "q38 serving after the repair, by itself")
 
     def q38_events() -> list[str]:
