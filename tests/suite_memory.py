@@ -3,7 +3,8 @@
 - `MemoryPeak`, the controller's plugin: samples MemAvailable every second from the run's start
   and prints, last, the suite's peak: how far below its value at the start MemAvailable went
   (every sandbox, engine, xdist worker and tool the run started, page cache it cannot drop
-  included), with a warning past BUDGET_GIB, so a developer's own sandbox fits beside a run.
+  included) and the tests that ran at that moment (the lever to pull), with a warning past
+  BUDGET_GIB, so a developer's own sandbox fits beside a run.
 - `sandbox_slots(n)`: held while n sandboxes that run engines are up (a module's, the shared
   one, the pair's two); at most SANDBOXES (the setting SPARKFORM_TEST_SANDBOXES, `make test
   TEST_SANDBOXES=N`) are up at once across the xdist workers, and a worker that wants one more
@@ -41,13 +42,27 @@ class MemoryPeak:
         self.sample = sample
         self.start_gib = sample()
         self.lowest_gib = self.start_gib
+        self.running: set[str] = set()  # the tests under way on any worker (their setup to their teardown)
+        self.running_at_lowest: list[str] = []
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(interval_s,), daemon=True)
         self._thread.start()
 
     def _watch(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
-            self.lowest_gib = min(self.lowest_gib, self.sample())
+            available = self.sample()
+            if available < self.lowest_gib:
+                with self._lock:
+                    self.lowest_gib, self.running_at_lowest = available, sorted(self.running)
+
+    def pytest_runtest_logstart(self, nodeid, location) -> None:
+        with self._lock:
+            self.running.add(nodeid)
+
+    def pytest_runtest_logfinish(self, nodeid, location) -> None:
+        with self._lock:
+            self.running.discard(nodeid)
 
     @property
     def peak_gib(self) -> float:
@@ -58,6 +73,8 @@ class MemoryPeak:
             f"peak memory of the suite: {self.peak_gib:.1f} GiB (MemAvailable {self.start_gib:.1f} GiB at the start, "
             f"{self.lowest_gib:.1f} GiB at its lowest); at most {SANDBOXES} sandboxes up at once"
         ]
+        if self.running_at_lowest:
+            lines.append(f"at its lowest, these tests ran: {', '.join(self.running_at_lowest)}")
         if self.peak_gib > BUDGET_GIB:
             lines.append(
                 f"WARNING: over the suite's {BUDGET_GIB:.0f} GiB: fewer sandboxes at once (make test TEST_SANDBOXES=N)"

@@ -100,12 +100,15 @@ class HangJudge:
         """This round's verdict: "serves" (it answered), "waits" (a failure short of the limit),
         "busy" (the limit, but the counters moved), "starved" (the limit on a starved machine,
         nothing stopped: it waits on) or "hung". `counters()` reads the engine's token counters'
-        sum (None: they did not answer): at the first failure and from the limit on."""
+        sum (None: they did not answer): at the first failure (again before the limit while it gets
+        None) and from the limit on."""
         if answered:
             self.forget()
             return "serves"
         self.failures += 1
-        if self.failures == 1:
+        if self.failures == 1 or (self.baseline is None and self.failures < self.limit):
+            # At the first failure, and again while /metrics does not answer (a loaded engine's
+            # may miss one deadline): progress is counted from the first reading there is.
             self.baseline = counters()
         if self.failures < self.limit:
             return "waits"
@@ -116,6 +119,8 @@ class HangJudge:
         if now is not None and baseline is not None and now > baseline:
             self.forget()
             return "busy"
+        if baseline is None:
+            self.baseline = now  # a starved spell's later rounds compare with it
         if self.failures < self.limit * self.STARVED_ROUNDS and starved():
             return "starved"
         self.forget()

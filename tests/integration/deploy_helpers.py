@@ -41,6 +41,16 @@ def engine_url(engine: str, path: str) -> str:
     return layout.engine_curl(engine_socket(engine), path)
 
 
+def long_generations(engine: str, count: int) -> str:
+    """A shell script that keeps `count` completions of 1,800 tokens (no early stop) running on
+    `engine` until it is stopped: every sequence slot busy, and a queue past them."""
+    body = json.dumps({"model": engine, "prompt": "tell me", "max_tokens": 1800, "ignore_eos": True})
+    return (
+        f"for slot in $(seq {count}); do ( while true; do curl -s -o /dev/null --max-time 600 "
+        f"-H 'Content-Type: application/json' -d '{body}' {engine_url(engine, '/v1/completions')}; done ) & done; wait"
+    )
+
+
 CONVERGED: set[str] = set()  # sandboxes a deploy of SANDBOX_INVENTORY converged in this session
 
 

@@ -634,8 +634,11 @@ class Counters:
         # A long prefill: the counters moved between the first failure and the limit.
         ([False, False, False], [10.0, 12.0], ["waits", "waits", "busy"]),
         # Counters that did not answer prove no progress.
-        ([False, False, False], [None, 12.0], ["waits", "waits", "hung"]),
+        ([False, False, False], [None, None, 12.0], ["waits", "waits", "hung"]),
         ([False, False, False], [10.0, None], ["waits", "waits", "hung"]),
+        # A first reading missed (a loaded engine's /metrics): progress counts from the next one.
+        ([False, False, False], [None, 12.0, 13.0], ["waits", "waits", "busy"]),
+        ([False, False, False], [None, 12.0, 12.0], ["waits", "waits", "hung"]),
         # An answer in between starts the count again: five failures, never three in a row.
         ([False, False, True, False, False], [1.0, 1.0], ["waits", "waits", "serves", "waits", "waits"]),
         # After a verdict the count starts again: the next failure is a first one.
@@ -646,7 +649,7 @@ def test_watchdog_calls_hung_only_after_its_probe_limit_without_progress(probes,
     judge = watchdog.HangJudge(3)
     read = Counters(*counters)
     assert [judge.judge(answered, read) for answered in probes] == verdicts
-    assert read.values == []  # read at each first failure and at each limit, never more
+    assert read.values == []  # read at each first failure (while None, before the limit) and each limit
 
 
 def test_a_start_forgets_the_failures_counted_before_it():

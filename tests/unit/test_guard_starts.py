@@ -97,6 +97,15 @@ def test_slow_probes_of_an_idle_engine_on_a_starved_machine_are_not_a_hang(count
     assert judge.judge(False, counters, starved=lambda: True) == "hung"
 
 
+def test_counters_first_read_during_a_starved_spell_find_a_busy_engine():
+    """/metrics unanswered until the limit (a starved engine's API server): the spell's first
+    reading is the baseline and the next one that moved calls the engine busy."""
+    readings = iter([None, None, None, 40.0, 40.0, 55.0])
+    judge = HangJudge(3)
+    rounds = [judge.judge(False, lambda: next(readings), starved=lambda: True) for _ in range(6)]
+    assert rounds == ["waits", "waits", "starved", "starved", "starved", "busy"]
+
+
 def test_stopped_process_is_a_hang_at_the_limit_even_on_a_starved_machine():
     judge = HangJudge(3)
     rounds = [judge.judge(False, never_progress, starved=lambda: True, stopped=lambda: True) for _ in range(3)]

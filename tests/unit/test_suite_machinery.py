@@ -331,6 +331,31 @@ def test_the_memory_peak_is_the_lowest_mem_available_below_the_start():
     assert "WARNING: over the suite's 12 GiB" in over.lines()[1]
 
 
+def test_the_memory_peak_names_the_tests_that_ran_at_its_lowest():
+    readings = iter([20.0, 18.0])
+    hold, lowest = threading.Event(), threading.Event()
+
+    def sample() -> float:
+        value = next(readings, None)
+        if value is None:
+            lowest.set()
+            return 19.0
+        if value == 18.0:
+            hold.wait(10)
+        return value
+
+    peak = MemoryPeak(sample=sample, interval_s=0.01)
+    peak.pytest_runtest_logstart("tests/a.py::done_before", ("a", 1, "done_before"))
+    peak.pytest_runtest_logfinish("tests/a.py::done_before", ("a", 1, "done_before"))
+    for nodeid in ("tests/b.py::hog", "tests/a.py::beside"):
+        peak.pytest_runtest_logstart(nodeid, ("x", 1, nodeid))
+    hold.set()  # the lowest reading comes while those two run
+    assert lowest.wait(10), "the sampler stopped sampling"
+    peak.pytest_runtest_logfinish("tests/b.py::hog", ("b", 1, "hog"))
+    peak.stop()
+    assert peak.lines()[1] == "at its lowest, these tests ran: tests/a.py::beside, tests/b.py::hog"
+
+
 def test_sandbox_slots_let_at_most_their_number_up_at_once(tmp_path, monkeypatch):
     """A second holder of the only slot waits until the first lets it go; a demand larger than
     the slots is refused."""
