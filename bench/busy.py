@@ -46,12 +46,23 @@ def spin() -> None:
 
 def verdicts(box: machine.Sandbox, since: float) -> list[tuple[float, str]]:
     """The guard's verdicts on q38 since `since` (the host's clock), each with its time there."""
-    lines = ssh(
-        box,
-        f"journalctl -t sparkform-guard --since @{since:.3f} --no-pager -o short-unix | grep -F {UNIT}",
-        check=False,
-    ).stdout.splitlines()
-    return [(float(line.split()[0]), v) for line in lines for text, v in VERDICTS.items() if text in line]
+    return parse_verdicts(
+        ssh(
+            box,
+            f"journalctl -t sparkform-guard --since @{since:.3f} --no-pager -o short-unix | grep -F {UNIT}",
+            check=False,
+        ).stdout
+    )
+
+
+def parse_verdicts(journal: str) -> list[tuple[float, str]]:
+    """The verdicts in the guard's journal lines (journalctl -o short-unix), with their times."""
+    return [
+        (float(line.split()[0]), verdict)
+        for line in journal.splitlines()
+        for text, verdict in VERDICTS.items()
+        if text in line and re.match(r"\d+\.\d+ ", line)
+    ]
 
 
 def cpu_pressure(box: machine.Sandbox) -> str:

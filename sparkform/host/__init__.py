@@ -18,6 +18,9 @@ from typing import NotRequired, TypedDict
 # How root runs Python on a host: isolated (no environment variable, user site or script folder
 # among the places it imports from that another user could shape).
 ROOT_PYTHON = ("/usr/bin/python3", "-I")
+# On tmpfs, apart from the state folder's disk: an outage the engine's stop hook could not record
+# there (full, read-only) is kept here, so its "serves again" alert still comes.
+OUTAGE_SPARE_DIR = "/run/sparkform-outages"
 # `journalctl MESSAGE_ID=...` lists every alert of every sparkform program (sparkform.host.alerts).
 ALERT_MESSAGE_ID = "7d3f5c2a9e8b4f61a0c4d2e6b8f1a3c5"
 RETRY_UNIT_PREFIX = "sparkform-retry-"  # the guard's delayed start of ENGINE: sparkform-retry-ENGINE.timer
@@ -111,6 +114,7 @@ class GuardSettings(TypedDict):
 
     engines: list[GuardEngine]
     state_dir: str
+    outage_spare_dir: str  # where an engine's stop hook keeps its outage while state_dir takes no write
     webhook_file: str | None
     alert_command: str | None
     textfile: str | None

@@ -25,6 +25,7 @@ SEVERITY = {
     "checkpoint-repaired": 5,
     "rebooted": 5,
     "front-recovered": 5,
+    "disk-recovered": 5,
 }  # else 3
 # The alerts each engine can get, and those of the host (engine "-"): counted from zero.
 ENGINE_EVENTS = (
@@ -41,7 +42,10 @@ ENGINE_EVENTS = (
     "checkpoint-repaired",
     "rolled-back",
 )  # the last four from sparkform-scrub and sparkform-rollback
-HOST_EVENTS = ("memory-low", "drift", "rebooted", "unclean-reboot", "guard-restarted", "front-down", "front-recovered")
+HOST_EVENTS = (
+    "memory-low", "drift", "rebooted", "unclean-reboot", "guard-restarted", "front-down", "front-recovered",
+    "disk-full", "disk-recovered",
+)  # fmt: skip
 # An alert the webhook did not take waits in the outbox (root's, on disk) and is sent again, the
 # oldest first, after a pause that doubles from OUTBOX_FIRST_S to OUTBOX_MAX_S while it fails.
 OUTBOX_FIRST_S, OUTBOX_MAX_S, OUTBOX_KEPT = 10, 600, 1000
@@ -67,12 +71,26 @@ def journal(config: GuardSettings, message, priority=6, **fields):
 
 
 def alert(config: GuardSettings, event, engine, message):
-    """Journal entry with the fixed MESSAGE_ID, then the webhook and the command (failures of
-    either are journaled, never raised: an alert must not take the guard down)."""
+    """Journal entry with the fixed MESSAGE_ID and its count, then the webhook and the command,
+    unless a flood folds it (`flooded`). Failures of either are journaled, never raised: an alert
+    must not take the guard down."""
     journal(
         config, message, SEVERITY.get(event, 3), message_id=MESSAGE_ID, sparkform_event=event, sparkform_engine=engine
     )
     counted(config, event, engine)
+    nth = flooded(config, event, engine, time.time())
+    if nth > FLOOD_AFTER:
+        return
+    if nth == FLOOD_AFTER:
+        message += (
+            f" ({FLOOD_AFTER} such alerts in {FLOOD_WINDOW_S // 60} min: the next are folded into one, "
+            f"sent once {FLOOD_WINDOW_S // 60} min pass without one; the journal has each)"
+        )
+    tell(config, event, engine, message)
+
+
+def tell(config: GuardSettings, event, engine, message):
+    """The webhook (in order, behind the kept alerts) and the alert command."""
     payload = json.dumps(
         {
             "host": socket.gethostname(),
@@ -93,6 +111,72 @@ def alert(config: GuardSettings, event, engine, message):
             subprocess.run([command], input=payload, timeout=30, check=True, capture_output=True)
         except (OSError, subprocess.SubprocessError) as err:
             journal(config, f"sparkform-guard: the alert command {command} failed: {type(err).__name__}", 4)
+
+
+# --- floods: a repeating alert becomes one ----------------------------------------------------------
+
+# The FLOOD_AFTER-th alert of one event and engine within FLOOD_WINDOW_S says that the next are
+# folded; they are journaled and counted, and one alert with their number goes out once the window
+# passes without one (a guard in a restart loop, an engine that crashes at every start).
+FLOOD_AFTER, FLOOD_WINDOW_S = 5, 120
+
+
+def floods_path(config: GuardSettings):
+    return os.path.join(config["state_dir"], "alert-floods.json")
+
+
+def flooded(config: GuardSettings, event, engine, now):
+    """How many alerts of this event and engine the window holds with this one (1: not a flood).
+    Where the state cannot be read or written (a full disk) every alert goes out."""
+    try:
+        with open(os.path.join(config["state_dir"], "alerts.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            floods = read_json(floods_path(config), {})
+            entry = floods.get(f"{event} {engine}")
+            entry = entry if isinstance(entry, dict) else {}
+            times = [t for t in entry.get("times", []) if isinstance(t, float) and now - t < FLOOD_WINDOW_S]
+            nth = len(times) + 1
+            folded = entry.get("folded", 0) if isinstance(entry.get("folded"), int) else 0
+            if nth > FLOOD_AFTER:
+                folded += 1
+                entry = {"times": [*times[-FLOOD_AFTER:], now], "folded": folded, "since": entry.get("since", now)}
+            else:
+                entry = {"times": [*times, now], "folded": folded, **({"since": entry["since"]} if folded else {})}
+            floods[f"{event} {engine}"] = entry
+            write_json(floods_path(config), floods)
+            return nth
+    except OSError:
+        return 1
+
+
+def unfold(config: GuardSettings, now):
+    """One alert for each flood whose window passed without a new one: how many were folded and
+    since when (the daemon's outbox thread calls it)."""
+    try:
+        with open(os.path.join(config["state_dir"], "alerts.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            floods = read_json(floods_path(config), {})
+            quiet = {
+                key: entry
+                for key, entry in floods.items()
+                if isinstance(entry, dict)
+                and all(isinstance(t, float) and now - t >= FLOOD_WINDOW_S for t in entry.get("times", []))
+            }
+            if not quiet:
+                return
+            write_json(floods_path(config), {k: v for k, v in floods.items() if k not in quiet})
+    except OSError:
+        return
+    for key, entry in quiet.items():
+        folded, since = entry.get("folded"), entry.get("since")
+        if isinstance(folded, int) and folded > 0 and isinstance(since, float):
+            event, _, engine = key.partition(" ")
+            message = (
+                f"{folded} more {event} alerts of {engine} were folded since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}; none for {FLOOD_WINDOW_S // 60} min"
+            )
+            journal(config, f"sparkform-guard: {message}", 5)
+            tell(config, event, engine, message)
 
 
 def webhook_url(config: GuardSettings):
@@ -190,6 +274,7 @@ def outbox_watch(config: GuardSettings, beats):
     while True:
         beats.beat("outbox", pause + 60)  # a send takes at most its 10 s per alert, in practice
         time.sleep(pause)
+        unfold(config, time.time())
         if not webhook_url(config) or not pending(config):
             pause = first
         elif send_pending(config):

@@ -8,7 +8,7 @@ import time
 import urllib.request
 
 from sparkform.host import GuardedFront, GuardSettings
-from sparkform.host.alerts import alert
+from sparkform.host.alerts import alert, journal
 from sparkform.host.front_keys import front_key
 
 
@@ -37,16 +37,44 @@ def passes(front: GuardedFront, key, deadline_s, certificate=None):
         return False
 
 
+class KnownKey:
+    """The key the guard's front probe sends: the front's key file as last read. While the file is
+    gone or not of the deploy's making, nginx keeps serving the configuration it loaded (a reload
+    without the file fails, leaving it as it was), so the last key read still opens it: a missing
+    file is journaled once, as what it is, never taken for a dark front."""
+
+    def __init__(self, config: GuardSettings):
+        self.config, self.path, self.key, self.missing = config, config.get("front_key"), None, False
+
+    def read(self):
+        if not self.path:
+            return None
+        key = front_key(self.path)
+        if key is None and not self.missing:
+            journal(
+                self.config,
+                f"sparkform-guard: the front's key file {self.path} is gone or holds no client's key: nginx keeps the "
+                "keys it loaded, but a reload or restart of nginx fails until the deploy writes it again "
+                "(pyinfra INVENTORY deploy.py)",
+                3,
+            )
+        elif key is not None and self.missing:
+            journal(self.config, f"sparkform-guard: the front's key file {self.path} is back", 5)
+        self.missing = key is None
+        self.key = key or self.key
+        return self.key
+
+
 def front_watch(config: GuardSettings, beats, serving):
     """`serving`: the engines the watchdog saw answer in its last round (a dark engine is the
     watchdog's; the front is judged on those that serve)."""
     interval, deadline = config["watchdog_interval_s"], config["watchdog_deadline_s"]
-    failures, down = 0, False
+    failures, down, known = 0, False, KnownKey(config)
     while True:
         beats.beat("front", interval + deadline * len(config["fronts"]) + 60)
         time.sleep(interval)
         checked = [f for f in config["fronts"] if f["engine"] in serving]
-        key = front_key(config.get("front_key"))
+        key = known.read()
         failed = [f for f in checked if not passes(f, key, deadline, config.get("front_certificate"))]
         failures = failures + 1 if failed else 0
         if failures >= config["watchdog_failures"] and not down:

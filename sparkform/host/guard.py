@@ -62,6 +62,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from sparkform.host import (
     RETRY_UNIT_PREFIX,
@@ -145,17 +146,27 @@ def cmd_failed(config: GuardSettings, engine: GuardEngine):
         journal(config, message, 3, sparkform_event="retry-scheduled", sparkform_engine=engine["name"])
 
 
+# systemd's ExecMainCode (the kernel's CLD_* codes) for a main process a signal ended.
+KILLED_CODES = {"2": "", "3": " (core dumped)"}
+
+
 def last_start_said(engine: GuardEngine):
-    """How the unit's last start ended, for its alert: "its last start exited N: LINE; ", LINE the
-    last line of that start's journal that names an error (a refusal of the launch script, vLLM's
-    exception), or "" when systemd knows no status."""
-    shown = systemctl("show", "-p", "ExecMainStatus", "-p", "InvocationID", engine["unit"]).stdout
-    values = dict(line.partition("=")[::2] for line in shown.splitlines())
-    status, invocation = values.get("ExecMainStatus", ""), values.get("InvocationID", "")
+    """How the unit's last start ended, for its alert: "its last start exited N: LINE; " (or "was
+    killed by SIGNAME"), LINE the last line of that start's journal that names an error (a refusal
+    of the launch script, vLLM's exception), or "" when systemd knows no status."""
+    shown = systemctl("show", "-p", "ExecMainCode", "-p", "ExecMainStatus", "-p", "InvocationID", engine["unit"])
+    values = dict(line.partition("=")[::2] for line in shown.stdout.splitlines())
+    code, status, invocation = (values.get(key, "") for key in ("ExecMainCode", "ExecMainStatus", "InvocationID"))
     if not status.isdigit() or not INVOCATION_ID.fullmatch(invocation):
         return ""
+    ended = f"exited {status}"
+    if code in KILLED_CODES:
+        try:
+            ended = f"was killed by {signal.Signals(int(status)).name}{KILLED_CODES[code]}"
+        except ValueError:
+            ended = f"was killed by signal {status}{KILLED_CODES[code]}"
     words = outages.last_error_line(invocation_journal(engine["unit"], invocation, JOURNAL_BYTES, LINE_CHARS))
-    return f"its last start exited {status}" + (f": {words}" if words else "") + "; "
+    return f"its last start {ended}" + (f": {words}" if words else "") + "; "
 
 
 def cmd_retry(config: GuardSettings, engine: GuardEngine):
@@ -266,24 +277,46 @@ def cmd_watch(config: GuardSettings):
         RankWatch(config, engine) if engine.get("head") else Watchdog(config, engine, held, serving, beats)
         for engine in config["engines"]
     ]
-    threads.append(threading.Thread(target=memory_guard, args=(config, held, beats), daemon=True))
-    threads.append(threading.Thread(target=outbox_watch, args=(config, beats), daemon=True))
-    threads.append(threading.Thread(target=target_watch, args=(config, beats), daemon=True))
+    named: dict[str, tuple[Callable[..., object], tuple]] = {
+        "memory guard": (memory_guard, (config, held, beats)),
+        "outbox": (outbox_watch, (config, beats)),
+        "target": (target_watch, (config, beats)),
+    }
     if config["fronts"]:
-        threads.append(threading.Thread(target=front_watch, args=(config, beats, serving), daemon=True))
+        named["front"] = (front_watch, (config, beats, serving))
     if config.get("gpu_textfile"):
-        threads.append(threading.Thread(target=gpu_watch, args=(config,), daemon=True))
+        named["gpu"] = (gpu_watch, (config,))
     if config.get("front_textfile"):
-        threads.append(threading.Thread(target=clients_watch, args=(config,), daemon=True))
+        named["clients"] = (clients_watch, (config,))
+    threads += [threading.Thread(target=run, args=args, name=name, daemon=True) for name, (run, args) in named.items()]
+    died: dict[str, str] = {}
+
+    def record_death(hook):  # threading.excepthook: runs in the dying thread, before it counts as dead
+        died.setdefault(hook.thread.name if hook.thread else "?", f"{hook.exc_type.__name__}: {hook.exc_value}")
+
+    threading.excepthook = record_death
     for thread in threads:
         thread.start()
     journal(config, f"sparkform-guard: watching {', '.join(e['name'] for e in config['engines']) or 'no engine'}", 6)
     notify("READY=1")
-    # systemd's watchdog hears from the guard only while every thread keeps its promise.
+    dead = keep_alive(config, threads, beats, failing)
+    # A thread that died would leave its work undone behind an active unit: the whole guard goes,
+    # saying which and why, and systemd starts it again (the next guard's alert quotes this).
+    why = "; ".join(f"its {name} thread died ({died.get(name, 'it returned')})" for name in dead)
+    journal(config, f"sparkform-guard: {why}: it exits, and systemd starts it again", 2)
+    outages.heartbeat(config, failing, why=why)
+    raise SystemExit(1)
+
+
+def keep_alive(config: GuardSettings, threads, beats, failing):
+    """Tell systemd's watchdog the guard is alive while every thread keeps its promise, and keep
+    the heartbeat on disk; return the names of the threads that died, once one did."""
     last_alive = time.monotonic()
     while True:
-        late = beats.late()
-        if not late and all(thread.is_alive() for thread in threads):
+        dead = [thread.name for thread in threads if not thread.is_alive()]
+        if dead:
+            return dead
+        if not beats.late():
             notify("WATCHDOG=1")
         if time.monotonic() - last_alive >= ALIVE_EVERY_S:
             failing = outages.heartbeat(config, failing)

@@ -37,6 +37,39 @@ def outage_path(config: GuardSettings, name):
     return os.path.join(config["state_dir"], f"outage-{name}.json")
 
 
+def spare_outage_path(config: GuardSettings, name):
+    return os.path.join(config["outage_spare_dir"], f"outage-{name}.json")
+
+
+def open_outage(config: GuardSettings, name, outage, what):
+    """Record an engine's outage in the state folder, or where that takes no write (full,
+    read-only) in the spare folder on tmpfs; journaled if neither can keep it."""
+    try:
+        write_json(outage_path(config, name), outage)
+        return
+    except OSError as err:
+        failed = err
+    try:
+        os.makedirs(config["outage_spare_dir"], mode=0o700, exist_ok=True)
+        write_json(spare_outage_path(config, name), outage)
+    except OSError:
+        journal(config, f"sparkform-guard: {what} is not recorded: {failed}", 3)
+    else:
+        journal(config, f"sparkform-guard: {what} is kept in {config['outage_spare_dir']}: {failed}", 4)
+
+
+def read_outage(config: GuardSettings, name):
+    """The engine's open outage (None: none), from the state folder or the spare one."""
+    outage = read_json(outage_path(config, name), None)
+    return outage if outage is not None else read_json(spare_outage_path(config, name), None)
+
+
+def close_outage(config: GuardSettings, name):
+    for path in (outage_path(config, name), spare_outage_path(config, name)):
+        if os.path.exists(path):
+            os.unlink(path)
+
+
 def recorded(config: GuardSettings, path, value, what):
     """write_json; a failure (a full or read-only state folder) is journaled, not raised: the alert
     that goes with the record is still sent, and only `what` is lost."""
@@ -105,7 +138,7 @@ def cmd_stopped(config: GuardSettings, engine: GuardEngine, tell, environ=os.env
     if marker is not None:
         os.unlink(kill_marker(config, name))
     by_guard = marker is not None and isinstance(marker.get("time"), float) and now - marker["time"] < GUARD_KILL_S
-    outage = read_json(outage_path(config, name), None)
+    outage = read_outage(config, name)
     if outage is not None:
         journal(
             config,
@@ -115,7 +148,7 @@ def cmd_stopped(config: GuardSettings, engine: GuardEngine, tell, environ=os.env
         )
         return
     short = (marker["why"] if by_guard else why).split("; ")[0]  # the alert has the rest
-    recorded(config, outage_path(config, name), {"since": now, "why": short}, f"the outage of {engine['unit']}")
+    open_outage(config, name, {"since": now, "why": short}, f"the outage of {engine['unit']}")
     if not by_guard:
         tell(
             "stopped",
@@ -126,11 +159,11 @@ def cmd_stopped(config: GuardSettings, engine: GuardEngine, tell, environ=os.env
 
 def served_again(config: GuardSettings, engine: GuardEngine, failed_limits):
     """After a start that served: close the engine's outage with one alert, if one was open."""
-    outage = read_json(outage_path(config, engine["name"]), None)
+    outage = read_outage(config, engine["name"])
     if outage is None and not failed_limits:
         return None
     if outage is not None:
-        os.unlink(outage_path(config, engine["name"]))
+        close_outage(config, engine["name"])
     since = outage_since(outage)
     parts = [f"{engine['unit']} serves again"]
     if since is not None:
@@ -164,29 +197,32 @@ def alive_path(config: GuardSettings):
     return os.path.join(config["state_dir"], "guard-alive.json")
 
 
-def alive(config: GuardSettings, clean=False):
-    """The guard's heartbeat: this boot, now, and whether it stops cleanly (SIGTERM)."""
-    write_json(alive_path(config), {"boot": boot_id(), "pid1": pid1_start(), "time": time.time(), "clean": clean})
+def alive(config: GuardSettings, clean=False, why=None):
+    """The guard's heartbeat: this boot, now, whether it stops cleanly (SIGTERM) and, from a guard
+    that exits on a failure of its own, why."""
+    beat = {"boot": boot_id(), "pid1": pid1_start(), "time": time.time(), "clean": clean}
+    write_json(alive_path(config), {**beat, "why": why} if why else beat)
 
 
-def heartbeat(config: GuardSettings, failing, clean=False):
+def heartbeat(config: GuardSettings, failing, clean=False, why=None):
     """Write the heartbeat; whether that fails now. A failure (a full or read-only state folder) is
-    journaled once, with the folder's free bytes, and the guard watches on; so is the first write
-    that works again."""
+    alerted once (`disk-full`, with the error and the folder's free bytes) and the guard watches on
+    from memory; the first write that works again is alerted too (`disk-recovered`)."""
     folder = config["state_dir"]
     try:
-        alive(config, clean)
+        alive(config, clean, why)
     except OSError as err:
         if not failing:
-            journal(
+            alert(
                 config,
-                f"sparkform-guard: cannot write in {folder} ({err}; {free_bytes(folder)} bytes free there): "
-                "it watches on, and keeps no heartbeat until it can",
-                3,
+                "disk-full",
+                "-",
+                f"the guard cannot write in {folder} ({err.strerror or err}; {free_bytes(folder)} bytes free there): "
+                "it watches on, but keeps no heartbeat, outage record or kept alert until it can; free space there",
             )
         return True
     if failing:
-        journal(config, f"sparkform-guard: writes in {folder} again", 5)
+        alert(config, "disk-recovered", "-", f"the guard writes in {folder} again")
     return False
 
 
@@ -228,9 +264,6 @@ def after_start(config: GuardSettings):
                     f"the outage of {engine['unit']}",
                 )
     elif not clean:
-        alert(
-            config,
-            "guard-restarted",
-            "-",
-            f"the guard stopped answering or died (last alive at {seen}) and systemd started it again",
-        )
+        why = last.get("why")
+        how = f"died: {shown(why)}" if isinstance(why, str) and why else "stopped answering or died"
+        alert(config, "guard-restarted", "-", f"the guard {how} (last alive at {seen}) and systemd started it again")

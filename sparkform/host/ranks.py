@@ -86,7 +86,7 @@ class RankWatch(threading.Thread):
     again. A rank that joined resets its unit's start count, as a start that served does."""
 
     def __init__(self, config: GuardSettings, rank: GuardEngine):
-        super().__init__(daemon=True)
+        super().__init__(daemon=True, name=f"rank watch {rank['name']}")
         self.config, self.rank = config, rank
 
     def run(self):

@@ -133,13 +133,14 @@ class Watchdog(threading.Thread):
     killed and systemd starts it again. `serving` holds the engines that answered last round."""
 
     def __init__(self, config: GuardSettings, engine: GuardEngine, held, serving, beats):
-        super().__init__(daemon=True)
+        super().__init__(daemon=True, name=f"watchdog {engine['name']}")
         self.config, self.engine, self.held, self.serving, self.beats = config, engine, held, serving, beats
         self.python_gone = False
 
     def look_at_python(self):
-        """An engine that serves while its venv's python is gone will not start again (the launch
-        exits 10): a human is told once, and the journal says when it is back."""
+        """An engine that runs while its venv's python is gone will not start again (the launch
+        exits 10): a human is told once, and the journal says when it is back. Looked at every
+        round the unit is active, answering or not (a loaded engine may miss its probes)."""
         gone = not os.path.exists(self.engine["python"])
         unit, python = self.engine["unit"], self.engine["python"]
         if gone and not self.python_gone:
@@ -147,7 +148,7 @@ class Watchdog(threading.Thread):
                 self.config,
                 "cannot-restart",
                 self.engine["name"],
-                f"{unit} serves, but its python {python} is gone: its next start will fail; "
+                f"{unit} runs, but its python {python} is gone: its next start will fail; "
                 "the deploy installs its venv again: pyinfra INVENTORY deploy.py",
             )
         elif self.python_gone and not gone:
@@ -256,6 +257,7 @@ class Watchdog(threading.Thread):
                 next_round = time.monotonic()
                 continue
             stopped_since = None
+            self.look_at_python()
             verdict = judge.judge(
                 probe(engine, deadline_s),
                 lambda: progress(engine, deadline_s),
@@ -263,8 +265,6 @@ class Watchdog(threading.Thread):
                 self.has_a_stopped_process,
             )
             (self.serving.add if verdict == "serves" else self.serving.discard)(engine["name"])
-            if verdict == "serves":
-                self.look_at_python()
             if verdict == "busy":
                 journal(
                     config,

@@ -101,6 +101,12 @@ def _installed_vllm(pin: VllmPin) -> str:
     return f"[ -x {python} ] && {python} -I -c {shlex.quote(code)}"
 
 
+def _file_kept(path: str) -> str:
+    """Says "missing" when `path` is not a plain file (gone, or a link), "kept" when it is."""
+    quoted = shlex.quote(path)
+    return f"if [ -f {quoted} ] && [ ! -L {quoted} ]; then echo kept; else echo missing; fi"
+
+
 def _read_version(lines: list[str]) -> str | None:
     text = "".join(lines)
     return text if VERSION_TEXT_PATTERN.fullmatch(text) else None
@@ -145,6 +151,7 @@ def status_command(config: HostConfig, sample_s: float) -> str:
         section("record", plain_file(config.paths.host_record)),
         section("cache_keys", plain_files(f"{shlex.quote(config.paths.cache_keys)}/*")),
         section("front_certificate", read_command(config.paths.front_certificate) if config.front_tls_on else "true"),
+        section("front_key", _file_kept(config.paths.front_key) if config.front_keyed else "true"),
         section(
             "watchdog", f"journalctl -b -o json --no-pager -n {WATCHDOG_EVENTS_SHOWN} MESSAGE_ID={ALERT_MESSAGE_ID}"
         ),
@@ -330,7 +337,7 @@ def read_status(host_name: str, config: HostConfig, lines: list[str], checked_at
         reachable=True,
         checked_at=checked_at if checked_at is not None else time.time(),
         serving=not [p for p in problems if not p.startswith(GUARD_UNIT)],
-        problems=problems + _unstartable(config, engines),
+        problems=problems + _unstartable(config, engines) + _front_key_missing(config, sections.get("front_key", [])),
         services=services,
         mem_total_bytes=total,
         mem_available_bytes=available,
@@ -372,6 +379,16 @@ def _unstartable(config: HostConfig, engines: list[EngineStatus]) -> list[str]:
         "next start fails; the deploy installs it again: pyinfra INVENTORY deploy.py"
         for engine, e in zip(config.engines, engines, strict=True)
         if e.enabled and e.vllm_version is None
+    ]
+
+
+def _front_key_missing(config: HostConfig, lines: list[str]) -> list[str]:
+    """The front's key file gone: nginx serves the keys it loaded, but cannot reload or start."""
+    if "".join(lines).strip() != "missing":
+        return []
+    return [
+        f"the front's key file {config.paths.front_key} is missing: nginx serves the keys it loaded, but its next "
+        "reload or restart fails; the deploy writes it again: pyinfra INVENTORY deploy.py"
     ]
 
 

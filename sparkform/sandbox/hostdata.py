@@ -97,4 +97,7 @@ def host_data(box: machine.Sandbox | None) -> dict[str, Any]:
         "memory_warn_gib": 2.0,
         "memory_critical_gib": 1.0,
         "memory_margin_gib": 0.5,
+        # An engine here is its processes (~1.7 GiB), with no CUDA context or allocator to leave room
+        # for: a start wants its KV pool and 0.5 GiB free, not the Spark's 2 GiB on top.
+        "memory_available_margin_gib": 0.5,
     }

@@ -117,7 +117,7 @@ def scrape_config(found: list[Target], inventory: str) -> str:
 # Every alert kind the guard, the scrub, the rollback and a rank raise, by the rule that fires on
 # it (tests/unit/test_monitoring.py holds this against sparkform.host.alerts' lists).
 ACTED_EVENTS = ("stopped", "stalled", "hung", "failed", "cannot-restart", "memory-low", "memory-critical", "head-lost")
-RECOVERY_EVENTS = ("recovered", "memory-recovered", "checkpoint-repaired", "front-recovered")
+RECOVERY_EVENTS = ("recovered", "memory-recovered", "checkpoint-repaired", "front-recovered", "disk-recovered")
 
 
 def alert_rules(found: list[Target], inventory: str) -> str:

@@ -32,6 +32,7 @@ from sparkform.domain.modelconfig import GIB
 from sparkform.domain.rendered import RenderedFile
 from sparkform.domain.schema import HostConfig
 from sparkform.host import (
+    OUTAGE_SPARE_DIR,
     ROOT_PYTHON,
     AwaitedRanks,
     CheckpointEngine,
@@ -162,6 +163,7 @@ def guard_settings(config: HostConfig, model_configs: Mapping[str, dict] | None 
             for e in config.enabled_engines
         ],
         state_dir=record_dir(config.state_dir),
+        outage_spare_dir=OUTAGE_SPARE_DIR,
         webhook_file=config.paths.alert_webhook if config.alert_webhook_file else None,
         alert_command=config.alert_command,
         textfile=config.monitoring.guard_textfile if config.monitoring.enabled else None,

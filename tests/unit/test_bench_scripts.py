@@ -3,7 +3,8 @@ whole, as a process (the fake hub, curl and the scrub on this machine: about 3 s
 wall time on 2 loaded cores). The others need a converged sandbox; here each gets what runs
 without one, in 2 s or less: the front's program on the host against stand-in engines on
 127.0.0.1, the counting hook of the no-op converge against this pyinfra, and the chaos run's and
-the repeats' argument parsing, plans and references (their faults' alerts, their tests)."""
+the repeats' argument parsing, plans and references (their faults' alerts, their tests), and the
+busy bench's reading of the guard's verdicts."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from sparkform.rules.inventory import load_inventory
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
-SCRIPTS = ("chaos", "checkpoint", "front", "noop_converge", "repeat")  # each has its test below
+SCRIPTS = ("busy", "chaos", "checkpoint", "front", "noop_converge", "repeat")  # each has its test below
 
 
 @cache
@@ -151,6 +152,22 @@ def test_the_chaos_run_s_dark_times():
     assert chaos.back_after(client, 0.5, 10.0) == 4.5  # failed from 1.0, answered again at 5.0
     assert chaos.back_after(client, 5.5, 10.0) is None  # never answered again
     assert chaos.back_after(client, 0.0, 1.0) == 0.0  # nothing failed before 1.0
+
+
+def test_the_busy_bench_reads_the_guards_own_verdicts():
+    """Its verdicts are the watchdog's own journal texts (a reworded one would leave every round
+    with "no verdict"); read from journalctl's short-unix lines with their times."""
+    busy = bench("busy")
+    said = (ROOT / "sparkform" / "host" / "watchdog.py").read_text()
+    assert all(text in said for text in busy.VERDICTS), busy.VERDICTS
+    journal = (
+        "1796685276.435401 dev sparkform-guard[2891]: sparkform-guard: vllm-q38.service answers no probe on a "
+        "starved machine: waiting\n"
+        "1796685306.500000 dev sparkform-guard[2891]: sparkform-guard: vllm-q38.service answered no probe for 3 "
+        "rounds but its token counters moved: busy, not hung\n"
+        "-- No entries --\n"
+    )
+    assert busy.parse_verdicts(journal) == [(1796685276.435401, "starved"), (1796685306.5, "busy")]
 
 
 def test_each_repeat_runs_a_test_that_reads_its_rounds():

@@ -26,6 +26,8 @@ from unix_engines import raw_answer_once
 
 from sparkform.host import alerts, engine_api, outages, starts, watchdog
 from sparkform.host import guard as guard_program
+from sparkform.host.front import KnownKey
+from sparkform.host.front_keys import clients_snippet
 from sparkform.rules.inventory import load_host
 from sparkform.sandbox.alerts import make_server, read_alerts
 from sparkform.writers.render import render_host
@@ -191,6 +193,7 @@ class Guard:
             Path(engine["python"]).touch()
         guard_config.update(
             journal_socket=str(self.journal.path),
+            outage_spare_dir=str(root / "run" / "sparkform-outages"),
             meminfo=str(self.meminfo),
             webhook_file=str(config.paths.alert_webhook),
             memory_poll_s=0.2,
@@ -406,6 +409,23 @@ INVOCATION = "0123456789abcdef0123456789abcdef"
             "its last start exited 1: ValueError: no such [31m architecture; ",
         ),
         (f"ExecMainStatus=137\nInvocationID={INVOCATION}\n", ["INFO loading"], "its last start exited 137; "),
+        # A start a signal ended: systemd's code says so, and the status is the signal's number.
+        (
+            f"ExecMainCode=2\nExecMainStatus=9\nInvocationID={INVOCATION}\n",
+            ["INFO loading"],
+            "its last start was killed by SIGKILL; ",
+        ),
+        (
+            f"ExecMainCode=3\nExecMainStatus=11\nInvocationID={INVOCATION}\n",
+            ["Fatal Python error: Segmentation fault"],
+            "its last start was killed by SIGSEGV (core dumped): Fatal Python error: Segmentation fault; ",
+        ),
+        (
+            f"ExecMainCode=2\nExecMainStatus=99\nInvocationID={INVOCATION}\n",
+            [],
+            "its last start was killed by signal 99; ",
+        ),
+        (f"ExecMainCode=1\nExecMainStatus=1\nInvocationID={INVOCATION}\n", [], "its last start exited 1; "),
         # Nothing systemd says is taken unchecked.
         ("ExecMainStatus=\nInvocationID=\n", [], ""),
         (f"ExecMainStatus=1\nInvocationID=../{INVOCATION}\n", ["Error: x"], ""),
@@ -475,13 +495,14 @@ def test_the_watchdog_kills_a_hung_engine_and_leaves_the_others(guard):
 
 
 def test_engines_serving_from_a_removed_venv_are_told_once_as_ones_that_cannot_restart(guard):
-    box, (hands, _) = guard(**FAST_WATCHDOG)
+    # hands is busy (its probes time out while it generates): looked at all the same.
+    box, (hands, _) = guard(modes=("busy", "ok"), **FAST_WATCHDOG)
     python = Path(json.loads(box.config_path.read_text())["engines"][0]["python"])  # both engines'
     python.unlink()
     box.watch()
     told = box.wait(lambda: len(box.webhook_alerts()) == 2 and box.webhook_alerts(), 20, "an alert per engine")
     assert {(a["event"], a["engine"]) for a in told} == {("cannot-restart", "hands"), ("cannot-restart", "eyes")}
-    assert f"vllm-hands.service serves, but its python {python} is gone" in told[0]["message"] + told[1]["message"]
+    assert f"vllm-hands.service runs, but its python {python} is gone" in told[0]["message"] + told[1]["message"]
     assert all("the deploy installs its venv again: pyinfra INVENTORY deploy.py" in a["message"] for a in told)
     probes = len(hands.probes)
     box.wait(lambda: len(hands.probes) >= probes + 2, 20, "two more rounds")
@@ -714,9 +735,9 @@ def full_disk_at(folder: Path):
 
 
 def test_a_guard_whose_disk_is_full_tells_the_stop_and_watches_on(guard):
-    """The guard's state folder full: an engine's stop is still alerted and the lost record
-    journaled; the daemon journals its failed heartbeat once, with the free bytes, and keeps
-    watching; no temp file is left."""
+    """The guard's state folder full: an engine's stop is still alerted, its outage kept on tmpfs
+    and closed by its "serves again"; the daemon alerts its failed heartbeat once (`disk-full`, with the free bytes) and
+    keeps watching; no temp file is left; the first heartbeat written again is `disk-recovered`."""
     box, _ = guard()
     stop = {**box.env, "SERVICE_RESULT": "signal", "EXIT_CODE": "killed", "EXIT_STATUS": "KILL"}
     with full_disk_at(box.state_dir):
@@ -726,22 +747,82 @@ def test_a_guard_whose_disk_is_full_tells_the_stop_and_watches_on(guard):
         assert result.returncode == 0, result.stderr
         (stopped,) = box.webhook_alerts()
         assert stopped["event"] == "stopped" and stopped["engine"] == "hands"
-        assert any("the outage of vllm-hands.service is not recorded" in e["MESSAGE"] for e in box.journal.read())
+        spare = json.loads(box.config_path.read_text())["outage_spare_dir"]
+        assert any(f"the outage of vllm-hands.service is kept in {spare}" in e["MESSAGE"] for e in box.journal.read())
+        # Its start serves: the outage kept on tmpfs closes with its alert.
+        served = box.run("served", "hands")
+        assert served.returncode == 0, served.stderr
+        (recovered,) = [a for a in box.webhook_alerts() if a["event"] == "recovered"]
+        assert (
+            recovered["message"].startswith("vllm-hands.service serves again after ")
+            and " s dark (since " in (recovered["message"])
+        )
+        assert os.listdir(spare) == []
         box.watch()
         box.wait(
             lambda: [e for e in box.journal.read() if e["MESSAGE"].startswith("sparkform-guard: watching")],
             20,
             "the guard watching",
         )
-        (failed,) = [e for e in box.journal.read() if f"cannot write in {box.state_dir}" in e["MESSAGE"]]
-        assert (
-            "No space left on device" in failed["MESSAGE"] and "bytes free there): it watches on" in failed["MESSAGE"]
-        )
+        (full,) = box.wait(lambda: [a for a in box.webhook_alerts() if a["event"] == "disk-full"], 10, "disk-full")
+        assert f"cannot write in {box.state_dir} (No space left on device; " in full["message"]
+        assert "bytes free there): it watches on" in full["message"]
         assert box.daemon.poll() is None
         left = {str(path.relative_to(box.state_dir)) for path in box.state_dir.rglob("*")}
         assert left <= {"alerts.lock", "filler", "outbox"}, left  # no temp file
         box.daemon.kill()
         box.daemon.wait()
+    # The next heartbeat that is written again says so, once.
+    config = json.loads(box.config_path.read_text())
+    assert outages.heartbeat(config, failing=True) is False and outages.heartbeat(config, failing=False) is False
+    assert [a["event"] for a in box.webhook_alerts()].count("disk-recovered") == 1
+
+
+def test_a_thread_that_dies_ends_the_guard_and_the_next_one_says_why(guard):
+    """A watchdog thread that raises (here: an engine's settings without a probe) would leave that
+    engine unwatched behind an active unit: the guard exits 1 at once, naming the thread and the
+    exception, for systemd to start it again; the next guard's alert quotes it."""
+    box, _ = guard(**FAST_WATCHDOG)
+    settings = json.loads(box.config_path.read_text())
+    del settings["engines"][0]["probe"]
+    box.config_path.write_text(json.dumps(settings))
+    box.watch()
+    assert box.daemon is not None and box.daemon.wait(30) == 1
+    said = "its watchdog hands thread died (KeyError: 'probe')"
+    assert any(said in e["MESSAGE"] and e["PRIORITY"] == "2" for e in box.journal.read()), box.journal.read()
+    heartbeat = json.loads((box.state_dir / "guard-alive.json").read_text())
+    assert heartbeat["clean"] is False and heartbeat["why"] == said
+    before = len(box.webhook_alerts())
+    outages.after_start(settings)
+    (restarted,) = box.webhook_alerts()[before:]
+    assert restarted["event"] == "guard-restarted" and f"the guard died: {said} (last alive at" in restarted["message"]
+
+
+def test_a_repeating_alert_is_folded_into_one_with_its_count(guard):
+    """The same event of the same engine FLOOD_AFTER times within FLOOD_WINDOW_S (a guard in a
+    restart loop): the last of those says the next are folded; they reach the journal and the
+    counts but not the webhook, until the window passes without one: then one alert says how many.
+    Another engine's alerts are their own."""
+    box, _ = guard()
+    config = json.loads(box.config_path.read_text())
+    start = time.time()
+    for n in range(alerts.FLOOD_AFTER + 2):
+        alerts.alert(config, "stopped", "hands", f"crash {n}")
+    alerts.alert(config, "stopped", "eyes", "crash of the other engine")
+    sent = [(a["engine"], a["message"]) for a in box.webhook_alerts()]
+    assert [m for e, m in sent if e == "hands"][:-1] == [f"crash {n}" for n in range(alerts.FLOOD_AFTER - 1)]
+    assert sent[alerts.FLOOD_AFTER - 1][1].startswith(f"crash {alerts.FLOOD_AFTER - 1} ({alerts.FLOOD_AFTER} such")
+    assert sent[-1] == ("eyes", "crash of the other engine") and len(sent) == alerts.FLOOD_AFTER + 1
+    journaled = [e["MESSAGE"] for e in box.journal.read() if e.get("SPARKFORM_EVENT") == "stopped"]
+    assert len(journaled) == alerts.FLOOD_AFTER + 3  # each one
+    alerts.unfold(config, start + alerts.FLOOD_WINDOW_S - 5)  # not quiet yet
+    assert len(box.webhook_alerts()) == alerts.FLOOD_AFTER + 1
+    alerts.unfold(config, time.time() + alerts.FLOOD_WINDOW_S)
+    (summary,) = box.webhook_alerts()[alerts.FLOOD_AFTER + 1 :]
+    assert summary["event"] == "stopped" and summary["engine"] == "hands"
+    assert summary["message"].startswith("2 more stopped alerts of hands were folded since ")
+    alerts.alert(config, "stopped", "hands", "a crash after the quiet")  # a fresh count
+    assert box.webhook_alerts()[-1]["message"] == "a crash after the quiet"
 
 
 def test_reboot_since_last_heartbeat_is_alerted_even_with_the_same_boot_id(guard):
@@ -784,6 +865,25 @@ def test_an_alert_the_webhook_did_not_take_is_kept_and_sent_again_in_order(guard
     assert [a["message"] for a in sent] == ["change 1", "change 2"]
     # Taken off the outbox once the webhook's answer is in: a moment after the receiver has it.
     box.wait(lambda: not list((box.state_dir / "outbox").glob("*.json")), 10, "the outbox emptied")
+
+
+def test_the_front_probe_keeps_the_last_key_read_while_the_key_file_is_gone(guard, tmp_path):
+    """The owner removes the front's key file: nginx's reload fails and it keeps the keys it loaded,
+    so the guard's probe goes on with the key it last read (no false front-down), and says once
+    what is missing; a new file's key is taken as soon as it is there."""
+    box, _ = guard()
+    key_file = tmp_path / "front-clients.conf"
+    config = {**json.loads(box.config_path.read_text()), "front_key": str(key_file)}
+    key_file.write_text(clients_snippet({"agents": "first-key-0123456789"}))
+    known = KnownKey(config)
+    assert known.read() == "first-key-0123456789"
+    key_file.unlink()
+    assert known.read() == known.read() == "first-key-0123456789"
+    said = [e["MESSAGE"] for e in box.journal.read() if "key file" in e["MESSAGE"]]
+    assert len(said) == 1 and f"the front's key file {key_file} is gone" in said[0], said
+    key_file.write_text(clients_snippet({"agents": "second-key-0123456789"}))
+    assert known.read() == "second-key-0123456789"
+    assert f"the front's key file {key_file} is back" in box.journal.read()[-1]["MESSAGE"]
 
 
 def test_front_passing_nothing_to_a_serving_engine_alerts_down_and_up(guard):

@@ -49,6 +49,7 @@ ALERTS = (
     "SparkformScrubFailed",
     "SparkformGuardActed",
     "SparkformFrontDown",
+    "SparkformGuardDiskFull",
     "SparkformDrift",
     "SparkformRolledBack",
     "SparkformRebooted",

@@ -101,6 +101,7 @@ def answer(**sections: list[str]) -> list[str]:
         "front:q38": ["200"],
         "launch:nemotron": ["loading"],
         "launch:q38": ["loading"],
+        "front_key": ["kept"],
         "services": services(),
     }
     base.update({name.replace("__", ":"): lines for name, lines in sections.items()})
@@ -164,6 +165,23 @@ def test_engines_serving_from_a_venv_that_does_not_run_are_a_problem_named_with_
         "the deploy installs it again: pyinfra INVENTORY deploy.py"
         for name in ("nemotron", "q38")
     ]
+
+
+def test_a_missing_front_key_file_is_a_problem_named_with_its_fix(make_host, seed_data, tmp_path):
+    """The owner removed the front's key file: clients are still served (nginx keeps the keys it
+    loaded), but its next reload or restart fails; status says so and exits 1."""
+    key = tmp_path / "api-key"
+    key.write_text("k" * 32 + "\n")
+    key.chmod(0o600)
+    seed_data["api_key_file"] = str(key)
+    config = make_host(seed_data, name="spark").config
+    assert f"[ -f {config.paths.front_key} ] && [ ! -L " in status.status_command(config, 2)
+    s = status.read_status("spark", config, answer(front_key=["missing"]), checked_at=T0)
+    assert s.serving and [p for p in s.problems if "key file" in p] == [
+        f"the front's key file {config.paths.front_key} is missing: nginx serves the keys it loaded, but its "
+        "next reload or restart fails; the deploy writes it again: pyinfra INVENTORY deploy.py"
+    ]
+    assert not [p for p in status.read_status("spark", config, answer(), checked_at=T0).problems if "key" in p]
 
 
 def test_an_engine_down_or_not_answering_makes_the_host_not_serving(spark):
