@@ -63,7 +63,7 @@ from sparkform.writers.render import VLLM_UNGUARDED_ROUTES
 
 pytestmark = pytest.mark.usefixtures("converged")
 VENV_IMAGE = True  # the venv is in place: its install is test_faults' (with its progress lines)
-CI_MINUTES = 18  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
+CI_MINUTES = 17  # wall time in CI, its sandbox setups included (the table at the end of `make test`)
 
 PORTS = {"nemotron": 8012, "q38": 8011}  # the front's, on the sandbox's LAN address
 
