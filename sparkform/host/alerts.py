@@ -134,19 +134,26 @@ def flooded(config: GuardSettings, event, engine, now):
             floods = read_json(floods_path(config), {})
             entry = floods.get(f"{event} {engine}")
             entry = entry if isinstance(entry, dict) else {}
-            times = [t for t in entry.get("times", []) if isinstance(t, float) and now - t < FLOOD_WINDOW_S]
+            times = [t for t in flood_times(entry) if now - t < FLOOD_WINDOW_S]
             nth = len(times) + 1
             folded = entry.get("folded", 0) if isinstance(entry.get("folded"), int) else 0
+            since = entry.get("since") if isinstance(entry.get("since"), float) else now
             if nth > FLOOD_AFTER:
                 folded += 1
-                entry = {"times": [*times[-FLOOD_AFTER:], now], "folded": folded, "since": entry.get("since", now)}
+                entry = {"times": [*times[-FLOOD_AFTER:], now], "folded": folded, "since": since}
             else:
-                entry = {"times": [*times, now], "folded": folded, **({"since": entry["since"]} if folded else {})}
+                entry = {"times": [*times, now], "folded": folded, **({"since": since} if folded else {})}
             floods[f"{event} {engine}"] = entry
             write_json(floods_path(config), floods)
             return nth
     except OSError:
         return 1
+
+
+def flood_times(entry):
+    """The times a flood entry holds (root's file, but never trusted to be of its shape)."""
+    times = entry.get("times")
+    return [t for t in times if isinstance(t, float)] if isinstance(times, list) else []
 
 
 def unfold(config: GuardSettings, now):
@@ -159,8 +166,7 @@ def unfold(config: GuardSettings, now):
             quiet = {
                 key: entry
                 for key, entry in floods.items()
-                if isinstance(entry, dict)
-                and all(isinstance(t, float) and now - t >= FLOOD_WINDOW_S for t in entry.get("times", []))
+                if isinstance(entry, dict) and all(now - t >= FLOOD_WINDOW_S for t in flood_times(entry))
             }
             if not quiet:
                 return

@@ -823,6 +823,11 @@ def test_a_repeating_alert_is_folded_into_one_with_its_count(guard):
     assert summary["message"].startswith("2 more stopped alerts of hands were folded since ")
     alerts.alert(config, "stopped", "hands", "a crash after the quiet")  # a fresh count
     assert box.webhook_alerts()[-1]["message"] == "a crash after the quiet"
+    # A state file of another shape is no flood and raises nothing: the alert goes out.
+    (box.state_dir / "alert-floods.json").write_text(json.dumps({"stopped eyes": {"times": 7, "folded": 1}}))
+    alerts.alert(config, "stopped", "eyes", "after a mangled state")
+    alerts.unfold(config, time.time() + alerts.FLOOD_WINDOW_S)
+    assert [a["message"] for a in box.webhook_alerts()[-2:]][0] == "after a mangled state"
 
 
 def test_reboot_since_last_heartbeat_is_alerted_even_with_the_same_boot_id(guard):
